@@ -1,0 +1,27 @@
+# nemospec: `make demo` and `make test` set everything up on a fresh machine.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+DEMO   := build/demo
+
+.PHONY: setup test demo clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	@# transformers may pull torchvision/torchaudio, which break beside the CPU torch wheel
+	-$(BIN)/pip uninstall --quiet -y torchvision torchaudio 2>/dev/null
+	touch $(STAMP)
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+demo: setup
+	$(BIN)/python -m runtime.demo --workdir $(DEMO)
+
+clean:
+	rm -rf $(VENV) build .pytest_cache

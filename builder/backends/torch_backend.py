@@ -1,0 +1,222 @@
+"""Eager lowering of the op surface: the reference path, the CPU runtime and the test baseline.
+
+Numerics follow Hugging Face transformers' NemotronH where it defines them (fp32 norms, fp32 scan
+and router, softmax in fp32), so the eager path can be compared against it token for token.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as tf
+
+_ACTIVATIONS = {
+    "relu2": lambda x: torch.square(torch.relu(x)),
+    "relu": torch.relu,
+    "silu": tf.silu,
+    "gelu": tf.gelu,
+    "softplus": tf.softplus,
+    "sigmoid": torch.sigmoid,
+}
+
+
+def linear(x, weight, bias=None):
+    return tf.linear(x, weight, bias)
+
+
+def embedding(ids, table):
+    return tf.embedding(ids.long(), table)
+
+
+def rms_norm(x, weight, eps):
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.float() * h).to(dtype)
+
+
+def gated_rms_norm(x, gate, weight, eps, group_size):
+    dtype = x.dtype
+    h = x.float() * tf.silu(gate.float())
+    groups = h.unflatten(-1, (h.shape[-1] // group_size, group_size))
+    groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * groups.flatten(-2).to(dtype)
+
+
+def activation(x, name):
+    return _ACTIVATIONS[name](x)
+
+
+def clamp(x, lo, hi):
+    lo = None if lo is None or lo == float("-inf") else lo
+    hi = None if hi is None or hi == float("inf") else hi
+    if lo is None and hi is None:
+        return x
+    return torch.clamp(x, min=lo, max=hi)
+
+
+def to_float32(x):
+    return x.float()
+
+
+def split(x, sizes, dim):
+    return list(torch.split(x, sizes, dim=dim))
+
+
+def concat(xs, dim):
+    return torch.cat(xs, dim=dim)
+
+
+def reshape(x, shape):
+    return x.reshape([x.shape[i] if s == 0 else s for i, s in enumerate(shape)])
+
+
+def permute(x, dims):
+    return x.permute(dims)
+
+
+def gather_rows(x, index):
+    rows = torch.arange(x.shape[0], device=x.device)[:, None]
+    return x[rows, index.long()]
+
+
+def mask_padding(x, lengths):
+    t = torch.arange(x.shape[1], device=x.device)
+    keep = (t[None, :] < lengths.to(x.device)[:, None]).to(x.dtype)
+    return x * keep.reshape(keep.shape + (1,) * (x.dim() - 2))
+
+
+def causal_conv1d(x, conv_state, weight, bias, lengths, return_all_states=False):
+    width = weight.shape[1]
+    seq = x.shape[1]
+    padded = torch.cat([conv_state.to(x.dtype), x], dim=1)  # [B, K-1+T, C]
+    y = tf.conv1d(padded.transpose(1, 2), weight.unsqueeze(1), bias, groups=weight.shape[0])
+    y = y.transpose(1, 2)
+    window = lengths.long().to(x.device)[:, None] + torch.arange(width - 1, device=x.device)
+    new_state = gather_rows(padded, window)
+    if not return_all_states:
+        return y, new_state
+    windows = padded.unfold(1, width - 1, 1)[:, 1:seq + 1]  # [B, T, C, K-1]
+    return y, new_state, windows.transpose(2, 3).contiguous()
+
+
+def _heads(t, num_heads):
+    """[B, T, G, N] -> [B, T, H, N], group g serving heads g*H/G ... (g+1)*H/G - 1."""
+    return t.repeat_interleave(num_heads // t.shape[2], dim=2)
+
+
+def _segment_sums(a):
+    """a [..., Q] -> [..., Q, Q] with out[i, j] = a[j+1] + ... + a[i] for i >= j, -inf above."""
+    q = a.shape[-1]
+    below = torch.tril(torch.ones(q, q, dtype=torch.bool, device=a.device), diagonal=-1)
+    sums = torch.cumsum(a[..., None, :].expand(*a.shape, q).transpose(-1, -2).masked_fill(~below, 0), dim=-2)
+    causal = torch.tril(torch.ones(q, q, dtype=torch.bool, device=a.device))
+    return sums.masked_fill(~causal, float("-inf"))
+
+
+def _ssm_sequential(x, dt, A, B, C, state):
+    """Token-by-token recurrence: exact per-position states for short verify chunks."""
+    states, ys = [], []
+    h = state
+    for t in range(x.shape[1]):
+        decay = torch.exp(dt[:, t] * A)[..., None, None]
+        h = h * decay + (dt[:, t, :, None] * x[:, t])[..., None] * B[:, t, :, None, :]
+        ys.append(torch.einsum("bhpn,bhn->bhp", h, C[:, t]))
+        states.append(h)
+    return torch.stack(ys, 1), h, torch.stack(states, 1)
+
+
+def _ssm_chunked(x, dt, A, B, C, state, chunk_size):
+    """SSD: quadratic attention-like form inside chunks, a linear recurrence across chunks."""
+    batch, seq, heads, _ = x.shape
+    pad = (-seq) % chunk_size
+    if pad:
+        x, dt, B, C = (tf.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)) for t in (x, dt, B, C))
+    n = (seq + pad) // chunk_size
+    xs = (x * dt[..., None]).unflatten(1, (n, chunk_size))          # [b, c, q, h, p]
+    Bc, Cc = B.unflatten(1, (n, chunk_size)), C.unflatten(1, (n, chunk_size))  # [b, c, q, h, n]
+    a = (dt * A).unflatten(1, (n, chunk_size)).permute(0, 3, 1, 2)  # [b, h, c, q]
+    a_cum = torch.cumsum(a, dim=-1)
+    decay_in = torch.exp(_segment_sums(a))                          # [b, h, c, q, q]
+    scores = torch.einsum("bcihn,bcjhn->bhcij", Cc, Bc) * decay_in
+    y_diag = torch.einsum("bhcij,bcjhp->bcihp", scores, xs)
+    to_end = torch.exp(a_cum[..., -1:] - a_cum)                     # [b, h, c, q]
+    chunk_states = torch.einsum("bcjhn,bhcj,bcjhp->bchpn", Bc, to_end, xs)
+    chunk_decay = torch.exp(a_cum[..., -1])                         # [b, h, c]
+    entering, h = [], state
+    for c in range(n):
+        entering.append(h)
+        h = h * chunk_decay[:, :, c, None, None] + chunk_states[:, c]
+    entering = torch.stack(entering, 1)                             # [b, c, h, p, n]
+    y_off = torch.einsum("bcihn,bchpn->bcihp", Cc, entering) * torch.exp(a_cum).permute(0, 2, 3, 1)[..., None]
+    y = (y_diag + y_off).flatten(1, 2)[:, :seq]
+    return y, h
+
+
+def ssm_scan(x, dt, A, B, C, D, state, chunk_size, return_all_states=False):
+    dtype = x.dtype
+    heads = x.shape[2]
+    xf, dtf, Af = x.float(), dt.float(), A.float()
+    Bf, Cf = _heads(B.float(), heads), _heads(C.float(), heads)
+    all_states = None
+    if return_all_states or x.shape[1] == 1:
+        y, new_state, all_states = _ssm_sequential(xf, dtf, Af, Bf, Cf, state.float())
+    else:
+        y, new_state = _ssm_chunked(xf, dtf, Af, Bf, Cf, state.float(), chunk_size)
+    y = (y + xf * D.float()[:, None]).to(dtype)
+    if return_all_states:
+        return y, new_state, all_states
+    return y, new_state
+
+
+def kv_cache_update(cache, new, positions):
+    """Writes in place (the runtime donates its buffer) and returns the cache."""
+    index = positions.long()[:, :, None, None].expand(new.shape)
+    return cache.scatter_(1, index, new.to(cache.dtype))
+
+
+def attention(q, k_cache, v_cache, positions, scale):
+    batch, seq, q_heads, dim = q.shape
+    kv_heads = k_cache.shape[2]
+    group = q_heads // kv_heads
+    qg = q.reshape(batch, seq, kv_heads, group, dim).permute(0, 2, 3, 1, 4)     # [B, Hkv, g, T, D]
+    k = k_cache.permute(0, 2, 3, 1)[:, :, None]                                 # [B, Hkv, 1, D, S]
+    v = v_cache.permute(0, 2, 1, 3)[:, :, None]                                 # [B, Hkv, 1, S, D]
+    scores = torch.matmul(qg, k) * scale
+    keys = torch.arange(k_cache.shape[1], device=q.device)
+    visible = keys[None, None, :] <= positions.long()[:, :, None]              # [B, T, S]
+    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    out = torch.matmul(probs, v)                                                # [B, Hkv, g, T, D]
+    return out.permute(0, 3, 1, 2, 4).reshape(batch, seq, q_heads, dim)
+
+
+def route(router_input, router_weight, router_bias, top_k, n_group, topk_group, norm_topk_prob,
+          routed_scaling_factor):
+    """Expert choice and weights: [N, k] indices and fp32 weights (the MoE router's math)."""
+    scores = torch.sigmoid(tf.linear(router_input.float(), router_weight.float()))
+    choice = scores + router_bias.float()
+    experts = scores.shape[-1]
+    grouped = choice.view(-1, n_group, experts // n_group)
+    group_scores = grouped.topk(min(2, experts // n_group), dim=-1)[0].sum(-1)
+    best_groups = group_scores.topk(topk_group, dim=-1)[1]
+    keep = torch.zeros_like(group_scores).scatter_(1, best_groups, 1.0).bool()
+    keep = keep[:, :, None].expand_as(grouped).reshape(-1, experts)
+    index = choice.masked_fill(~keep, float("-inf")).topk(top_k, dim=-1)[1]
+    weights = scores.gather(1, index)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return index, weights * routed_scaling_factor
+
+
+def moe(router_input, x, router_weight, router_bias, up, down, top_k, n_group, topk_group,
+        norm_topk_prob, routed_scaling_factor, act):
+    shape = x.shape
+    router_input, x = router_input.reshape(-1, router_input.shape[-1]), x.reshape(-1, shape[-1])
+    index, weights = route(router_input, router_weight, router_bias, top_k, n_group, topk_group,
+                           norm_topk_prob, routed_scaling_factor)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for expert in torch.unique(index).tolist():
+        token, slot = torch.where(index == expert)
+        h = _ACTIVATIONS[act](tf.linear(x[token], up[expert]))
+        h = tf.linear(h, down[expert]) * weights[token, slot, None]
+        out.index_add_(0, token, h.float())
+    return out.to(x.dtype).reshape(shape)

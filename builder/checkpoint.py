@@ -1,0 +1,351 @@
+"""Safetensors checkpoint reading, name mapping and validation for NemotronH targets.
+
+Tensor names returned by :func:`load_checkpoint` are canonical: exactly the names ``transformers``
+5.24 ``save_pretrained`` writes for ``NemotronHForCausalLM`` (``backbone.`` prefix, one pair of
+``experts.{e}.up_proj.weight`` / ``down_proj.weight`` per routed expert, ``lm_head.weight``).
+Accepted on input and renamed: the ``model.`` prefix (transformers' in-memory name) and experts
+stored fused as 3-D ``experts.up_proj`` [E, I, in] / ``experts.down_proj`` [E, in, I].
+
+``mtp.*`` tensors (multi-token-prediction layers, ignored by transformers) are passed through
+unchanged; only their dtype is checked.
+
+Two tensor groups are optional because transformers writes them although a config could do without:
+
+* ``lm_head.weight`` when ``tie_word_embeddings`` is true. transformers 5.24 never ties NemotronH
+  weights: it writes ``lm_head.weight`` and uses it. Model code: use ``lm_head.weight`` when present,
+  else ``backbone.embeddings.weight``.
+* ``mixer.shared_experts.*`` of MoE layers when ``n_shared_experts == 0``. transformers always builds
+  and runs the shared expert. Model code: run the shared expert when its tensors are present.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from builder.config import NemotronHConfig, load_config
+from builder.errors import CheckpointError
+
+__all__ = [
+    "SAFETENSORS_FILE",
+    "INDEX_FILE",
+    "expected_tensors",
+    "optional_tensors",
+    "block_tensors",
+    "canonical_name",
+    "checkpoint_files",
+    "load_checkpoint",
+    "checkpoint_hash",
+]
+
+SAFETENSORS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
+MTP_PREFIX = "mtp."
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+_FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_DTYPE_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64",
+                "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+                "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+_FUSED_EXPERTS = re.compile(r"^(backbone\.layers\.\d+\.mixer\.experts)\.(up_proj|down_proj)(?:\.weight)?$")
+
+Shape = tuple[int, ...]
+
+
+# --- the expected-tensor spec --------------------------------------------------------------------
+def block_tensors(config: NemotronHConfig, kind: str, prefix: str) -> dict[str, Shape]:
+    """Tensors of one block (``{prefix}.norm.weight`` and ``{prefix}.mixer.*``) of a layer kind."""
+    c = config
+    H = c.hidden_size
+    t: dict[str, Shape] = {f"{prefix}.norm.weight": (H,)}
+    m = f"{prefix}.mixer"
+    if kind == "mamba":
+        t[f"{m}.in_proj.weight"] = (c.mamba_in_proj_size, H)
+        if c.use_bias:
+            t[f"{m}.in_proj.bias"] = (c.mamba_in_proj_size,)
+        t[f"{m}.conv1d.weight"] = (c.conv_dim, 1, c.conv_kernel)
+        if c.use_conv_bias:
+            t[f"{m}.conv1d.bias"] = (c.conv_dim,)
+        t[f"{m}.dt_bias"] = (c.mamba_num_heads,)
+        t[f"{m}.A_log"] = (c.mamba_num_heads,)
+        t[f"{m}.D"] = (c.mamba_num_heads,)
+        t[f"{m}.norm.weight"] = (c.mamba_intermediate_size,)
+        t[f"{m}.out_proj.weight"] = (H, c.mamba_intermediate_size)
+        if c.use_bias:
+            t[f"{m}.out_proj.bias"] = (H,)
+    elif kind == "attention":
+        # transformers 5.24 builds q/k/v/o without biases whatever attention_bias says.
+        q = c.num_attention_heads * c.head_dim
+        kv = c.num_key_value_heads * c.head_dim
+        t[f"{m}.q_proj.weight"] = (q, H)
+        t[f"{m}.k_proj.weight"] = (kv, H)
+        t[f"{m}.v_proj.weight"] = (kv, H)
+        t[f"{m}.o_proj.weight"] = (H, q)
+    elif kind == "mlp":
+        t.update(_mlp(f"{m}", H, c.intermediate_size, c.mlp_bias))
+    elif kind == "moe":
+        E, I, D = c.n_routed_experts, c.moe_intermediate_size, c.moe_input_size
+        t[f"{m}.gate.weight"] = (E, H)
+        t[f"{m}.gate.e_score_correction_bias"] = (E,)
+        for e in range(E):
+            t[f"{m}.experts.{e}.up_proj.weight"] = (I, D)
+            t[f"{m}.experts.{e}.down_proj.weight"] = (D, I)
+        if c.n_shared_experts > 0:
+            t.update(_mlp(f"{m}.shared_experts", H, c.moe_shared_expert_intermediate_size, c.mlp_bias))
+        if c.moe_latent_size is not None:
+            L = c.moe_latent_size
+            t[f"{m}.fc1_latent_proj.weight"] = (L, H)
+            if c.mlp_bias:
+                t[f"{m}.fc1_latent_proj.bias"] = (L,)
+            t[f"{m}.fc2_latent_proj.weight"] = (H, L)
+            if c.mlp_bias:
+                t[f"{m}.fc2_latent_proj.bias"] = (H,)
+    else:
+        raise ValueError(f"unknown layer kind {kind!r}")
+    return t
+
+
+def _mlp(prefix: str, H: int, inter: int, bias: bool) -> dict[str, Shape]:
+    t: dict[str, Shape] = {f"{prefix}.up_proj.weight": (inter, H)}
+    if bias:
+        t[f"{prefix}.up_proj.bias"] = (inter,)
+    t[f"{prefix}.down_proj.weight"] = (H, inter)
+    if bias:
+        t[f"{prefix}.down_proj.bias"] = (H,)
+    return t
+
+
+def expected_tensors(config: NemotronHConfig) -> dict[str, Shape]:
+    """Every tensor a target checkpoint must hold, canonical name -> shape, in model order."""
+    t: dict[str, Shape] = {"backbone.embeddings.weight": (config.vocab_size, config.hidden_size)}
+    for i, kind in enumerate(config.layer_types):
+        t.update(block_tensors(config, kind, f"backbone.layers.{i}"))
+    t["backbone.norm_f.weight"] = (config.hidden_size,)
+    if not config.tie_word_embeddings:
+        t["lm_head.weight"] = (config.vocab_size, config.hidden_size)
+    return t
+
+
+def optional_tensors(config: NemotronHConfig) -> dict[str, Shape]:
+    """Tensors allowed but not required (see the module docstring), canonical name -> shape."""
+    t: dict[str, Shape] = {}
+    if config.n_shared_experts == 0:
+        for i, kind in enumerate(config.layer_types):
+            if kind == "moe":
+                t.update(_mlp(f"backbone.layers.{i}.mixer.shared_experts", config.hidden_size,
+                              config.moe_shared_expert_intermediate_size, config.mlp_bias))
+    if config.tie_word_embeddings:
+        t["lm_head.weight"] = (config.vocab_size, config.hidden_size)
+    return t
+
+
+def canonical_name(name: str) -> str:
+    """``model.`` prefix -> ``backbone.``; every other name unchanged."""
+    if name.startswith("model."):
+        return "backbone." + name[len("model."):]
+    return name
+
+
+# --- locating files ------------------------------------------------------------------------------
+class _Layout:
+    """Which safetensors files make the checkpoint and which stored names each holds."""
+
+    def __init__(self, directory: Path, files: list[Path], index: Path | None, names: dict[Path, list[str]]):
+        self.directory = directory
+        self.files = files
+        self.index = index
+        self.names = names  # file -> stored tensor names (from the file header)
+
+    @property
+    def where(self) -> Path:
+        return self.index if self.index is not None else self.files[0]
+
+
+def _locate(checkpoint_dir: str | os.PathLike) -> _Layout:
+    directory = Path(checkpoint_dir)
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: checkpoint directory not found")
+    single = directory / SAFETENSORS_FILE
+    index = directory / INDEX_FILE
+    if single.is_file():
+        return _Layout(directory, [single], None, {single: _header_names(single)})
+    if index.is_file():
+        return _locate_sharded(directory, index)
+    pickles = sorted(p.name for p in directory.iterdir() if p.is_file() and (
+        p.name.endswith(_PICKLE_SUFFIXES) or p.name.endswith(".bin.index.json")))
+    if pickles:
+        raise CheckpointError(f"{directory}: found {pickles[0]} but no {SAFETENSORS_FILE} or {INDEX_FILE}; "
+                              f"pickle checkpoints are refused: safetensors only")
+    others = sorted(p.name for p in directory.glob("*.safetensors"))
+    hint = f" (found {', '.join(others[:3])} without an index)" if others else ""
+    raise CheckpointError(f"{directory}: no {SAFETENSORS_FILE} or {INDEX_FILE}{hint}")
+
+
+def _locate_sharded(directory: Path, index: Path) -> _Layout:
+    try:
+        data = json.loads(index.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{index}: invalid JSON ({' '.join(str(e).split())})") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index}: expected a non-empty \"weight_map\" object of tensor name -> shard file")
+    by_file: dict[str, list[str]] = {}
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard or "/" in shard or "\\" in shard or shard in (".", ".."):
+            raise CheckpointError(f"{index}: weight_map entry {name!r} names an invalid shard file {shard!r}")
+        by_file.setdefault(shard, []).append(name)
+    files: list[Path] = []
+    names: dict[Path, list[str]] = {}
+    for shard in sorted(by_file):
+        path = directory / shard
+        if not path.is_file():
+            raise CheckpointError(f"{index}: weight_map names shard {shard} (for tensor {by_file[shard][0]!r}) "
+                                  f"but {path} is missing")
+        stored = set(_header_names(path))
+        for name in by_file[shard]:
+            if name not in stored:
+                raise CheckpointError(f"{path}: tensor {name!r} is listed in {INDEX_FILE} but absent from the shard")
+        files.append(path)
+        names[path] = by_file[shard]
+    return _Layout(directory, files, index, names)
+
+
+def _header_names(path: Path) -> list[str]:
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return list(f.keys())
+    except Exception as e:  # safetensors raises its own error types for malformed headers
+        raise CheckpointError(f"{path}: not a readable safetensors file ({' '.join(str(e).split())})") from None
+
+
+def checkpoint_files(checkpoint_dir: str | os.PathLike) -> list[Path]:
+    """The safetensors files the checkpoint is made of (one file, or the shards of its index)."""
+    return list(_locate(checkpoint_dir).files)
+
+
+# --- loading -------------------------------------------------------------------------------------
+class _Entry:
+    __slots__ = ("file", "stored", "shape", "dtype", "expert")
+
+    def __init__(self, file: Path, stored: str, shape: Shape, dtype: str, expert: int | None = None):
+        self.file, self.stored, self.shape, self.dtype, self.expert = file, stored, shape, dtype, expert
+
+
+def _fmt(shape: Shape) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def load_checkpoint(checkpoint_dir: str | os.PathLike) -> tuple[NemotronHConfig, dict[str, torch.Tensor]]:
+    """Read, rename and validate a NemotronH safetensors checkpoint.
+
+    Returns the config and canonical name -> tensor (dtype as stored) for every expected tensor,
+    the optional ones present, and every ``mtp.*`` tensor. Raises :class:`CheckpointError`.
+    """
+    config = load_config(checkpoint_dir)
+    layout = _locate(checkpoint_dir)
+    expected = expected_tensors(config)
+    optional = optional_tensors(config)
+
+    # 1. Headers only: canonical name -> where it is stored, its shape and dtype.
+    entries: dict[str, _Entry] = {}
+    for path in layout.files:
+        with safe_open(str(path), framework="pt") as f:
+            for stored in layout.names[path]:
+                sl = f.get_slice(stored)
+                shape, dtype = tuple(sl.get_shape()), sl.get_dtype()
+                name = canonical_name(stored)
+                fused = _FUSED_EXPERTS.match(name)
+                if fused:
+                    base, proj = fused.group(1), fused.group(2)
+                    probe = f"{base}.0.{proj}.weight"
+                    if probe not in expected:
+                        raise CheckpointError(f"{path}: unexpected tensor {stored!r} (no MoE layer at that index)")
+                    want = (config.n_routed_experts, *expected[probe])
+                    if shape != want:
+                        raise CheckpointError(f"{path}: fused expert tensor {stored!r} has shape {_fmt(shape)}, "
+                                              f"expected {_fmt(want)} [experts, out, in]")
+                    for e in range(shape[0]):
+                        _add(entries, f"{base}.{e}.{proj}.weight", _Entry(path, stored, shape[1:], dtype, e), path)
+                else:
+                    _add(entries, name, _Entry(path, stored, shape, dtype), path)
+
+    # 2. Missing and unknown names.
+    missing = [n for n in expected if n not in entries]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        if layout.index is not None:
+            raise CheckpointError(f"{layout.index}: missing tensor {missing[0]!r}, expected shape "
+                                  f"{_fmt(expected[missing[0]])}; its weight_map does not list it{more}")
+        raise CheckpointError(f"{layout.files[0]}: missing tensor {missing[0]!r}, expected shape "
+                              f"{_fmt(expected[missing[0]])}{more}")
+    unknown = [n for n in entries if n not in expected and n not in optional and not n.startswith(MTP_PREFIX)]
+    if unknown:
+        more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
+        entry = entries[unknown[0]]
+        raise CheckpointError(f"{entry.file}: unexpected tensor {entry.stored!r} is not part of a NemotronH model "
+                              f"with layers {config.hybrid_override_pattern!r}{more}")
+
+    # 3. dtypes and shapes.
+    for name, entry in entries.items():
+        if entry.dtype not in _FLOAT_DTYPES:
+            got = _DTYPE_NAMES.get(entry.dtype, entry.dtype)
+            raise CheckpointError(f"{entry.file}: tensor {entry.stored!r} has dtype {got}, "
+                                  f"expected float32, float16 or bfloat16")
+        want = expected.get(name, optional.get(name))
+        if want is not None and entry.shape != want:
+            raise CheckpointError(f"{entry.file}: tensor {entry.stored!r} has shape {_fmt(entry.shape)}, "
+                                  f"expected {_fmt(want)}")
+
+    # 4. Read the tensors, one open per file; fused experts are read once and split into views.
+    order = [n for n in expected] + [n for n in optional if n in entries] + \
+        sorted(n for n in entries if n.startswith(MTP_PREFIX))
+    by_file: dict[Path, list[str]] = {}
+    for name in order:
+        by_file.setdefault(entries[name].file, []).append(name)
+    loaded: dict[str, torch.Tensor] = {}
+    for path, names in by_file.items():
+        fused_cache: dict[str, torch.Tensor] = {}
+        with safe_open(str(path), framework="pt") as f:
+            for name in names:
+                entry = entries[name]
+                if entry.expert is None:
+                    loaded[name] = f.get_tensor(entry.stored)
+                else:
+                    if entry.stored not in fused_cache:
+                        fused_cache[entry.stored] = f.get_tensor(entry.stored)
+                    loaded[name] = fused_cache[entry.stored][entry.expert]
+    return config, {name: loaded[name] for name in order}
+
+
+def _add(entries: dict[str, _Entry], name: str, entry: _Entry, path: Path) -> None:
+    if name in entries:
+        first = entries[name]
+        raise CheckpointError(f"{path}: tensor {entry.stored!r} duplicates {first.stored!r} in {first.file.name} "
+                              f"(both are {name!r})")
+    entries[name] = entry
+
+
+# --- hashing -------------------------------------------------------------------------------------
+def checkpoint_hash(checkpoint_dir: str | os.PathLike) -> str:
+    """sha256 (hex) over config.json, the index (if sharded) and the safetensors files in use.
+
+    Files are taken in name order; each contributes its name, its size and its bytes (read in
+    1 MiB blocks).
+    """
+    layout = _locate(checkpoint_dir)
+    config = layout.directory / CONFIG_FILE
+    if not config.is_file():
+        raise CheckpointError(f"{config}: missing; a Hugging Face checkpoint needs a config.json")
+    files = [config, *layout.files] + ([layout.index] if layout.index is not None else [])
+    h = hashlib.sha256()
+    for path in sorted(files, key=lambda p: p.name):
+        h.update(path.name.encode("utf-8") + b"\0" + str(path.stat().st_size).encode("ascii") + b"\0")
+        with open(path, "rb") as f:
+            while block := f.read(1 << 20):
+                h.update(block)
+    return h.hexdigest()

@@ -1,0 +1,516 @@
+"""NemotronH model configuration, read from a Hugging Face checkpoint's ``config.json``.
+
+:func:`load_config` accepts what ``transformers`` 5.24 accepts for ``model_type: nemotron_h``
+(current and legacy key names, ``hybrid_override_pattern`` strings and ``layers_block_type`` lists,
+``{"__float__": "Infinity"}`` float encodings) and applies the same defaults as
+``transformers.NemotronHConfig`` for missing keys. The result is a frozen, validated
+:class:`NemotronHConfig` whose :meth:`~NemotronHConfig.to_dict` / :meth:`~NemotronHConfig.from_dict`
+round-trip exactly through JSON (for an engine directory's ``config.json``).
+
+Layer kinds are named ``mamba`` (Mamba-2 mixer), ``attention``, ``mlp`` and ``moe``.
+
+Notes on transformers 5.24 behaviour the model code must mirror (the config only records values):
+
+* attention q/k/v/o projections never have biases, whatever ``attention_bias`` says;
+* the Mamba-2 dt clamp is ``(time_step_min, inf)``; ``time_step_limit`` is recorded but unused;
+* MoE layers always build shared experts, whatever ``n_shared_experts`` says.
+"""
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from builder.errors import CheckpointError
+
+__all__ = [
+    "NemotronHConfig",
+    "load_config",
+    "parse_hf_config",
+    "LAYER_KINDS",
+    "PATTERN_LETTERS",
+    "BLOCK_TYPE_NAMES",
+    "DTYPES",
+]
+
+LAYER_KINDS = ("mamba", "attention", "mlp", "moe")
+PATTERN_LETTERS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+_KIND_TO_LETTER = {v: k for k, v in PATTERN_LETTERS.items()}
+BLOCK_TYPE_NAMES = {
+    "mamba": "mamba",
+    "linear_attention": "mamba",
+    "attention": "attention",
+    "full_attention": "attention",
+    "mlp": "mlp",
+    "moe": "moe",
+}
+DTYPES = ("float32", "float16", "bfloat16")
+_DTYPE_ALIASES = {
+    "float32": "float32", "fp32": "float32", "float": "float32",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+}
+_INF_STRINGS = {"inf": math.inf, "+inf": math.inf, "infinity": math.inf, "+infinity": math.inf,
+                "-inf": -math.inf, "-infinity": -math.inf}
+_FLOAT_TAG = "__float__"
+_FLOAT_TAG_VALUES = {"Infinity": math.inf, "-Infinity": -math.inf}
+
+# Where validation errors say they come from (a config.json path while load_config runs).
+_SOURCE: contextvars.ContextVar[str] = contextvars.ContextVar("nemospec_config_source", default="NemotronHConfig")
+
+CONFIG_FILE = "config.json"
+
+
+def _fail(message: str) -> CheckpointError:
+    return CheckpointError(f"{_SOURCE.get()}: {message}")
+
+
+@dataclass(frozen=True)
+class NemotronHConfig:
+    """A NemotronH target model. Defaults equal ``transformers.NemotronHConfig`` 5.24 defaults."""
+
+    vocab_size: int = 131072
+    hidden_size: int = 4096
+    layer_types: tuple[str, ...] = ("mamba", "moe", "attention", "mlp")
+    # attention
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 8
+    head_dim: int = 128
+    attention_bias: bool = False
+    max_position_embeddings: int = 4096
+    # MLP (also the activation and bias flag of MoE experts and shared experts)
+    intermediate_size: int = 21504
+    mlp_hidden_act: str = "relu2"
+    mlp_bias: bool = False
+    # Mamba-2
+    mamba_num_heads: int = 128
+    mamba_head_dim: int = 64
+    ssm_state_size: int = 128
+    n_groups: int = 8
+    conv_kernel: int = 4
+    use_conv_bias: bool = True
+    chunk_size: int = 128
+    time_step_min: float = 0.001
+    time_step_max: float = 0.1
+    time_step_limit: tuple[float, float] = (0.0, math.inf)
+    mamba_hidden_act: str = "silu"
+    use_bias: bool = False
+    # MoE
+    n_routed_experts: int = 8
+    n_shared_experts: int = 1
+    moe_intermediate_size: int = 7688
+    moe_shared_expert_intermediate_size: int = 7688
+    moe_latent_size: int | None = None
+    num_experts_per_tok: int = 2
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    # general
+    layer_norm_epsilon: float = 1e-5
+    tie_word_embeddings: bool = False
+    num_nextn_predict_layers: int = 0
+    mtp_layer_types: tuple[str, ...] = ("attention", "moe")
+    bos_token_id: int | None = 1
+    eos_token_id: int | tuple[int, ...] | None = 2
+    pad_token_id: int | None = 0
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        # Normalise sequences to tuples so the config is hashable and compares equal after JSON.
+        for name in ("layer_types", "mtp_layer_types", "time_step_limit"):
+            value = getattr(self, name)
+            if isinstance(value, list):
+                object.__setattr__(self, name, tuple(value))
+        if isinstance(self.eos_token_id, list):
+            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        self._validate()
+
+    # --- derived sizes ---------------------------------------------------------------------------
+    @property
+    def mamba_intermediate_size(self) -> int:
+        return self.mamba_num_heads * self.mamba_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.mamba_intermediate_size + 2 * self.n_groups * self.ssm_state_size
+
+    @property
+    def mamba_in_proj_size(self) -> int:
+        """Rows of ``in_proj``: gate z, then conv input (x, B, C), then dt."""
+        return self.mamba_intermediate_size + self.conv_dim + self.mamba_num_heads
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def moe_input_size(self) -> int:
+        """Input (and output) width of routed experts: moe_latent_size if set, else hidden_size."""
+        return self.moe_latent_size if self.moe_latent_size is not None else self.hidden_size
+
+    @property
+    def hybrid_override_pattern(self) -> str:
+        return "".join(_KIND_TO_LETTER[k] for k in self.layer_types)
+
+    @property
+    def mtp_hybrid_override_pattern(self) -> str:
+        return "".join(_KIND_TO_LETTER[k] for k in self.mtp_layer_types)
+
+    def layer_indices(self, kind: str) -> tuple[int, ...]:
+        """Indices of the layers of one kind ('mamba', 'attention', 'mlp', 'moe')."""
+        if kind not in LAYER_KINDS:
+            raise ValueError(f"unknown layer kind {kind!r}; expected one of {LAYER_KINDS}")
+        return tuple(i for i, k in enumerate(self.layer_types) if k == kind)
+
+    # --- serialisation ---------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe dict of every field (tuples as lists, inf as {"__float__": "Infinity"})."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            out[f.name] = _to_json(getattr(self, f.name))
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], source: str = "config") -> "NemotronHConfig":
+        """Inverse of :meth:`to_dict`. Every field must be present and no other key."""
+        token = _SOURCE.set(source)
+        try:
+            if not isinstance(data, Mapping):
+                raise _fail(f"expected a JSON object, got {type(data).__name__}")
+            names = [f.name for f in dataclasses.fields(cls)]
+            missing = [n for n in names if n not in data]
+            if missing:
+                raise _fail(f"missing field(s) {', '.join(repr(m) for m in missing)}")
+            extra = sorted(set(data) - set(names))
+            if extra:
+                raise _fail(f"unknown field(s) {', '.join(repr(e) for e in extra)}")
+            return cls(**{n: _parse_field(n, data[n]) for n in names})
+        finally:
+            _SOURCE.reset(token)
+
+    # --- validation ------------------------------------------------------------------------------
+    def _validate(self) -> None:
+        for name in _INT_FIELDS:
+            _check_int(name, getattr(self, name))
+        for name in _FLOAT_FIELDS:
+            _check_float(name, getattr(self, name))
+        for name in _BOOL_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                raise _fail(f"field '{name}': expected true or false, got {getattr(self, name)!r}")
+        for name in _STR_FIELDS:
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise _fail(f"field '{name}': expected a non-empty string, got {getattr(self, name)!r}")
+        for name in ("bos_token_id", "pad_token_id", "moe_latent_size"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value)
+        eos = self.eos_token_id
+        if eos is not None:
+            for v in eos if isinstance(eos, tuple) else (eos,):
+                _check_int("eos_token_id", v)
+        if self.dtype not in DTYPES:
+            raise _fail(f"field 'dtype': expected one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        for name in ("layer_types", "mtp_layer_types"):
+            kinds = getattr(self, name)
+            if not isinstance(kinds, tuple):
+                raise _fail(f"field '{name}': expected a list of layer kinds, got {kinds!r}")
+            for i, kind in enumerate(kinds):
+                if kind not in LAYER_KINDS:
+                    raise _fail(f"field '{name}': unknown layer kind {kind!r} at position {i}; "
+                                f"expected one of {', '.join(LAYER_KINDS)}")
+        if not self.layer_types:
+            raise _fail("field 'layer_types': expected at least one layer, got none")
+        tsl = self.time_step_limit
+        if not (isinstance(tsl, tuple) and len(tsl) == 2):
+            raise _fail(f"field 'time_step_limit': expected two numbers [min, max], got {tsl!r}")
+        for v in tsl:
+            _check_float("time_step_limit", v)
+        if math.isnan(tsl[0]) or math.isnan(tsl[1]) or tsl[0] > tsl[1]:
+            raise _fail(f"field 'time_step_limit': expected [min, max] with min <= max, got {list(tsl)}")
+
+        used = set(self.layer_types)
+        if self.num_nextn_predict_layers > 0:
+            used |= set(self.mtp_layer_types)
+        positive = ["vocab_size", "hidden_size", "max_position_embeddings"]
+        if "attention" in used:
+            positive += ["num_attention_heads", "num_key_value_heads", "head_dim"]
+        if "mlp" in used:
+            positive += ["intermediate_size"]
+        if "mamba" in used:
+            positive += ["mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups", "conv_kernel",
+                         "chunk_size"]
+        if "moe" in used:
+            positive += ["n_routed_experts", "moe_intermediate_size", "num_experts_per_tok", "n_group",
+                         "topk_group", "moe_shared_expert_intermediate_size"]
+            if self.moe_latent_size is not None:
+                positive.append("moe_latent_size")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise _fail(f"field '{name}': expected a positive integer, got {getattr(self, name)}")
+        for name in ("n_shared_experts", "num_nextn_predict_layers"):
+            if getattr(self, name) < 0:
+                raise _fail(f"field '{name}': expected an integer >= 0, got {getattr(self, name)}")
+        if not self.layer_norm_epsilon > 0:
+            raise _fail(f"field 'layer_norm_epsilon': expected a positive number, got {self.layer_norm_epsilon}")
+
+        if "attention" in used and self.num_attention_heads % self.num_key_value_heads:
+            raise _fail(f"field 'num_attention_heads': expected a multiple of num_key_value_heads="
+                        f"{self.num_key_value_heads}, got {self.num_attention_heads}")
+        if "mamba" in used and self.mamba_num_heads % self.n_groups:
+            raise _fail(f"field 'mamba_num_heads': expected a multiple of n_groups={self.n_groups}, "
+                        f"got {self.mamba_num_heads}")
+        if "moe" in used:
+            e = self.n_routed_experts
+            if e % self.n_group:
+                raise _fail(f"field 'n_routed_experts': expected a multiple of n_group={self.n_group}, got {e}")
+            if e // self.n_group < 2:
+                raise _fail(f"field 'n_group': expected at most n_routed_experts/2={e // 2} groups "
+                            f"(routing takes the top 2 scores of each group), got {self.n_group}")
+            if self.topk_group > self.n_group:
+                raise _fail(f"field 'topk_group': expected at most n_group={self.n_group}, got {self.topk_group}")
+            reachable = self.topk_group * (e // self.n_group)
+            if self.num_experts_per_tok > reachable:
+                raise _fail(f"field 'num_experts_per_tok': expected at most topk_group*n_routed_experts/n_group="
+                            f"{reachable}, got {self.num_experts_per_tok}")
+            if not self.routed_scaling_factor > 0:
+                raise _fail(f"field 'routed_scaling_factor': expected a positive number, "
+                            f"got {self.routed_scaling_factor}")
+
+
+_INT_FIELDS = (
+    "vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "max_position_embeddings", "intermediate_size", "mamba_num_heads", "mamba_head_dim", "ssm_state_size",
+    "n_groups", "conv_kernel", "chunk_size", "n_routed_experts", "n_shared_experts", "moe_intermediate_size",
+    "moe_shared_expert_intermediate_size", "num_experts_per_tok", "n_group", "topk_group",
+    "num_nextn_predict_layers",
+)
+_FLOAT_FIELDS = ("time_step_min", "time_step_max", "routed_scaling_factor", "layer_norm_epsilon")
+_BOOL_FIELDS = (
+    "attention_bias", "mlp_bias", "use_conv_bias", "use_bias", "norm_topk_prob", "tie_word_embeddings",
+)
+_STR_FIELDS = ("mlp_hidden_act", "mamba_hidden_act", "dtype")
+_OPTIONAL_INT_FIELDS = ("moe_latent_size", "bos_token_id", "pad_token_id")
+
+
+def _check_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail(f"field '{name}': expected an integer, got {value!r}")
+
+
+def _check_float(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _fail(f"field '{name}': expected a number, got {value!r}")
+
+
+# --- JSON value parsing ------------------------------------------------------------------------------
+def _to_json(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        if math.isnan(value):
+            return {_FLOAT_TAG: "NaN"}
+        return {_FLOAT_TAG: "Infinity" if value > 0 else "-Infinity"}
+    if isinstance(value, (tuple, list)):
+        return [_to_json(v) for v in value]
+    return value
+
+
+def _parse_int(value: Any, name: str) -> int:
+    if isinstance(value, bool):
+        raise _fail(f"field '{name}': expected an integer, got {json.dumps(value)}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    raise _fail(f"field '{name}': expected an integer, got {_show(value)}")
+
+
+def _parse_optional_int(value: Any, name: str) -> int | None:
+    return None if value is None else _parse_int(value, name)
+
+
+def _parse_float(value: Any, name: str) -> float:
+    if isinstance(value, bool):
+        raise _fail(f"field '{name}': expected a number, got {json.dumps(value)}")
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, dict) and set(value) == {_FLOAT_TAG} and value[_FLOAT_TAG] in _FLOAT_TAG_VALUES:
+        return _FLOAT_TAG_VALUES[value[_FLOAT_TAG]]
+    if isinstance(value, str) and value.strip().lower() in _INF_STRINGS:
+        return _INF_STRINGS[value.strip().lower()]
+    raise _fail(f"field '{name}': expected a number, got {_show(value)}")
+
+
+def _parse_bool(value: Any, name: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise _fail(f"field '{name}': expected true or false, got {_show(value)}")
+
+
+def _parse_str(value: Any, name: str) -> str:
+    if isinstance(value, str) and value:
+        return value
+    raise _fail(f"field '{name}': expected a non-empty string, got {_show(value)}")
+
+
+def _parse_eos(value: Any, name: str) -> int | tuple[int, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise _fail(f"field '{name}': expected an integer or a non-empty list of integers, got []")
+        return tuple(_parse_int(v, name) for v in value)
+    return _parse_int(value, name)
+
+
+def _parse_time_step_limit(value: Any, name: str) -> tuple[float, float]:
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise _fail(f"field '{name}': expected two numbers [min, max], got {_show(value)}")
+    return (_parse_float(value[0], name), _parse_float(value[1], name))
+
+
+def _parse_dtype(value: Any, name: str) -> str:
+    if value is None:
+        return "float32"
+    if isinstance(value, str):
+        key = value.strip().lower()
+        if key.startswith("torch."):
+            key = key[len("torch."):]
+        if key in _DTYPE_ALIASES:
+            return _DTYPE_ALIASES[key]
+    raise _fail(f"field '{name}': expected one of {', '.join(DTYPES)}, got {_show(value)}")
+
+
+def _parse_kind_list(value: Any, name: str) -> tuple[str, ...]:
+    """A list of block type names (ours or transformers' spellings) -> our kind names."""
+    if not isinstance(value, (list, tuple)):
+        raise _fail(f"field '{name}': expected a list of block type names, got {_show(value)}")
+    kinds = []
+    for i, item in enumerate(value):
+        if not isinstance(item, str) or item not in BLOCK_TYPE_NAMES:
+            raise _fail(f"field '{name}': unknown block type {_show(item)} at position {i}; expected one of "
+                        f"{', '.join(BLOCK_TYPE_NAMES)}")
+        kinds.append(BLOCK_TYPE_NAMES[item])
+    return tuple(kinds)
+
+
+def _parse_pattern(value: Any, name: str) -> tuple[str, ...]:
+    """A hybrid override pattern string ('M', '*', '-', 'E' letters) -> our kind names."""
+    if not isinstance(value, str):
+        raise _fail(f"field '{name}': expected a pattern string of M * - E letters, got {_show(value)}")
+    kinds = []
+    for i, letter in enumerate(value):
+        if letter not in PATTERN_LETTERS:
+            raise _fail(f"field '{name}': unknown layer letter {letter!r} at position {i} (0-based) of "
+                        f"{value!r}; expected M (mamba), * (attention), - (mlp) or E (moe)")
+        kinds.append(PATTERN_LETTERS[letter])
+    return tuple(kinds)
+
+
+def _show(value: Any) -> str:
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+_FIELD_PARSERS = {
+    **{n: _parse_int for n in _INT_FIELDS},
+    **{n: _parse_float for n in _FLOAT_FIELDS},
+    **{n: _parse_bool for n in _BOOL_FIELDS},
+    **{n: _parse_optional_int for n in _OPTIONAL_INT_FIELDS},
+    "mlp_hidden_act": _parse_str,
+    "mamba_hidden_act": _parse_str,
+    "eos_token_id": _parse_eos,
+    "time_step_limit": _parse_time_step_limit,
+    "dtype": _parse_dtype,
+    "layer_types": _parse_kind_list,
+    "mtp_layer_types": _parse_kind_list,
+}
+
+
+def _parse_field(name: str, value: Any) -> Any:
+    return _FIELD_PARSERS[name](value, name)
+
+
+# Legacy config keys transformers still accepts; when present they win over the current name.
+_LEGACY_ALIASES = {
+    "mamba_n_groups": "n_groups",
+    "mamba_d_conv": "conv_kernel",
+    "mamba_dt_min": "time_step_min",
+    "mamba_dt_max": "time_step_max",
+    "mamba_dt_limit": "time_step_limit",
+    "mamba_conv_bias": "use_conv_bias",
+    "mamba_chunk_size": "chunk_size",
+}
+
+
+def parse_hf_config(raw: Mapping[str, Any], source: str = CONFIG_FILE) -> NemotronHConfig:
+    """Build a :class:`NemotronHConfig` from a Hugging Face config dict (errors name ``source``)."""
+    token = _SOURCE.set(source)
+    try:
+        if not isinstance(raw, Mapping):
+            raise _fail(f"expected a JSON object at the top level, got {type(raw).__name__}")
+        model_type = raw.get("model_type")
+        if model_type != "nemotron_h":
+            got = "no model_type" if "model_type" not in raw else f"{_show(model_type)}"
+            raise _fail(f"field 'model_type': expected \"nemotron_h\", got {got}")
+
+        values: dict[str, Any] = {}
+        simple = [f.name for f in dataclasses.fields(NemotronHConfig)
+                  if f.name not in ("layer_types", "mtp_layer_types", "dtype")]
+        for name in simple:
+            if name in raw and not (name in ("head_dim", "num_key_value_heads") and raw[name] is None):
+                values[name] = _parse_field(name, raw[name])
+        for legacy, name in _LEGACY_ALIASES.items():
+            if legacy in raw:
+                values[name] = _parse_field(name, raw[legacy])
+        heads = values.get("num_attention_heads", NemotronHConfig.num_attention_heads)
+        if raw.get("num_key_value_heads", 0) is None:  # transformers: None means plain multi-head attention
+            values["num_key_value_heads"] = heads
+        if raw.get("head_dim", 0) is None and heads > 0:
+            values["head_dim"] = values.get("hidden_size", NemotronHConfig.hidden_size) // heads
+
+        # Layer pattern: an explicit list wins over the pattern string (as in transformers).
+        block_list_key = next((k for k in ("layers_block_type", "layer_types") if raw.get(k) is not None), None)
+        if block_list_key is not None:
+            values["layer_types"] = _parse_kind_list(raw[block_list_key], block_list_key)
+        elif raw.get("hybrid_override_pattern") is not None:
+            values["layer_types"] = _parse_pattern(raw["hybrid_override_pattern"], "hybrid_override_pattern")
+
+        default_mtp = NemotronHConfig.mtp_layer_types
+        mtp = default_mtp
+        mtp_key = next((k for k in ("mtp_layers_block_type", "mtp_layer_types") if raw.get(k) is not None), None)
+        if mtp_key is not None:
+            mtp = _parse_kind_list(raw[mtp_key], mtp_key)
+        if raw.get("mtp_hybrid_override_pattern") is not None and mtp == default_mtp:
+            mtp = _parse_pattern(raw["mtp_hybrid_override_pattern"], "mtp_hybrid_override_pattern")
+        values["mtp_layer_types"] = mtp
+
+        dtype_key = next((k for k in ("dtype", "torch_dtype") if raw.get(k) is not None), None)
+        values["dtype"] = _parse_dtype(raw[dtype_key], dtype_key) if dtype_key else "float32"
+        return NemotronHConfig(**values)
+    finally:
+        _SOURCE.reset(token)
+
+
+def load_config(checkpoint_dir: str | os.PathLike) -> NemotronHConfig:
+    """Read and validate ``<checkpoint_dir>/config.json``. Raises :class:`CheckpointError`."""
+    directory = Path(checkpoint_dir)
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: checkpoint directory not found")
+    path = directory / CONFIG_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing; a Hugging Face checkpoint needs a config.json")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: invalid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    return parse_hf_config(raw, str(path))

@@ -1,0 +1,25 @@
+"""Errors the builder raises for bad user input (checkpoints, configs, build options).
+
+Every message is one line (no newlines) that names the file, tensor or field at fault and what was
+expected. The CLI maps :class:`NemospecError` to exit code 2.
+"""
+from __future__ import annotations
+
+
+def _one_line(message: object) -> str:
+    return " ".join(str(message).split())
+
+
+class NemospecError(Exception):
+    """Base class of every error nemospec reports to its user (exit code 2 in the CLI)."""
+
+    def __init__(self, message: object = "") -> None:
+        super().__init__(_one_line(message))
+
+
+class CheckpointError(NemospecError):
+    """A checkpoint directory, its config.json or its tensors are missing or malformed."""
+
+
+class BuildError(NemospecError):
+    """An engine could not be built from a valid checkpoint with the requested options."""

@@ -1,0 +1,144 @@
+"""The op surface every network is written against.
+
+An op called with torch tensors runs eagerly (``backends/torch_backend.py``); called with symbolic
+tensors it records TensorRT layers (``backends/trt_backend.py``). Model code calls only these ops and
+Python operators on tensors, so one definition serves both the reference path and the engine.
+
+Conventions: activations are ``[B, T, ...]`` (batch of sequences, T tokens of this chunk, right
+padded); ``lengths`` is ``[B]`` int (valid tokens per sequence in the chunk); ``positions`` is
+``[B, T]`` int (absolute position of each token, past + t). Weights are torch tensors bound at build
+time; a symbolic backend turns them into constants.
+"""
+from __future__ import annotations
+
+import torch
+
+from builder.backends import torch_backend
+
+
+def _backend(*xs):
+    for x in xs:
+        if isinstance(x, torch.Tensor):
+            continue
+        backend = getattr(x, "backend", None)
+        if backend is not None:
+            return backend
+    return torch_backend
+
+
+# --- dense algebra -------------------------------------------------------------------------------
+def linear(x, weight, bias=None):
+    """x [..., in] @ weight[out, in].T + bias."""
+    return _backend(x).linear(x, weight, bias)
+
+
+def embedding(ids, table):
+    """Rows of table [V, H] for integer ids [B, T] -> [B, T, H]."""
+    return _backend(ids).embedding(ids, table)
+
+
+def rms_norm(x, weight, eps):
+    """RMSNorm over the last dim, computed in fp32, cast back to x's dtype, then scaled by weight."""
+    return _backend(x).rms_norm(x, weight, eps)
+
+
+def gated_rms_norm(x, gate, weight, eps, group_size):
+    """Mamba-2 norm: x * silu(gate), RMS-normalised per group of ``group_size`` channels, * weight."""
+    return _backend(x, gate).gated_rms_norm(x, gate, weight, eps, group_size)
+
+
+def activation(x, name):
+    """Elementwise activation by config name: 'relu2', 'silu', 'relu', 'gelu', 'softplus', 'sigmoid'."""
+    return _backend(x).activation(x, name)
+
+
+def clamp(x, lo, hi):
+    """Elementwise clamp to [lo, hi]; an infinite bound is skipped."""
+    return _backend(x).clamp(x, lo, hi)
+
+
+def to_float32(x):
+    return _backend(x).to_float32(x)
+
+
+# --- shapes ---------------------------------------------------------------------------------------
+def split(x, sizes, dim=-1):
+    """Split along ``dim`` into pieces of the given static sizes."""
+    return _backend(x).split(x, list(sizes), dim)
+
+
+def concat(xs, dim=-1):
+    return _backend(*xs).concat(list(xs), dim)
+
+
+def reshape(x, shape):
+    """Reshape; an entry 0 copies the input's dim at that index, -1 is inferred (TensorRT rules)."""
+    return _backend(x).reshape(x, list(shape))
+
+
+def permute(x, dims):
+    return _backend(x).permute(x, list(dims))
+
+
+def gather_rows(x, index):
+    """x [B, L, ...], index [B, G] int -> [B, G, ...]: row index[b, g] of sequence b."""
+    return _backend(x, index).gather_rows(x, index)
+
+
+def mask_padding(x, lengths):
+    """Zero x [B, T, ...] at chunk positions t >= lengths[b]."""
+    return _backend(x, lengths).mask_padding(x, lengths)
+
+
+# --- sequence mixers ------------------------------------------------------------------------------
+def causal_conv1d(x, conv_state, weight, bias, lengths, return_all_states=False):
+    """Depthwise causal conv over time.
+
+    x [B, T, C]; conv_state [B, K-1, C] holds the K-1 inputs before this chunk; weight [C, K];
+    bias [C] or None. Returns (y [B, T, C], new_state [B, K-1, C]) where new_state holds the K-1
+    inputs ending at the last valid token (t = lengths[b] - 1). With return_all_states, a third
+    output [B, T, K-1, C] holds the state after every position (for speculative rollback).
+    """
+    return _backend(x, conv_state, lengths).causal_conv1d(x, conv_state, weight, bias, lengths,
+                                                          return_all_states)
+
+
+def ssm_scan(x, dt, A, B, C, D, state, chunk_size, return_all_states=False):
+    """Mamba-2 selective scan (SSD) over a chunk of T tokens.
+
+    x [B, T, H, P]; dt [B, T, H] (after softplus/limits; 0 at padding so state does not move);
+    A [H] (negative); B, C [B, T, G, N]; D [H]; state [B, H, P, N] fp32. Returns
+    (y [B, T, H, P] in x's dtype, new_state fp32) and, with return_all_states, the state after
+    every position [B, T, H, P, N].
+    """
+    return _backend(x, dt, B, C, state).ssm_scan(x, dt, A, B, C, D, state, chunk_size,
+                                                 return_all_states)
+
+
+def kv_cache_update(cache, new, positions):
+    """cache [B, S, Hkv, D] with rows positions[b, t] replaced by new [B, T, Hkv, D]."""
+    return _backend(cache, new, positions).kv_cache_update(cache, new, positions)
+
+
+def attention(q, k_cache, v_cache, positions, scale):
+    """Causal GQA over a KV cache.
+
+    q [B, T, Hq, D]; k_cache, v_cache [B, S, Hkv, D] already holding this chunk; query (b, t) sees
+    cache rows j <= positions[b, t]. Softmax in fp32. Returns [B, T, Hq, D].
+    """
+    return _backend(q, k_cache, positions).attention(q, k_cache, v_cache, positions, scale)
+
+
+def moe(router_input, x, router_weight, router_bias, up, down, top_k, n_group, topk_group,
+        norm_topk_prob, routed_scaling_factor, act):
+    """NemotronH routed experts (shared experts and latent projections live in the model).
+
+    Leading dims are free: router_input [..., H], x [..., Hin]. router_input is scored in fp32 by sigmoid(router_input @ router_weight[E, H].T); the
+    correction bias router_bias [E] is added for the choice only; group-limited top-k (groups
+    ranked by the sum of their two best scores); the chosen scores are optionally normalised, then
+    scaled. x [N, Hin] is the experts' input (the latent projection when the model has one).
+    Expert e: down[e] [Hin, I] @ act(up[e] [I, Hin] @ x). Returns [..., Hin] in x's dtype.
+    """
+    return _backend(x, router_input).moe(router_input, x, router_weight, router_bias, up, down,
+                                         top_k, n_group, topk_group, norm_topk_prob,
+                                         routed_scaling_factor, act)

@@ -1,0 +1,161 @@
+"""NemotronH: a hybrid stack of Mamba-2, attention, MLP and MoE blocks.
+
+Written once against ``builder.functional``: the same code runs eagerly on torch tensors and records
+a TensorRT network on symbolic ones. Weights are bound when the module is built; all state is
+explicit input and output of ``forward``.
+"""
+from __future__ import annotations
+
+import torch
+
+from builder import functional as F
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from builder.config import NemotronHConfig
+
+
+def _bind(weights, name, dtype):
+    w = weights.get(name)
+    return None if w is None else w.to(dtype)
+
+
+class Mamba2Mixer:
+    def __init__(self, cfg: NemotronHConfig, w: dict, p: str, dtype):
+        self.cfg = cfg
+        self.in_proj = _bind(w, p + "in_proj.weight", dtype)
+        self.in_proj_bias = _bind(w, p + "in_proj.bias", dtype)
+        self.conv_weight = w[p + "conv1d.weight"].to(dtype)[:, 0, :]
+        self.conv_bias = _bind(w, p + "conv1d.bias", dtype)
+        self.dt_bias = w[p + "dt_bias"].to(dtype)
+        self.A = -torch.exp(w[p + "A_log"].float())
+        self.D = w[p + "D"].float()
+        self.norm = w[p + "norm.weight"].to(dtype)
+        self.out_proj = w[p + "out_proj.weight"].to(dtype)
+        self.out_proj_bias = _bind(w, p + "out_proj.bias", dtype)
+
+    def __call__(self, x, conv_state, ssm_state, lengths, all_states=False):
+        c = self.cfg
+        inner, heads, state_size = c.mamba_intermediate_size, c.mamba_num_heads, c.ssm_state_size
+        gn = c.n_groups * state_size
+        z, xbc, dt = F.split(F.linear(x, self.in_proj, self.in_proj_bias), [inner, c.conv_dim, heads])
+        conv = F.causal_conv1d(xbc, conv_state, self.conv_weight, self.conv_bias, lengths, all_states)
+        xbc = F.activation(conv[0], c.mamba_hidden_act)
+        xs, B, C = F.split(xbc, [inner, gn, gn])
+        dt = F.clamp(F.activation(dt + self.dt_bias, "softplus"), *c.time_step_limit)
+        dt = F.mask_padding(dt, lengths)  # padding leaves the state untouched
+        scan = F.ssm_scan(
+            F.reshape(xs, [0, 0, heads, c.mamba_head_dim]), dt, self.A,
+            F.reshape(B, [0, 0, c.n_groups, state_size]), F.reshape(C, [0, 0, c.n_groups, state_size]),
+            self.D, ssm_state, c.chunk_size, all_states)
+        y = F.gated_rms_norm(F.reshape(scan[0], [0, 0, inner]), z, self.norm, c.layer_norm_epsilon,
+                             inner // c.n_groups)
+        out = F.linear(y, self.out_proj, self.out_proj_bias)
+        return (out, conv[1], scan[1]) + ((conv[2], scan[2]) if all_states else ())
+
+
+class Attention:
+    def __init__(self, cfg: NemotronHConfig, w: dict, p: str, dtype):
+        self.cfg = cfg
+        self.q, self.k, self.v, self.o = (w[p + n + "_proj.weight"].to(dtype) for n in "qkvo")
+        self.q_bias, self.k_bias, self.v_bias, self.o_bias = (
+            _bind(w, p + n + "_proj.bias", dtype) for n in "qkvo")
+
+    def __call__(self, x, key_cache, value_cache, positions):
+        c = self.cfg
+        q = F.reshape(F.linear(x, self.q, self.q_bias), [0, 0, c.num_attention_heads, c.head_dim])
+        k = F.reshape(F.linear(x, self.k, self.k_bias), [0, 0, c.num_key_value_heads, c.head_dim])
+        v = F.reshape(F.linear(x, self.v, self.v_bias), [0, 0, c.num_key_value_heads, c.head_dim])
+        key_cache = F.kv_cache_update(key_cache, k, positions)
+        value_cache = F.kv_cache_update(value_cache, v, positions)
+        y = F.attention(q, key_cache, value_cache, positions, c.head_dim ** -0.5)
+        y = F.reshape(y, [0, 0, c.num_attention_heads * c.head_dim])
+        return F.linear(y, self.o, self.o_bias), key_cache, value_cache
+
+
+class MLP:
+    def __init__(self, cfg: NemotronHConfig, w: dict, p: str, dtype):
+        self.act = cfg.mlp_hidden_act
+        self.up, self.down = w[p + "up_proj.weight"].to(dtype), w[p + "down_proj.weight"].to(dtype)
+        self.up_bias, self.down_bias = _bind(w, p + "up_proj.bias", dtype), _bind(w, p + "down_proj.bias", dtype)
+
+    def __call__(self, x):
+        return F.linear(F.activation(F.linear(x, self.up, self.up_bias), self.act), self.down, self.down_bias)
+
+
+class MoE:
+    def __init__(self, cfg: NemotronHConfig, w: dict, p: str, dtype):
+        self.cfg = cfg
+        experts = range(cfg.n_routed_experts)
+        self.up = torch.stack([w[f"{p}experts.{e}.up_proj.weight"] for e in experts]).to(dtype)
+        self.down = torch.stack([w[f"{p}experts.{e}.down_proj.weight"] for e in experts]).to(dtype)
+        self.router = w[p + "gate.weight"].float()
+        self.router_bias = w[p + "gate.e_score_correction_bias"].float()
+        self.shared = MLP(cfg, w, p + "shared_experts.", dtype) if cfg.n_shared_experts else None
+        self.fc1_latent = _bind(w, p + "fc1_latent_proj.weight", dtype)
+        self.fc2_latent = _bind(w, p + "fc2_latent_proj.weight", dtype)
+
+    def __call__(self, x):
+        c = self.cfg
+        expert_in = x if self.fc1_latent is None else F.linear(x, self.fc1_latent)
+        routed = F.moe(x, expert_in, self.router, self.router_bias, self.up, self.down,
+                       c.num_experts_per_tok, c.n_group, c.topk_group, c.norm_topk_prob,
+                       c.routed_scaling_factor, c.mlp_hidden_act)
+        if self.fc2_latent is not None:
+            routed = F.linear(routed, self.fc2_latent)
+        return routed if self.shared is None else routed + self.shared(x)
+
+
+class NemotronH:
+    """The target model. ``forward`` runs one chunk of T tokens for a batch of sequences."""
+
+    def __init__(self, cfg: NemotronHConfig, weights: dict, dtype=torch.float32):
+        self.cfg, self.dtype = cfg, dtype
+        self.embeddings = weights["backbone.embeddings.weight"].to(dtype)
+        self.lm_head = self.embeddings if cfg.tie_word_embeddings else weights["lm_head.weight"].to(dtype)
+        self.norm_f = weights["backbone.norm_f.weight"].to(dtype)
+        mixers = {"mamba": Mamba2Mixer, "attention": Attention, "mlp": MLP, "moe": MoE}
+        self.layers = []
+        for i, kind in enumerate(cfg.layer_types):
+            p = f"backbone.layers.{i}."
+            self.layers.append((kind, weights[p + "norm.weight"].to(dtype), mixers[kind](cfg, weights, p + "mixer.", dtype)))
+
+    def state_spec(self, batch: int, capacity: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Name -> (shape, dtype) of every state tensor for ``batch`` sequences of ``capacity`` tokens."""
+        c, spec = self.cfg, {}
+        for i, kind in enumerate(c.layer_types):
+            if kind == "mamba":
+                spec[f"layers.{i}.conv_state"] = ((batch, c.conv_kernel - 1, c.conv_dim), self.dtype)
+                spec[f"layers.{i}.ssm_state"] = (
+                    (batch, c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size), torch.float32)
+            elif kind == "attention":
+                for n in ("key_cache", "value_cache"):
+                    spec[f"layers.{i}.{n}"] = ((batch, capacity, c.num_key_value_heads, c.head_dim), self.dtype)
+        return spec
+
+    def forward(self, input_ids, positions, lengths, logit_index, state: dict, all_states=False):
+        """Returns (logits [B, G, V] fp32 at chunk rows logit_index [B, G], new state dict).
+
+        With ``all_states`` the new state also holds, per Mamba layer, the conv and SSM state after
+        every position of the chunk (``.conv_states``, ``.ssm_states``) for speculative rollback.
+        """
+        c = self.cfg
+        x = F.embedding(input_ids, self.embeddings)
+        new_state = {}
+        for i, (kind, norm, mixer) in enumerate(self.layers):
+            p = f"layers.{i}."
+            h = F.rms_norm(x, norm, c.layer_norm_epsilon)
+            if kind == "mamba":
+                out = mixer(h, state[p + "conv_state"], state[p + "ssm_state"], lengths, all_states)
+                h, new_state[p + "conv_state"], new_state[p + "ssm_state"] = out[:3]
+                if all_states:
+                    new_state[p + "conv_states"], new_state[p + "ssm_states"] = out[3:]
+            elif kind == "attention":
+                h, new_state[p + "key_cache"], new_state[p + "value_cache"] = mixer(
+                    h, state[p + "key_cache"], state[p + "value_cache"], positions)
+            else:
+                h = mixer(h)
+            x = x + h
+        x = F.gather_rows(x, logit_index)
+        x = F.rms_norm(x, self.norm_f, c.layer_norm_epsilon)
+        return F.to_float32(F.linear(x, self.lm_head)), new_state

@@ -1,0 +1,151 @@
+"""`nemospec` command line: build engines, generate text."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from rich.console import Console
+
+from builder.errors import NemospecError
+
+err = Console(stderr=True, highlight=False)
+
+
+def _add_build_args(p):
+    p.add_argument("--checkpoint_dir", required=True, help="Hugging Face NemotronH checkpoint (safetensors)")
+    p.add_argument("--output_dir", required=True, help="engine directory to write")
+    p.add_argument("--max_batch_size", type=int, default=8)
+    p.add_argument("--max_input_len", type=int, default=512, help="longest prefill chunk")
+    p.add_argument("--max_seq_len", type=int, default=1024, help="prompt + generated tokens")
+    p.add_argument("--max_draft_len", type=int, default=0, help="K: draft tokens verified per step")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="auto keeps the checkpoint's dtype")
+
+
+def _parser():
+    parser = argparse.ArgumentParser(prog="nemospec", description="TensorRT engines and speculative decoding for NemotronH")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_build_args(sub.add_parser("build", help="build an engine directory from a checkpoint"))
+
+    g = sub.add_parser("generate", help="generate from a checkpoint or an engine directory")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint_dir")
+    src.add_argument("--engine_dir")
+    inp = g.add_mutually_exclusive_group(required=True)
+    inp.add_argument("--prompt", action="append", help="text prompt (repeat for a batch); needs tokenizer.json")
+    inp.add_argument("--input_ids", action="append", help="comma-separated token ids (repeat for a batch)")
+    g.add_argument("--max_new_tokens", type=int, required=True)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top_p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--end_id", type=int, default=None, help="stop token (default: the config's eos_token_id)")
+    g.add_argument("--ignore_eos", action="store_true")
+    g.add_argument("--no_speculation", action="store_true", help="run the target alone")
+    g.add_argument("--backend", default="auto", choices=["auto", "torch", "tensorrt"])
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="with --checkpoint_dir: the eager dtype")
+    g.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    return parser
+
+
+def cmd_build(args):
+    from builder.engine import BuildOptions, build
+    options = BuildOptions(args.max_batch_size, args.max_input_len, args.max_seq_len, args.max_draft_len, args.dtype)
+    with err.status("building ...") as status:
+        def log(message):
+            status.update(message)
+            err.print(message)
+        report = build(args.checkpoint_dir, args.output_dir, options, log)
+    from rich.table import Table
+    t = report["engines"]["target"]
+    table = Table(title=f"built {args.output_dir}", show_header=False)
+    table.add_row("TensorRT", f"{report['tensorrt']['flavour']} {report['tensorrt']['version']}")
+    table.add_row("dtype", report["dtype"])
+    table.add_row("layers", str(t["layers"]))
+    table.add_row("engine", f"{t['engine_bytes'] / 2**20:.2f} MiB")
+    table.add_row("weights", f"{t['weight_bytes'] / 2**20:.2f} MiB")
+    table.add_row("profiles", ", ".join(f"{p['name']} <= {p['max_tokens']} tokens" for p in t["profiles"]))
+    table.add_row("build time", f"{t['build_seconds']:.1f} s engine, {report['total_seconds']:.1f} s total")
+    for op, how in sorted(t["lowerings"].items()):
+        table.add_row(f"op {op}", how)
+    err.print(table)
+    return 0
+
+
+def _prompts(args, tokenizer):
+    if args.input_ids:
+        try:
+            return [[int(t) for t in s.split(",") if t.strip()] for s in args.input_ids]
+        except ValueError:
+            raise NemospecError("--input_ids: expected comma-separated integers, e.g. 1,2,3") from None
+    if tokenizer is None:
+        raise NemospecError("--prompt: this model has no tokenizer.json; pass --input_ids instead")
+    return [tokenizer.encode(p).ids for p in args.prompt]
+
+
+def cmd_generate(args):
+    from runtime.generation import generate
+    from runtime.loading import open_checkpoint, open_engine_dir
+    if args.checkpoint_dir:
+        if args.backend == "tensorrt":
+            raise NemospecError("--backend tensorrt needs --engine_dir (build one with `nemospec build`)")
+        loaded = open_checkpoint(args.checkpoint_dir, args.dtype)
+    else:
+        loaded = open_engine_dir(args.engine_dir, args.backend)
+    tokenizer = None
+    if loaded.tokenizer_path is not None:
+        from tokenizers import Tokenizer
+        tokenizer = Tokenizer.from_file(str(loaded.tokenizer_path))
+    prompts = _prompts(args, tokenizer)
+    if args.temperature < 0:
+        raise NemospecError(f"--temperature: expected >= 0, got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise NemospecError(f"--top_p: expected a value in (0, 1], got {args.top_p}")
+    eos = loaded.config.eos_token_id
+    end_ids = set() if args.ignore_eos else (
+        {args.end_id} if args.end_id is not None else set(eos if isinstance(eos, tuple) else [] if eos is None else [eos]))
+    try:
+        result = generate(loaded.runner, prompts, args.max_new_tokens, temperature=args.temperature,
+                          top_p=args.top_p, seed=args.seed, end_ids=end_ids, max_seq_len=loaded.max_seq_len,
+                          prefill_chunk=loaded.max_input_len if loaded.max_input_len < (1 << 30) else 512)
+    except ValueError as e:
+        raise NemospecError(str(e)) from None
+    texts = [tokenizer.decode(o) for o in result.output_ids] if tokenizer else None
+    if not args.json:
+        for i, ids in enumerate(result.output_ids):
+            print(texts[i] if texts else ",".join(map(str, ids)))
+    err.print(f"{result.num_tokens} tokens in {result.seconds:.3f} s = {result.tokens_per_second:.1f} tokens/s "
+              f"({loaded.backend} backend)")
+    if args.json:
+        single = len(prompts) == 1
+        record = {
+            "output_ids": result.output_ids[0] if single else result.output_ids,
+            "num_tokens": result.num_tokens,
+            "tokens_per_second": result.tokens_per_second,
+            "seconds": result.seconds,
+            "num_target_forwards": result.num_target_forwards,
+            "backend": loaded.backend,
+        }
+        if texts is not None:
+            record["text"] = texts[0] if single else texts
+        print(json.dumps(record))
+    return 0
+
+
+def main(argv=None):
+    args = _parser().parse_args(argv)
+    try:
+        return {"build": cmd_build, "generate": cmd_generate}[args.command](args)
+    except NemospecError as e:
+        err.print(f"error: {e}", markup=False)
+        return 2
+
+
+def build_main(argv=None):
+    """`nemospec-build`: the same as `nemospec build`."""
+    return main(["build"] + list(sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""Target-only generation for a batch of prompts: chunked prefill, then one token per step."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime import sampling
+from runtime.state import chunk_inputs
+
+
+@dataclass
+class GenerationResult:
+    output_ids: list[list[int]]          # generated ids per prompt, prompt excluded
+    seconds: float
+    num_target_forwards: int
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(o) for o in self.output_ids)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.num_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def check_request(prompts, max_new_tokens, max_seq_len, vocab_size):
+    """One-line ValueError for a request the engine cannot serve."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("input_ids: every prompt needs at least one token")
+    if max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens: expected a positive number, got {max_new_tokens}")
+    for p in prompts:
+        bad = [t for t in p if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"input_ids: token {bad[0]} outside the vocabulary [0, {vocab_size})")
+        if len(p) + max_new_tokens > max_seq_len:
+            raise ValueError(f"max_new_tokens: prompt ({len(p)}) + max_new_tokens ({max_new_tokens}) "
+                             f"exceeds max_seq_len {max_seq_len}")
+
+
+def prefill(runner, prompts, state, chunk_size):
+    """Feeds every prompt in chunks of at most chunk_size tokens; returns last-token logits [B, V]."""
+    done = [0] * len(prompts)
+    last = [None] * len(prompts)
+    while any(d < len(p) for d, p in zip(done, prompts)):
+        active = [b for b, p in enumerate(prompts) if done[b] < len(p)]
+        chunks = [prompts[b][done[b]:done[b] + chunk_size] if b in active else [0] for b in range(len(prompts))]
+        ids, positions, lengths = chunk_inputs(chunks, done, runner.device)
+        index = (lengths - 1).to(torch.int32)[:, None]
+        logits, new_state = runner.forward(ids, positions, lengths, index, state)
+        for b in active:  # sequences with nothing left keep their state
+            for name, value in new_state.items():
+                if value is not state[name]:
+                    state[name][b] = value[b]
+            last[b] = logits[b, 0]
+            done[b] += len(chunks[b])
+    return torch.stack(last), state
+
+
+def generate(runner, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 0.0,
+             top_p: float = 1.0, seed: int | None = None, end_ids=(),
+             max_seq_len: int = 1 << 30, prefill_chunk: int = 512) -> GenerationResult:
+    check_request(prompts, max_new_tokens, max_seq_len, runner.config.vocab_size)
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    start = time.perf_counter()
+    capacity = max(len(p) for p in prompts) + max_new_tokens
+    state = runner.new_state(len(prompts), capacity)
+    logits, state = prefill(runner, prompts, state, prefill_chunk)
+    forwards = -(-max(len(p) for p in prompts) // prefill_chunk)
+    outputs = [[] for _ in prompts]
+    finished = [False] * len(prompts)
+    lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int32)
+    one = torch.ones(len(prompts), dtype=torch.int32)
+    index = torch.zeros(len(prompts), 1, dtype=torch.int32)
+    for step in range(max_new_tokens):
+        tokens = sampling.choose(logits, temperature, top_p, generator)
+        for b, t in enumerate(tokens.tolist()):
+            if not finished[b]:
+                outputs[b].append(t)
+                finished[b] = t in end_ids
+        if all(finished) or step == max_new_tokens - 1:
+            break
+        positions = (lengths + step)[:, None]
+        ids = tokens.to(torch.int32)[:, None]
+        out, state = runner.forward(ids.to(runner.device), positions.to(runner.device), one.to(runner.device),
+                                    index.to(runner.device), state)
+        logits = out[:, 0]
+        forwards += 1
+    return GenerationResult(outputs, time.perf_counter() - start, forwards)
