@@ -10,11 +10,11 @@ gives nearly flat logits), and writes it with ``save_pretrained``. All configs h
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
+
+from builder import random_checkpoint
 
 __all__ = [
     "KINDS",
@@ -87,58 +87,9 @@ TWO_ATTENTION: dict[str, Any] = dict(
 )
 
 
-def _reinit(model: torch.nn.Module, config: Any, seed: int) -> None:
-    """Weights with real spread: linear/expert std 2/sqrt(fan_in) (0.2-0.35 here), embeddings 0.5,
-    router 1.0, norms 1 +- 0.1, biases 0.1, A_log as transformers, softplus(dt_bias) in [0.01, 0.1]."""
-    g = torch.Generator().manual_seed(seed)
-
-    def normal(shape, std, mean=0.0):
-        return torch.randn(shape, generator=g) * std + mean
-
-    H = config.mamba_num_heads
-    with torch.no_grad():
-        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
-            leaf = name.rsplit(".", 1)[-1]
-            if leaf == "A_log":
-                p.copy_(torch.log(torch.arange(1, H + 1, dtype=torch.float32)))
-            elif leaf == "dt_bias":
-                dt = torch.exp(torch.rand(H, generator=g) * (math.log(0.1) - math.log(0.01)) + math.log(0.01))
-                p.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
-            elif leaf == "D":
-                p.copy_(torch.rand(H, generator=g) + 0.5)
-            elif leaf == "e_score_correction_bias":
-                p.copy_(normal(p.shape, 0.1))
-            elif name.endswith("gate.weight"):
-                p.copy_(normal(p.shape, 1.0))
-            elif name.endswith("norm.weight") or name.endswith("norm_f.weight"):
-                p.copy_(normal(p.shape, 0.1, mean=1.0))
-            elif leaf == "bias":
-                p.copy_(normal(p.shape, 0.1))
-            elif name.endswith("embeddings.weight"):
-                p.copy_(normal(p.shape, 0.5))
-            elif name.endswith("conv1d.weight"):
-                p.copy_(normal(p.shape, 0.3))
-            elif p.dim() >= 2:  # Linear weights [out, in] and fused experts [E, out, in]
-                p.copy_(normal(p.shape, 2.0 / math.sqrt(p.shape[-1])))
-            else:
-                raise AssertionError(f"tiny_models: no init rule for {name} {tuple(p.shape)}")
-
-
 def build_model(kwargs: dict[str, Any], seed: int, tie_word_embeddings: bool = False, **overrides: Any):
     """A transformers NemotronHForCausalLM (fp32, eval mode) with non-degenerate random weights."""
-    from transformers import NemotronHConfig, NemotronHForCausalLM
-
-    torch.manual_seed(seed)
-    # transformers' dt init takes log(time_step_min), so build with the default and set 0.0 after.
-    config = NemotronHConfig(**{**kwargs, **overrides}, tie_word_embeddings=tie_word_embeddings,
-                             dtype="float32")
-    model = NemotronHForCausalLM(config).to(torch.float32).eval()
-    model.config.time_step_min = 0.0
-    for module in model.modules():
-        if hasattr(module, "time_step_limit") and isinstance(module, torch.nn.Module):
-            module.time_step_limit = (0.0, float("inf"))
-    _reinit(model, model.config, seed)
-    return model
+    return random_checkpoint.build_model({**kwargs, **overrides}, seed, tie_word_embeddings)
 
 
 def make_checkpoint(directory: str | Path, kwargs: dict[str, Any], seed: int, tie_word_embeddings: bool = False,

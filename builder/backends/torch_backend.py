@@ -27,10 +27,7 @@ def embedding(ids, table):
 
 
 def rms_norm(x, weight, eps):
-    dtype = x.dtype
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight.float() * h).to(dtype)
+    return tf.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
 
 
 def gated_rms_norm(x, gate, weight, eps, group_size):
@@ -78,7 +75,14 @@ def gather_rows(x, index):
     return x[rows, index.long()]
 
 
+def _all_valid(x, lengths):
+    """Every sequence fills the chunk (decode steps): padding work can be skipped."""
+    return bool((lengths == x.shape[1]).all())
+
+
 def mask_padding(x, lengths):
+    if _all_valid(x, lengths):
+        return x
     t = torch.arange(x.shape[1], device=x.device)
     keep = (t[None, :] < lengths.to(x.device)[:, None]).to(x.dtype)
     return x * keep.reshape(keep.shape + (1,) * (x.dim() - 2))
@@ -88,10 +92,17 @@ def causal_conv1d(x, conv_state, weight, bias, lengths, return_all_states=False)
     width = weight.shape[1]
     seq = x.shape[1]
     padded = torch.cat([conv_state.to(x.dtype), x], dim=1)  # [B, K-1+T, C]
-    y = tf.conv1d(padded.transpose(1, 2), weight.unsqueeze(1), bias, groups=weight.shape[0])
-    y = y.transpose(1, 2)
-    window = lengths.long().to(x.device)[:, None] + torch.arange(width - 1, device=x.device)
-    new_state = gather_rows(padded, window)
+    if seq <= 16:  # short chunks: a windowed product beats conv1d's setup cost
+        y = torch.einsum("btck,ck->btc", padded.unfold(1, width, 1), weight)
+        y = y if bias is None else y + bias
+    else:
+        y = tf.conv1d(padded.transpose(1, 2), weight.unsqueeze(1), bias, groups=weight.shape[0])
+        y = y.transpose(1, 2)
+    if _all_valid(x, lengths):
+        new_state = padded[:, seq:]
+    else:
+        window = lengths.long().to(x.device)[:, None] + torch.arange(width - 1, device=x.device)
+        new_state = gather_rows(padded, window)
     if not return_all_states:
         return y, new_state
     windows = padded.unfold(1, width - 1, 1)[:, 1:seq + 1]  # [B, T, C, K-1]
@@ -157,7 +168,12 @@ def ssm_scan(x, dt, A, B, C, D, state, chunk_size, return_all_states=False):
     xf, dtf, Af = x.float(), dt.float(), A.float()
     Bf, Cf = _heads(B.float(), heads), _heads(C.float(), heads)
     all_states = None
-    if return_all_states or x.shape[1] == 1:
+    if x.shape[1] == 1 and not return_all_states:
+        h = state.float() * torch.exp(dtf[:, 0] * Af)[..., None, None]
+        h = h + (dtf[:, 0, :, None] * xf[:, 0])[..., None] * Bf[:, 0, :, None, :]
+        y = torch.einsum("bhpn,bhn->bhp", h, Cf[:, 0])[:, None]
+        return (y + xf * D.float()[:, None]).to(dtype), h
+    if return_all_states:
         y, new_state, all_states = _ssm_sequential(xf, dtf, Af, Bf, Cf, state.float())
     else:
         y, new_state = _ssm_chunked(xf, dtf, Af, Bf, Cf, state.float(), chunk_size)
@@ -213,6 +229,10 @@ def moe(router_input, x, router_weight, router_bias, up, down, top_k, n_group, t
     router_input, x = router_input.reshape(-1, router_input.shape[-1]), x.reshape(-1, shape[-1])
     index, weights = route(router_input, router_weight, router_bias, top_k, n_group, topk_group,
                            norm_topk_prob, routed_scaling_factor)
+    if index.numel() <= 16:  # a few tokens (decode, verify): gather the chosen experts' weights
+        h = _ACTIVATIONS[act](torch.einsum("nkih,nh->nki", up[index], x))
+        h = torch.einsum("nkhi,nki->nkh", down[index], h)
+        return (h.float() * weights[..., None]).sum(1).to(x.dtype).reshape(shape)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for expert in torch.unique(index).tolist():
         token, slot = torch.where(index == expert)

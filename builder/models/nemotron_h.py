@@ -3,6 +3,10 @@
 Written once against ``builder.functional``: the same code runs eagerly on torch tensors and records
 a TensorRT network on symbolic ones. Weights are bound when the module is built; all state is
 explicit input and output of ``forward``.
+
+The Mamba-2 time step is clamped to the config's ``time_step_limit`` (default (0, inf): no clamp)
+in every path, as vLLM does; transformers 5.24 clamps at ``time_step_min`` in prefill only, which
+would make a verify chunk disagree with single-token decode.
 """
 from __future__ import annotations
 
@@ -91,7 +95,8 @@ class MoE:
         self.down = torch.stack([w[f"{p}experts.{e}.down_proj.weight"] for e in experts]).to(dtype)
         self.router = w[p + "gate.weight"].float()
         self.router_bias = w[p + "gate.e_score_correction_bias"].float()
-        self.shared = MLP(cfg, w, p + "shared_experts.", dtype) if cfg.n_shared_experts else None
+        shared = p + "shared_experts."
+        self.shared = MLP(cfg, w, shared, dtype) if shared + "up_proj.weight" in w else None
         self.fc1_latent = _bind(w, p + "fc1_latent_proj.weight", dtype)
         self.fc2_latent = _bind(w, p + "fc2_latent_proj.weight", dtype)
 
@@ -112,7 +117,9 @@ class NemotronH:
     def __init__(self, cfg: NemotronHConfig, weights: dict, dtype=torch.float32):
         self.cfg, self.dtype = cfg, dtype
         self.embeddings = weights["backbone.embeddings.weight"].to(dtype)
-        self.lm_head = self.embeddings if cfg.tie_word_embeddings else weights["lm_head.weight"].to(dtype)
+        # transformers writes and uses lm_head even when tie_word_embeddings is set
+        head = weights.get("lm_head.weight")
+        self.lm_head = self.embeddings if head is None else head.to(dtype)
         self.norm_f = weights["backbone.norm_f.weight"].to(dtype)
         mixers = {"mamba": Mamba2Mixer, "attention": Attention, "mlp": MLP, "moe": MoE}
         self.layers = []

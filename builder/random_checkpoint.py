@@ -1,0 +1,119 @@
+"""Small random NemotronH checkpoints written in the Hugging Face format, by our own code.
+
+For the demo and benchmarks until a trained model ships (and for tests): transformers writes the
+checkpoint (so its layout is the reference's), with weights re-drawn at a spread that gives peaked,
+token-dependent logits instead of transformers' near-flat 0.02 init. Optionally a byte-level BPE
+tokenizer is trained on local text (the running Python's standard library sources) so `--prompt`
+works; nothing is downloaded.
+"""
+from __future__ import annotations
+
+import math
+import sysconfig
+from pathlib import Path
+
+import torch
+
+DEFAULTS = dict(
+    vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    intermediate_size=128, mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=16, n_groups=2,
+    conv_kernel=4, chunk_size=16, n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=32,
+    moe_shared_expert_intermediate_size=64, num_experts_per_tok=2, bos_token_id=1, eos_token_id=2,
+    pad_token_id=0, layer_norm_epsilon=1e-5,
+)
+
+
+def reinitialise(model: torch.nn.Module, seed: int) -> None:
+    """Weights with real spread: linear std 2/sqrt(fan_in), embeddings 0.5, router 1.0, norms 1 +- 0.1,
+    A_log as transformers, softplus(dt_bias) log-uniform in [0.01, 0.1]."""
+    g = torch.Generator().manual_seed(seed)
+    heads = model.config.mamba_num_heads
+
+    def normal(shape, std, mean=0.0):
+        return torch.randn(shape, generator=g) * std + mean
+
+    with torch.no_grad():
+        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf == "A_log":
+                p.copy_(torch.log(torch.arange(1, heads + 1, dtype=torch.float32)))
+            elif leaf == "dt_bias":
+                dt = torch.exp(torch.rand(heads, generator=g) * (math.log(0.1) - math.log(0.01)) + math.log(0.01))
+                p.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+            elif leaf == "D":
+                p.copy_(torch.rand(heads, generator=g) + 0.5)
+            elif leaf == "e_score_correction_bias":
+                p.copy_(normal(p.shape, 0.1))
+            elif name.endswith("gate.weight"):
+                p.copy_(normal(p.shape, 1.0))
+            elif name.endswith("norm.weight") or name.endswith("norm_f.weight"):
+                p.copy_(normal(p.shape, 0.1, mean=1.0))
+            elif leaf == "bias":
+                p.copy_(normal(p.shape, 0.1))
+            elif name.endswith("embeddings.weight"):
+                p.copy_(normal(p.shape, 0.5))
+            elif name.endswith("conv1d.weight"):
+                p.copy_(normal(p.shape, 0.3))
+            elif p.dim() >= 2:  # Linear weights [out, in] and fused experts [E, out, in]
+                p.copy_(normal(p.shape, 2.0 / math.sqrt(p.shape[-1])))
+            else:
+                raise ValueError(f"random_checkpoint: no init rule for {name} {tuple(p.shape)}")
+
+
+def build_model(config_kwargs: dict, seed: int = 0, tie_word_embeddings: bool = False):
+    """transformers.NemotronHForCausalLM (fp32, eval) with non-degenerate random weights.
+
+    ``time_step_min`` ends as 0.0: transformers clamps dt at it in prefill but not in its decode
+    step; with 0.0 both paths agree (transformers needs it > 0 while initialising, hence after).
+    transformers never ties NemotronH's lm_head (it writes and uses its own), so a tied model gets
+    the embedding values in lm_head: "tied" then means the same whichever tensor a reader uses.
+    """
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    torch.manual_seed(seed)
+    config = NemotronHConfig(**config_kwargs, tie_word_embeddings=tie_word_embeddings, dtype="float32")
+    model = NemotronHForCausalLM(config).to(torch.float32).eval()
+    model.config.time_step_min = 0.0
+    for module in model.modules():
+        if hasattr(module, "time_step_limit"):
+            module.time_step_limit = (0.0, float("inf"))
+    reinitialise(model, seed)
+    if tie_word_embeddings:
+        with torch.no_grad():
+            model.lm_head.weight.copy_(model.model.embeddings.weight)
+    return model
+
+
+def stdlib_corpus(max_files: int = 60) -> list[Path]:
+    """Python standard library sources of the running interpreter (PSF licence), sorted."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(root.glob("*.py"))[:max_files]
+
+
+def train_tokenizer(vocab_size: int, files: list[Path]):
+    """Byte-level BPE with <unk>=?, <pad>=0, <s>=1, </s>=2 as the first ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train([str(f) for f in files], trainer)
+    return tok
+
+
+def write_random_checkpoint(directory, pattern: str = "M*E-M", seed: int = 0, tokenizer: bool = False,
+                            dtype: str = "float32", **overrides) -> Path:
+    """Writes config.json + model.safetensors (+ tokenizer.json) and returns the directory."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    model = build_model(dict(DEFAULTS, hybrid_override_pattern=pattern, **overrides), seed)
+    if dtype != "float32":
+        model = model.to(getattr(torch, dtype))
+        model.config.dtype = dtype
+    model.save_pretrained(str(directory))
+    if tokenizer:
+        tok = train_tokenizer(model.config.vocab_size, stdlib_corpus())
+        tok.save(str(directory / "tokenizer.json"))
+    return directory
