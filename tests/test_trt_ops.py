@@ -1,0 +1,583 @@
+"""The TensorRT lowering of every op computes what the eager op computes.
+
+Each test records a tiny network with dynamic dims through ``builder.functional`` on symbolic
+tensors, evaluates it with the CPU interpreter at two or more shapes, and compares with the same
+functional op on torch tensors (the spec). No GPU needed.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.nn.functional as tf
+
+from builder import functional as F
+from builder.backends.trt_backend import NetworkRecorder, SymbolicTensor
+from builder.backends.trt_build import build_engine_bytes
+from builder.backends.trt_import import FLAVOUR, HAS_PLUGIN_LAYERS, VERSION, trt
+from builder.interpreter import UnsupportedLayerError, run_network
+
+F32 = dict(rtol=1e-5, atol=1e-5)
+HALF = {torch.bfloat16: dict(rtol=2e-2, atol=2e-2), torch.float16: dict(rtol=3e-3, atol=3e-3)}
+
+
+def _list(out):
+    return list(out) if isinstance(out, (list, tuple)) else [out]
+
+
+def check(fn, specs, cases, tol=F32, rec=None):
+    """Record ``fn`` on inputs ``specs`` [(name, dtype, shape with -1)], compare at every case."""
+    rec = rec or NetworkRecorder()
+    syms = [rec.add_input(name, dtype, shape) for name, dtype, shape in specs]
+    outs = _list(fn(*syms))
+    for i, o in enumerate(outs):
+        assert isinstance(o, SymbolicTensor)
+        rec.mark_output(f"out{i}", o)
+    for case in cases:
+        got = run_network(rec.network, {name: v for (name, _, _), v in zip(specs, case)})
+        want = _list(fn(*[v.clone() for v in case]))
+        assert len(want) == len(outs)
+        for i, w in enumerate(want):
+            g = got[f"out{i}"]
+            assert g.dtype == w.dtype, (i, g.dtype, w.dtype)
+            assert g.shape == w.shape, (i, g.shape, w.shape)
+            torch.testing.assert_close(g, w, **tol)
+    return rec
+
+
+def gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def randn(*shape, seed=0, dtype=torch.float32, scale=1.0):
+    return (torch.randn(*shape, generator=gen(seed)) * scale).to(dtype)
+
+
+def lengths_for(batch, seq, seed=0):
+    if batch == 1:
+        return torch.tensor([seq], dtype=torch.int32)
+    return torch.randint(1, seq + 1, (batch,), generator=gen(seed), dtype=torch.int32).index_fill_(0, torch.tensor([0]), seq)
+
+
+SHAPES = [(1, 1), (3, 13)]
+
+
+# --- import -----------------------------------------------------------------------------------------
+def test_trt_import():
+    assert FLAVOUR in ("tensorrt", "tensorrt_rtx")
+    assert trt.__name__ == FLAVOUR and VERSION
+    assert HAS_PLUGIN_LAYERS == hasattr(trt.INetworkDefinition, "add_plugin_v3")
+
+
+def test_backend_mirrors_torch_backend_signatures():
+    import inspect
+
+    from builder.backends import torch_backend, trt_backend
+    ops = [n for n, f in vars(F).items() if callable(f) and getattr(f, "__module__", "") == F.__name__
+           and not n.startswith("_")]
+    assert len(ops) >= 18
+    for name in ops:
+        assert inspect.signature(getattr(trt_backend, name)) == inspect.signature(getattr(torch_backend, name)), name
+
+
+# --- dense algebra -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear(bias):
+    w, b = randn(6, 8, seed=1), (randn(6, seed=2) if bias else None)
+    rec = check(lambda x: F.linear(x, w, b), [("x", torch.float32, (-1, -1, 8))],
+                [[randn(bt, t, 8, seed=3)] for bt, t in SHAPES])
+    assert "matmul" in rec.lowerings["linear"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_linear_half(dtype):
+    w, b = randn(6, 8, seed=1, dtype=dtype), randn(6, seed=2, dtype=dtype)
+    check(lambda x: F.linear(x, w, b), [("x", dtype, (-1, -1, 8))],
+          [[randn(bt, t, 8, seed=3, dtype=dtype)] for bt, t in SHAPES], HALF[dtype])
+
+
+def test_embedding():
+    table = randn(11, 5, seed=1)
+    check(lambda ids: F.embedding(ids, table), [("ids", torch.int32, (-1, -1))],
+          [[torch.randint(0, 11, (bt, t), generator=gen(bt), dtype=torch.int32)] for bt, t in SHAPES])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rms_norm(dtype):
+    w = randn(8, seed=1, dtype=dtype)
+    check(lambda x: F.rms_norm(x, w, 1e-5), [("x", dtype, (-1, -1, 8))],
+          [[randn(bt, t, 8, seed=2, dtype=dtype, scale=3.0)] for bt, t in SHAPES], HALF.get(dtype, F32))
+
+
+def test_gated_rms_norm():
+    w = randn(8, seed=1)
+    check(lambda x, g: F.gated_rms_norm(x, g, w, 1e-5, 4),
+          [("x", torch.float32, (-1, -1, 8)), ("g", torch.float32, (-1, -1, 8))],
+          [[randn(bt, t, 8, seed=2), randn(bt, t, 8, seed=3)] for bt, t in SHAPES])
+
+
+@pytest.mark.parametrize("name", ["relu2", "relu", "silu", "gelu", "softplus", "sigmoid"])
+def test_activation(name):
+    def data(bt, t):
+        x = randn(bt, t, 9, seed=4, scale=4.0)
+        x[0, 0, :4] = torch.tensor([-40.0, -19.5, 20.5, 60.0])  # softplus threshold and tails
+        return [x]
+    check(lambda x: F.activation(x, name), [("x", torch.float32, (-1, -1, 9))], [data(bt, t) for bt, t in SHAPES])
+
+
+@pytest.mark.parametrize("name", ["silu", "softplus", "gelu"])
+def test_activation_bf16(name):
+    check(lambda x: F.activation(x, name), [("x", torch.bfloat16, (-1, -1, 9))],
+          [[randn(bt, t, 9, seed=4, scale=4.0, dtype=torch.bfloat16)] for bt, t in SHAPES], HALF[torch.bfloat16])
+
+
+@pytest.mark.parametrize("lo,hi", [(0.0, float("inf")), (-0.5, 0.25), (float("-inf"), float("inf")), (None, 1.0)])
+def test_clamp(lo, hi):
+    rec = check(lambda x: F.clamp(x, lo, hi), [("x", torch.float32, (-1, -1, 4))],
+                [[randn(bt, t, 4, seed=5)] for bt, t in SHAPES])
+    kinds = {rec.network.get_layer(i).type for i in range(rec.network.num_layers)}
+    expected = (lo not in (None, float("-inf"))) + (hi not in (None, float("inf")))
+    assert (trt.LayerType.ELEMENTWISE in kinds) == bool(expected)
+
+
+def test_to_float32():
+    check(lambda x: F.to_float32(x), [("x", torch.bfloat16, (-1, -1, 4))],
+          [[randn(bt, t, 4, seed=5, dtype=torch.bfloat16)] for bt, t in SHAPES])
+
+
+# --- shapes ------------------------------------------------------------------------------------------
+def test_split_concat_reshape_permute():
+    bias = randn(2, seed=9)
+
+    def fn(x):
+        a, b, c = F.split(x, [3, 2, 7], -1)
+        d = F.concat([c, a, b + bias], dim=-1)
+        e = F.reshape(d, [0, 0, 3, -1])
+        return a, b, c, d, e, F.permute(e, [0, 2, 1, 3]), F.split(e, [1, 2], dim=2)[1]
+    check(fn, [("x", torch.float32, (-1, -1, 12))], [[randn(bt, t, 12, seed=6)] for bt, t in SHAPES])
+
+
+def test_concat_time_axis():
+    check(lambda a, b: F.concat([a, b], dim=1),
+          [("a", torch.float32, (-1, 3, 4)), ("b", torch.float32, (-1, -1, 4))],
+          [[randn(bt, 3, 4, seed=1), randn(bt, t, 4, seed=2)] for bt, t in SHAPES])
+
+
+def test_gather_rows():
+    cases = []
+    for bt, t, g in [(1, 1, 1), (3, 13, 4)]:
+        cases.append([randn(bt, t, 2, 3, seed=7), torch.randint(0, t, (bt, g), generator=gen(g), dtype=torch.int32)])
+    check(lambda x, i: F.gather_rows(x, i), [("x", torch.float32, (-1, -1, 2, 3)), ("i", torch.int32, (-1, -1))],
+          cases)
+
+
+@pytest.mark.parametrize("rank", [3, 4])
+def test_mask_padding(rank):
+    tail = (4,) if rank == 3 else (2, 3)
+    check(lambda x, n: F.mask_padding(x, n), [("x", torch.float32, (-1, -1) + tail), ("n", torch.int32, (-1,))],
+          [[randn(bt, t, *tail, seed=8), lengths_for(bt, t, seed=t)] for bt, t in SHAPES])
+
+
+def test_operators():
+    w = randn(4, seed=3)
+
+    def fn(x, y):
+        return (x + y, x - w, w - x, x * 2.0, 3.0 * y, x / (y * y + 1.0), 1.0 / (x * x + 2.0), -x, 2 - x + w * y)
+    check(fn, [("x", torch.float32, (-1, -1, 4)), ("y", torch.float32, (-1, 4))],
+          [[randn(bt, t, 4, seed=1), randn(t, 4, seed=2)] for bt, t in SHAPES])
+
+
+def test_operator_promotion():
+    w = randn(4, seed=3)  # fp32 weight + bf16 activation -> fp32, as torch promotes
+
+    def fn(x):
+        return x + w, x * 0.5
+    rec = check(fn, [("x", torch.bfloat16, (-1, 4))], [[randn(t, 4, seed=1, dtype=torch.bfloat16)] for t in (1, 5)])
+    kinds = [rec.network.get_layer(i).type for i in range(rec.network.num_layers)]
+    assert trt.LayerType.CAST in kinds
+
+
+# --- sequence mixers ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("all_states", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_causal_conv1d(all_states, bias):
+    C, K = 6, 4
+    w, b = randn(C, K, seed=1), (randn(C, seed=2) if bias else None)
+    cases = [[randn(bt, t, C, seed=3), randn(bt, K - 1, C, seed=4), lengths_for(bt, t, seed=5)]
+             for bt, t in SHAPES + [(2, 2)]]
+    check(lambda x, s, n: F.causal_conv1d(x, s, w, b, n, all_states),
+          [("x", torch.float32, (-1, -1, C)), ("s", torch.float32, (-1, K - 1, C)), ("n", torch.int32, (-1,))],
+          cases)
+
+
+def test_causal_conv1d_bf16():
+    C, K = 6, 4
+    w, b = randn(C, K, seed=1, dtype=torch.bfloat16), randn(C, seed=2, dtype=torch.bfloat16)
+    cases = [[randn(bt, t, C, seed=3, dtype=torch.bfloat16), randn(bt, K - 1, C, seed=4, dtype=torch.bfloat16),
+              lengths_for(bt, t, seed=5)] for bt, t in SHAPES]
+    check(lambda x, s, n: F.causal_conv1d(x, s, w, b, n, True),
+          [("x", torch.bfloat16, (-1, -1, C)), ("s", torch.bfloat16, (-1, K - 1, C)), ("n", torch.int32, (-1,))],
+          cases, HALF[torch.bfloat16])
+
+
+def _ssm_case(batch, seq, H=4, P=3, G=2, N=5, seed=0, dtype=torch.float32):
+    x = randn(batch, seq, H, P, seed=seed, dtype=dtype)
+    dt = tf.softplus(randn(batch, seq, H, seed=seed + 1) - 0.5)
+    lengths = lengths_for(batch, seq, seed=seed + 2)
+    dt = F.mask_padding(dt, lengths).to(dtype)  # 0 at padding: the state must not move there
+    B, C = randn(batch, seq, G, N, seed=seed + 3, dtype=dtype), randn(batch, seq, G, N, seed=seed + 4, dtype=dtype)
+    state = randn(batch, H, P, N, seed=seed + 5)
+    return [x, dt, B, C, state]
+
+
+def _ssm_specs(H=4, P=3, G=2, N=5, dtype=torch.float32):
+    return [("x", dtype, (-1, -1, H, P)), ("dt", dtype, (-1, -1, H)), ("B", dtype, (-1, -1, G, N)),
+            ("C", dtype, (-1, -1, G, N)), ("state", torch.float32, (-1, H, P, N))]
+
+
+A_LOG = torch.tensor([0.1, -0.7, 0.5, -0.2])
+D_SKIP = torch.tensor([1.0, 0.5, -0.3, 0.0])
+
+
+@pytest.mark.parametrize("all_states", [False, True])
+def test_ssm_scan(all_states):
+    A = -torch.exp(A_LOG)
+    shapes = [(1, 1), (3, 13), (2, 8), (2, 4)] if not all_states else [(1, 1), (3, 5), (2, 13)]
+    rec = check(lambda x, dt, B, C, s: F.ssm_scan(x, dt, A, B, C, D_SKIP, s, 4, all_states), _ssm_specs(),
+                [_ssm_case(bt, t, seed=bt * 10 + t) for bt, t in shapes], dict(rtol=2e-5, atol=2e-5))
+    kinds = {rec.network.get_layer(i).type for i in range(rec.network.num_layers)}
+    assert trt.LayerType.LOOP_OUTPUT not in kinds and trt.LayerType.CUMULATIVE in kinds
+    assert ("chunked SSD" in rec.lowerings["ssm_scan"]) != all_states
+
+
+@pytest.mark.parametrize("all_states", [False, True])
+def test_ssm_scan_without_cumulative_layer(all_states):
+    """TensorRT versions without ICumulativeLayer get cumulative sums as triangular matmuls."""
+    A = -torch.exp(A_LOG)
+    rec = NetworkRecorder()
+    rec.has_cumulative = False
+    rec = check(lambda x, dt, B, C, s: F.ssm_scan(x, dt, A, B, C, D_SKIP, s, 4, all_states), _ssm_specs(),
+                [_ssm_case(bt, t, seed=bt * 10 + t) for bt, t in [(1, 1), (3, 13)]], dict(rtol=2e-5, atol=2e-5),
+                rec=rec)
+    kinds = {rec.network.get_layer(i).type for i in range(rec.network.num_layers)}
+    assert trt.LayerType.CUMULATIVE not in kinds
+
+
+def test_static_shapes():
+    """Networks whose dims are all known at build time take the constant-folded paths."""
+    A = -torch.exp(A_LOG)
+    case = _ssm_case(2, 6, seed=7)
+    specs = [(n, d, tuple(v.shape)) for (n, d, _), v in zip(_ssm_specs(), case)]
+    for all_states in (False, True):
+        check(lambda x, dt, B, C, s: F.ssm_scan(x, dt, A, B, C, D_SKIP, s, 4, all_states), specs, [case],
+              dict(rtol=2e-5, atol=2e-5))
+    w = randn(6, 4, seed=1)
+    conv = [randn(2, 5, 6, seed=3), randn(2, 3, 6, seed=4), torch.tensor([5, 2], dtype=torch.int32)]
+    check(lambda x, s, n: F.causal_conv1d(x, s, w, None, n, True),
+          [(n, v.dtype, tuple(v.shape)) for n, v in zip("xsn", conv)], [conv])
+    att = _attention_case(2, 3, S=7)
+    check(lambda q, k, v, p: F.attention(q, k, v, p, 0.3), [(n, v.dtype, tuple(v.shape)) for n, v in zip("qkvp", att)],
+          [att])
+    kv = [att[1], att[2][:, :3].contiguous(), att[3]]
+    check(lambda c, n, p: F.kv_cache_update(c, n, p), [(n, v.dtype, tuple(v.shape)) for n, v in zip("cnp", kv)], [kv])
+
+
+def test_ssm_scan_long_prefill_matches_sequential():
+    """A prefill of several hundred tokens (many chunks) against the token-by-token recurrence."""
+    from builder.backends import torch_backend as tb
+    A = -torch.exp(A_LOG)
+    case = _ssm_case(1, 300, seed=3)
+    rec = NetworkRecorder()
+    syms = [rec.add_input(n, d, s) for n, d, s in _ssm_specs()]
+    y, h = F.ssm_scan(*syms[:2], A, *syms[2:4], D_SKIP, syms[4], 16)
+    rec.mark_output("y", y)
+    rec.mark_output("h", h)
+    got = run_network(rec.network, dict(zip(["x", "dt", "B", "C", "state"], case)))
+    x, dt, B, C, s = case
+    ys, hs, _ = tb._ssm_sequential(x, dt, A, tb._heads(B, 4), tb._heads(C, 4), s)
+    torch.testing.assert_close(got["y"], ys + x * D_SKIP[:, None], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got["h"], hs, rtol=1e-4, atol=1e-4)
+
+
+def test_ssm_scan_bf16():
+    A = -torch.exp(A_LOG)
+    check(lambda x, dt, B, C, s: F.ssm_scan(x, dt, A, B, C, D_SKIP, s, 4),
+          _ssm_specs(dtype=torch.bfloat16),
+          [_ssm_case(bt, t, seed=1, dtype=torch.bfloat16) for bt, t in SHAPES], HALF[torch.bfloat16])
+
+
+def test_kv_cache_update():
+    S, Hkv, D = 16, 2, 3
+    cases = []
+    for bt, t in SHAPES:
+        past = torch.randint(0, S - t + 1, (bt, 1), generator=gen(t), dtype=torch.int32)
+        cases.append([randn(bt, S, Hkv, D, seed=1), randn(bt, t, Hkv, D, seed=2),
+                      past + torch.arange(t, dtype=torch.int32)])
+    check(lambda c, n, p: F.kv_cache_update(c, n, p),
+          [("cache", torch.float32, (-1, -1, Hkv, D)), ("new", torch.float32, (-1, -1, Hkv, D)),
+           ("pos", torch.int32, (-1, -1))], cases)
+
+
+def _attention_case(batch, seq, S=12, Hq=4, Hkv=2, D=8, dtype=torch.float32, seed=0):
+    past = torch.randint(0, S - seq + 1, (batch, 1), generator=gen(seed), dtype=torch.int32)
+    positions = past + torch.arange(seq, dtype=torch.int32)
+    return [randn(batch, seq, Hq, D, seed=seed + 1, dtype=dtype), randn(batch, S, Hkv, D, seed=seed + 2, dtype=dtype),
+            randn(batch, S, Hkv, D, seed=seed + 3, dtype=dtype), positions]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_attention(dtype):
+    specs = [("q", dtype, (-1, -1, 4, 8)), ("k", dtype, (-1, -1, 2, 8)), ("v", dtype, (-1, -1, 2, 8)),
+             ("pos", torch.int32, (-1, -1))]
+    cases = [_attention_case(bt, t, S=s, dtype=dtype, seed=bt + t) for bt, t, s in [(1, 1, 5), (3, 4, 12), (2, 7, 9)]]
+    check(lambda q, k, v, p: F.attention(q, k, v, p, 8 ** -0.5), specs, cases, HALF.get(dtype, F32))
+
+
+@pytest.mark.parametrize("norm,latent", [(True, False), (False, True)])
+def test_moe(norm, latent):
+    E, H, I, k = 8, 6, 5, 2
+    Hin = 4 if latent else H
+    router = randn(E, H, seed=1)
+    bias = randn(E, seed=2, scale=0.1)
+    up, down = randn(E, I, Hin, seed=3), randn(E, Hin, I, seed=4)
+
+    def fn(h, x):
+        return F.moe(h, x, router, bias, up, down, k, 2, 1, norm, 2.5, "relu2")
+    rec = check(fn, [("h", torch.float32, (-1, -1, H)), ("x", torch.float32, (-1, -1, Hin))],
+                [[randn(bt, t, H, seed=5), randn(bt, t, Hin, seed=6)] for bt, t in SHAPES])
+    assert "topk" in rec.lowerings["moe"]
+
+
+def test_moe_group_limit_changes_choice():
+    """With n_group 2, topk_group 1 the best expert of the losing group must not be chosen."""
+    E, H = 4, 2
+    router = torch.tensor([[4.0, 0.0], [-4.0, 0.0], [0.0, 3.0], [0.0, 2.9]])
+    zero = torch.zeros(E)
+    up = torch.eye(2).repeat(E, 1, 1)
+    down = torch.stack([torch.eye(2) * (e + 1) for e in range(E)])
+    h = torch.tensor([[[1.0, 1.0]]])
+    fn = lambda a, b: F.moe(a, b, router, zero, up, down, 2, 2, 1, False, 1.0, "relu")  # noqa: E731
+    check(fn, [("h", torch.float32, (-1, -1, H)), ("x", torch.float32, (-1, -1, H))], [[h, h]])
+
+
+# --- recorder behaviour ---------------------------------------------------------------------------------
+def test_names_scopes_and_constant_cache():
+    table = randn(7, 4, seed=1)
+    rec = NetworkRecorder()
+    ids = rec.add_input("ids", torch.int32, (-1, -1))
+    with rec.scope("layers.3"):
+        x = F.embedding(ids, table)
+        y = F.linear(x, table)  # tied: same tensor object -> same constant layer
+        z = F.linear(y, randn(4, 7, seed=2))
+    rec.mark_output("z", z)
+    names = [rec.network.get_layer(i).name for i in range(rec.network.num_layers)]
+    assert len(set(names)) == len(names)
+    assert any(n.startswith("layers.3.embedding/") for n in names)
+    assert any(n.startswith("layers.3.linear/") for n in names) and any(n.startswith("layers.3.linear_1/") for n in names)
+    consts = [i for i in range(rec.network.num_layers) if rec.network.get_layer(i).type == trt.LayerType.CONSTANT]
+    assert len([i for i in consts if tuple(rec.network.get_layer(i).get_output(0).shape) == (7, 4)]) == 1
+    assert set(rec.lowerings) == {"embedding", "linear"}
+
+
+def test_mark_output_of_input_and_twice():
+    rec = NetworkRecorder()
+    x = rec.add_input("x", torch.float32, (-1, 3))
+    rec.mark_output("same", x)
+    y = x * 2.0
+    rec.mark_output("a", y)
+    rec.mark_output("b", y)
+    v = randn(2, 3)
+    out = run_network(rec.network, {"x": v})
+    assert set(out) == {"same", "a", "b"}
+    torch.testing.assert_close(out["same"], v)
+    torch.testing.assert_close(out["b"], v * 2)
+
+
+def test_interpreter_rejects_unknown_layers():
+    rec = NetworkRecorder()
+    x = rec.add_input("x", torch.float32, (1, 1, 4, 4))
+    layer = rec.network.add_pooling_nd(x.tensor, trt.PoolingType.MAX, (2, 2))
+    layer.name = "my_pool"
+    rec.network.mark_output(layer.get_output(0))
+    with pytest.raises(UnsupportedLayerError, match="my_pool.*POOLING"):
+        run_network(rec.network, {"x": torch.zeros(1, 1, 4, 4)})
+
+
+# --- building ----------------------------------------------------------------------------------------
+def test_build_with_dynamic_profile():
+    """Several ops (including the chunked scan, attention and MoE) build with dynamic B/T/S/G."""
+    H, Hq, Hkv, D = 8, 2, 1, 4
+    rec = NetworkRecorder()
+    ids = rec.add_input("ids", torch.int32, (-1, -1))
+    pos = rec.add_input("pos", torch.int32, (-1, -1))
+    lengths = rec.add_input("lengths", torch.int32, (-1,))
+    index = rec.add_input("index", torch.int32, (-1, -1))
+    cache = rec.add_input("cache", torch.float32, (-1, -1, Hkv, D))
+    state = rec.add_input("state", torch.float32, (-1, 2, 2, 3))
+    table = randn(16, H, seed=1)
+    x = F.embedding(ids, table)
+    x = F.rms_norm(x, torch.ones(H), 1e-5)
+    q = F.reshape(F.linear(x, randn(Hq * D, H, seed=2)), [0, 0, Hq, D])
+    k = F.reshape(F.linear(x, randn(Hkv * D, H, seed=3)), [0, 0, Hkv, D])
+    new_cache = F.kv_cache_update(cache, k, pos)
+    a = F.reshape(F.attention(q, new_cache, new_cache, pos, 0.5), [0, 0, Hq * D])
+    xs, dt, B = F.split(F.linear(x, randn(4 + 2 + 3, H, seed=4)), [4, 2, 3])
+    dt = F.mask_padding(F.activation(dt, "softplus"), lengths)
+    y, new_state = F.ssm_scan(F.reshape(xs, [0, 0, 2, 2]), dt, -torch.ones(2), F.reshape(B, [0, 0, 1, 3]),
+                              F.reshape(B, [0, 0, 1, 3]), torch.ones(2), state, 4)
+    m = F.moe(x, x, randn(4, H, seed=5), torch.zeros(4), randn(4, 3, H, seed=6), randn(4, H, 3, seed=7),
+              2, 2, 1, True, 1.0, "silu")
+    out = F.gather_rows(x + a + m, index)
+    rec.mark_output("logits", F.to_float32(F.linear(out, table)))
+    rec.mark_output("cache_out", new_cache)
+    rec.mark_output("state_out", new_state)
+    rec.mark_output("y", y)
+    profile = {"ids": [(1, 1), (2, 8), (4, 64)], "pos": [(1, 1), (2, 8), (4, 64)], "lengths": [(1,), (2,), (4,)],
+               "index": [(1, 1), (2, 4), (4, 64)], "cache": [(1, 1, Hkv, D), (2, 32, Hkv, D), (4, 128, Hkv, D)],
+               "state": [(1, 2, 2, 3), (2, 2, 2, 3), (4, 2, 2, 3)]}
+    decode = dict(profile, ids=[(1, 1), (2, 3), (4, 5)], pos=[(1, 1), (2, 3), (4, 5)])
+    started = time.perf_counter()
+    engine = build_engine_bytes(rec, [decode, profile])
+    assert isinstance(engine, bytes) and len(engine) > 1000
+    assert time.perf_counter() - started < 60
+
+
+def test_build_reports_missing_profile_inputs():
+    from builder.errors import BuildError
+    rec = NetworkRecorder()
+    x = rec.add_input("x", torch.float32, (-1, 4))
+    rec.mark_output("y", x * 2.0)
+    with pytest.raises(BuildError, match="x"):
+        build_engine_bytes(rec, [{}])
+
+
+# --- the whole target model ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    """The MoE tiny model (Mamba, attention, MLP and MoE layers), group-limited routing, tied head."""
+    from tiny_models import tiny_checkpoint
+
+    from builder.checkpoint import load_checkpoint
+    from builder.models.nemotron_h import NemotronH
+    path = tiny_checkpoint("moe", tmp_path_factory, tie_word_embeddings=True, n_group=2, topk_group=1)
+    config, weights = load_checkpoint(path)
+    module = NemotronH(config, weights, torch.float32)
+    module.source = path
+    return module
+
+
+def _weights_of(module):
+    from builder.checkpoint import load_checkpoint
+    return load_checkpoint(module.source)[1]
+
+
+def _record_model(module, all_states=False):
+    rec = NetworkRecorder()
+    feeds = {n: rec.add_input(n, torch.int32, s) for n, s in
+             [("input_ids", (-1, -1)), ("positions", (-1, -1)), ("lengths", (-1,)), ("logit_index", (-1, -1))]}
+    state = {n: rec.add_input("past." + n, dtype, shape) for n, (shape, dtype) in module.state_spec(-1, -1).items()}
+    logits, new_state = module.forward(feeds["input_ids"], feeds["positions"], feeds["lengths"],
+                                       feeds["logit_index"], state, all_states)
+    rec.mark_output("logits", logits)
+    for n, t in new_state.items():
+        rec.mark_output("present." + n, t)
+    return rec
+
+
+def _compare_model(rec, module, ids, positions, lengths, index, state, all_states=False):
+    feeds = dict(input_ids=ids, positions=positions, lengths=lengths, logit_index=index)
+    feeds.update({"past." + n: v for n, v in state.items()})
+    got = run_network(rec.network, feeds)
+    logits, new_state = module.forward(ids, positions, lengths, index, {n: v.clone() for n, v in state.items()},
+                                       all_states)
+    torch.testing.assert_close(got["logits"], logits, rtol=1e-4, atol=1e-4)
+    assert set(got) == {"logits"} | {"present." + n for n in new_state}
+    for n, v in new_state.items():
+        torch.testing.assert_close(got["present." + n], v, rtol=1e-4, atol=1e-4, msg=n)
+    return new_state
+
+
+def test_nemotron_h_prefill_and_decode(tiny_target):
+    module = tiny_target
+    rec = _record_model(module)
+    assert {"linear", "embedding", "rms_norm", "gated_rms_norm", "activation", "clamp", "split", "reshape",
+            "gather_rows", "mask_padding", "causal_conv1d", "ssm_scan", "kv_cache_update", "attention",
+            "moe", "to_float32", "add"} <= set(rec.lowerings)
+    vocab, capacity = module.cfg.vocab_size, 16
+    state = {n: torch.randn(shape, generator=gen(1)).to(dtype) * 0 for n, (shape, dtype) in
+             module.state_spec(2, capacity).items()}
+    ids = torch.randint(3, vocab, (2, 5), generator=gen(2), dtype=torch.int32)
+    positions = torch.arange(5, dtype=torch.int32).repeat(2, 1)
+    lengths = torch.tensor([5, 3], dtype=torch.int32)
+    index = torch.tensor([[4, 1], [2, 0]], dtype=torch.int32)  # G = 2 rows per sequence
+    state = _compare_model(rec, module, ids, positions, lengths, index, state)
+    decode = torch.randint(3, vocab, (2, 1), generator=gen(3), dtype=torch.int32)
+    _compare_model(rec, module, decode, lengths[:, None].clone(), torch.ones(2, dtype=torch.int32),
+                   torch.zeros(2, 1, dtype=torch.int32), state)
+
+
+def test_nemotron_h_verify_with_all_states(tiny_target):
+    module = tiny_target
+    rec = _record_model(module, all_states=True)
+    state = {n: torch.randn(shape, generator=gen(4)).to(dtype) for n, (shape, dtype) in
+             module.state_spec(2, 12).items()}
+    ids = torch.randint(3, module.cfg.vocab_size, (2, 3), generator=gen(5), dtype=torch.int32)
+    positions = torch.tensor([[4, 5, 6], [7, 8, 9]], dtype=torch.int32)
+    new_state = _compare_model(rec, module, ids, positions, torch.tensor([3, 2], dtype=torch.int32),
+                               torch.tensor([[0, 1, 2], [0, 1, 1]], dtype=torch.int32), state, all_states=True)
+    assert any(n.endswith("ssm_states") for n in new_state)
+
+
+@pytest.mark.parametrize("dtype,bound", [(torch.bfloat16, 5e-2), (torch.float16, 5e-3)])
+def test_nemotron_h_half_precision(tiny_target, dtype, bound):
+    from builder.models.nemotron_h import NemotronH
+    module = NemotronH(tiny_target.cfg, _weights_of(tiny_target), dtype)
+    rec = _record_model(module)
+    state = {n: torch.zeros(shape, dtype=dt) for n, (shape, dt) in module.state_spec(2, 16).items()}
+    ids = torch.randint(3, module.cfg.vocab_size, (2, 11), generator=gen(6), dtype=torch.int32)
+    feeds = dict(input_ids=ids, positions=torch.arange(11, dtype=torch.int32).repeat(2, 1),
+                 lengths=torch.tensor([11, 6], dtype=torch.int32), logit_index=torch.tensor([[10], [5]], dtype=torch.int32))
+    got = run_network(rec.network, dict(feeds, **{"past." + n: v for n, v in state.items()}))
+    want, _ = module.forward(*feeds.values(), {n: v.clone() for n, v in state.items()})
+    assert ((got["logits"] - want).abs().max() / want.abs().max()).item() < bound
+    assert torch.equal(got["logits"].argmax(-1), want.argmax(-1))
+
+
+# --- the interpreter on its own ----------------------------------------------------------------------------
+def test_interpreter_is_independent_of_the_backend():
+    import subprocess
+    import sys
+    code = "import sys, builder.interpreter; sys.exit('builder.backends.trt_backend' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_interpreter_layers_not_emitted_by_the_backend():
+    """Einsum, squeeze/unsqueeze, a bf16 constant, and a slice whose size tensor is made after it."""
+    import numpy as np
+    rec = NetworkRecorder()  # keeps the builder alive with its network
+    net = rec.network
+    x = net.add_input("x", trt.float32, (-1, 3, 4))
+    y = net.add_input("y", trt.float32, (4, 5))
+    e = net.add_einsum([x, y], "btk,kn->btn").get_output(0)
+    sl = net.add_slice(e, (0, 1, 0), (1, 1, 1), (1, 1, 1))  # its size input comes later
+    shape = net.add_shape(e).get_output(0)
+    minus = net.add_constant((3,), np.array([0, 1, 0], dtype=np.int64)).get_output(0)
+    sl.set_input(2, net.add_elementwise(shape, minus, trt.ElementWiseOperation.SUB).get_output(0))
+    axes = net.add_constant((1,), np.array([1], dtype=np.int64)).get_output(0)
+    sq = net.add_squeeze(net.add_slice(e, (0, 0, 0), (1, 1, 5), (1, 1, 1)).get_output(0), axes).get_output(0)
+    unsq = net.add_unsqueeze(sq, axes).get_output(0)
+    w = torch.arange(6, dtype=torch.float32).reshape(2, 3).bfloat16()
+    arr = w.view(torch.int16).numpy()
+    c = net.add_constant((2, 3), trt.Weights(trt.bfloat16, arr.ctypes.data, arr.size)).get_output(0)
+    cf = net.add_cast(c, trt.float32).get_output(0)
+    for name, t in [("einsum", e), ("slice", sl.get_output(0)), ("unsqueeze", unsq), ("const", cf)]:
+        t.name = name
+        net.mark_output(t)
+    xv, yv = randn(2, 3, 4, seed=1), randn(4, 5, seed=2)
+    out = run_network(net, {"x": xv, "y": yv})
+    ref = torch.einsum("btk,kn->btn", xv, yv)
+    torch.testing.assert_close(out["einsum"], ref)
+    torch.testing.assert_close(out["slice"], ref[:, 1:])
+    torch.testing.assert_close(out["unsqueeze"], ref[:1, :1])
+    torch.testing.assert_close(out["const"], w.float())
