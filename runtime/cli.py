@@ -42,7 +42,8 @@ def _parser():
     g.add_argument("--end_id", type=int, default=None, help="stop token (default: the config's eos_token_id)")
     g.add_argument("--ignore_eos", action="store_true")
     g.add_argument("--no_speculation", action="store_true", help="run the target alone")
-    g.add_argument("--backend", default="auto", choices=["auto", "torch", "tensorrt"])
+    g.add_argument("--backend", default="auto", choices=["auto", "torch", "tensorrt", "interpreter"],
+                   help="auto: TensorRT on a GPU, else torch; interpreter: the engine's network on the CPU (slow, a check)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="with --checkpoint_dir: the eager dtype")
     g.add_argument("--json", action="store_true", help="print one JSON object on the last line")
@@ -88,8 +89,8 @@ def cmd_generate(args):
     from runtime.generation import generate
     from runtime.loading import open_checkpoint, open_engine_dir
     if args.checkpoint_dir:
-        if args.backend == "tensorrt":
-            raise NemospecError("--backend tensorrt needs --engine_dir (build one with `nemospec build`)")
+        if args.backend in ("tensorrt", "interpreter"):
+            raise NemospecError(f"--backend {args.backend} needs --engine_dir (build one with `nemospec build`)")
         loaded = open_checkpoint(args.checkpoint_dir, args.dtype)
     else:
         loaded = open_engine_dir(args.engine_dir, args.backend)

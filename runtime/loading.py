@@ -12,7 +12,7 @@ from builder.config import NemotronHConfig
 from builder.engine import TORCH_DTYPES
 from builder.errors import NemospecError
 from builder.models.nemotron_h import NemotronH
-from runtime.runner import TensorRTRunner, TorchRunner
+from runtime.runner import InterpreterRunner, TensorRTRunner, TorchRunner
 
 
 @dataclass
@@ -61,10 +61,12 @@ def open_engine_dir(engine_dir, backend="auto", device=None) -> Loaded:
         backend = "tensorrt" if tensorrt_available() else "torch"
     if backend == "tensorrt":
         runner = TensorRTRunner(engine_dir)
-    elif backend == "torch":
+    elif backend in ("torch", "interpreter"):
         weights = load_file(str(engine_dir / "weights" / "target.safetensors"))
-        runner = TorchRunner(NemotronH(config, weights, TORCH_DTYPES[build["dtype"]]), _device(device))
+        module = NemotronH(config, weights, TORCH_DTYPES[build["dtype"]])
+        runner = (TorchRunner(module, _device(device)) if backend == "torch"
+                  else InterpreterRunner(module, meta["engines"]["target"]))
     else:
-        raise NemospecError(f"--backend: expected auto, torch or tensorrt, got {backend}")
+        raise NemospecError(f"--backend: expected auto, torch, tensorrt or interpreter, got {backend}")
     tok = engine_dir / meta["tokenizer"] if meta.get("tokenizer") else None
     return Loaded(runner, config, tok, build["max_seq_len"], build["max_input_len"], backend)

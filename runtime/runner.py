@@ -44,6 +44,28 @@ class TorchRunner:
         return self.module.forward(input_ids, positions, lengths, logit_index, state, all_states)
 
 
+class InterpreterRunner(TorchRunner):
+    """Evaluates the engine's recorded TensorRT network on the CPU, layer by layer.
+
+    Slow, but it executes exactly the network that ``nemospec build`` serializes, so a machine
+    with no GPU can still check what an engine computes (``--backend interpreter``).
+    """
+
+    def __init__(self, module, contract):
+        from builder.engine import record_target
+        super().__init__(module, "cpu")
+        self.network = record_target(module, contract)
+
+    def forward(self, input_ids, positions, lengths, logit_index, state, all_states=False):
+        from builder.interpreter import run_network
+        if all_states:
+            raise ValueError("the recorded target network has no per-position state outputs")
+        feeds = {"input_ids": input_ids, "positions": positions, "lengths": lengths, "logit_index": logit_index}
+        feeds.update({"past." + k: v for k, v in state.items()})
+        out = run_network(self.network.network, feeds)
+        return out["logits"], {k: out["present." + k] for k in state}
+
+
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
                  "int32": torch.int32, "int64": torch.int64, "bool": torch.bool}
 
