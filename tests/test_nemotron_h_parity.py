@@ -100,3 +100,23 @@ def test_chunked_prefill_equals_whole_prefill(checkpoints):
     whole = generate(ours, [prompt], 10, prefill_chunk=512).output_ids
     chunked = generate(ours, [prompt], 10, prefill_chunk=5).output_ids
     assert whole == chunked
+
+
+def test_moe_with_latent_projection_and_group_routing_matches_transformers(tmp_path_factory):
+    """moe_latent_size (experts run in a smaller latent space) and n_group/topk_group routing."""
+    from tiny_models import tiny_checkpoint
+    path = tiny_checkpoint("moe", tmp_path_factory, moe_latent_size=16, n_group=4, topk_group=2,
+                           routed_scaling_factor=2.5, norm_topk_prob=False)
+    ours, theirs = _ours(path), _theirs(path)
+    assert ours.config.moe_latent_size == 16 and ours.config.n_group == 4
+    prompt = _prompt(ours.config.vocab_size, 12, 5)
+    with torch.no_grad():
+        ref = theirs(torch.tensor([prompt])).logits[0]
+    ids, positions, lengths = chunk_inputs([prompt], [0])
+    logits, _ = ours.forward(ids, positions, lengths, torch.arange(12, dtype=torch.int32)[None],
+                             ours.new_state(1, 16))
+    assert _rel(logits[0], ref) < 1e-4
+    theirs.generation_config.eos_token_id = None
+    with torch.no_grad():
+        want = theirs.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, pad_token_id=0)
+    assert generate(ours, [prompt], 16).output_ids[0] == want[0, 12:].tolist()
