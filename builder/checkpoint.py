@@ -144,6 +144,33 @@ def optional_tensors(config: NemotronHConfig) -> dict[str, Shape]:
     return t
 
 
+def mtp_tensors(config: NemotronHConfig) -> dict[str, Shape]:
+    """The ``mtp.*`` tensors of NemotronH's own MTP layers (vLLM's layout), name -> shape."""
+    H, last = config.hidden_size, len(config.mtp_layer_types) - 1
+    t: dict[str, Shape] = {"mtp.layers.0.enorm.weight": (H,), "mtp.layers.0.hnorm.weight": (H,),
+                           "mtp.layers.0.eh_proj.weight": (H, 2 * H)}
+    for i, kind in enumerate(config.mtp_layer_types):
+        t.update(block_tensors(config, kind, f"mtp.layers.{i}"))
+    t[f"mtp.layers.{last}.final_layernorm.weight"] = (H,)
+    return t
+
+
+def validate_mtp(config: NemotronHConfig, tensors: dict, where: str) -> None:
+    """The checkpoint really holds MTP layers for ``--speculative_decoding_mode mtp``."""
+    if config.num_nextn_predict_layers < 1:
+        raise CheckpointError(f"{where}: field 'num_nextn_predict_layers' is {config.num_nextn_predict_layers}; "
+                              "mtp mode needs a checkpoint with MTP layers (>= 1)")
+    if "mamba" in config.mtp_layer_types:
+        raise CheckpointError(f"{where}: field 'mtp_hybrid_override_pattern' "
+                              f"{config.mtp_hybrid_override_pattern!r}: MTP layers may be attention, MLP or MoE (*, -, E)")
+    for name, shape in mtp_tensors(config).items():
+        if name not in tensors:
+            raise CheckpointError(f"{where}: missing tensor {name} (MTP layer), expected shape {_fmt(shape)}")
+        if tuple(tensors[name].shape) != shape:
+            raise CheckpointError(f"{where}: tensor {name} has shape {_fmt(tuple(tensors[name].shape))}, "
+                                  f"expected {_fmt(shape)}")
+
+
 def canonical_name(name: str) -> str:
     """``model.`` prefix -> ``backbone.``; every other name unchanged."""
     if name.startswith("model."):

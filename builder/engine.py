@@ -121,7 +121,7 @@ def record_target(module: NemotronH, contract: dict):
         shape = [d if isinstance(d, int) else -1 for d in entry["shape"]]
         feeds[name] = recorder.add_input(name, TORCH_DTYPES.get(entry["dtype"], getattr(torch, entry["dtype"])), shape)
     state = {n: feeds["past." + n] for n in contract["state"]}
-    logits, new_state = module.forward(feeds["input_ids"], feeds["positions"], feeds["lengths"],
+    logits, new_state, _ = module.forward(feeds["input_ids"], feeds["positions"], feeds["lengths"],
                                        feeds["logit_index"], state)
     recorder.mark_output("logits", logits)
     for name, tensor in new_state.items():

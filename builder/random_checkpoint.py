@@ -84,6 +84,42 @@ def build_model(config_kwargs: dict, seed: int = 0, tie_word_embeddings: bool = 
     return model
 
 
+def add_mtp_layers(directory, pattern: str = "*E", seed: int = 0) -> Path:
+    """Appends random NemotronH MTP layers (``mtp.*``, vLLM's layout) to a checkpoint written here.
+
+    transformers neither builds nor writes MTP layers, so they are drawn with the same spread as
+    the other weights and the config gains ``num_nextn_predict_layers`` and the MTP pattern.
+    """
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from builder.checkpoint import mtp_tensors
+    from builder.config import load_config
+
+    directory = Path(directory)
+    raw = json.loads((directory / "config.json").read_text())
+    raw.update(num_nextn_predict_layers=1, mtp_hybrid_override_pattern=pattern)
+    raw.pop("mtp_layers_block_type", None)
+    (directory / "config.json").write_text(json.dumps(raw, indent=2))
+    config = load_config(directory)
+    tensors = load_file(str(directory / "model.safetensors"))
+    g = torch.Generator().manual_seed(seed + 1000)
+    for name, shape in mtp_tensors(config).items():
+        leaf = name.rsplit(".", 2)[-2]
+        if name.endswith("norm.weight") or leaf in ("enorm", "hnorm", "final_layernorm"):
+            value = 1.0 + 0.1 * torch.randn(shape, generator=g)
+        elif name.endswith("e_score_correction_bias"):
+            value = 0.1 * torch.randn(shape, generator=g)
+        elif name.endswith("gate.weight"):
+            value = torch.randn(shape, generator=g)
+        else:
+            value = torch.randn(shape, generator=g) * 2.0 / math.sqrt(shape[-1])
+        tensors[name] = value.to(tensors["backbone.embeddings.weight"].dtype)
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return directory
+
+
 def stdlib_corpus(max_files: int = 60) -> list[Path]:
     """Python standard library sources of the running interpreter (PSF licence), sorted."""
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -104,7 +140,7 @@ def train_tokenizer(vocab_size: int, files: list[Path]):
 
 
 def write_random_checkpoint(directory, pattern: str = "M*E-M", seed: int = 0, tokenizer: bool = False,
-                            dtype: str = "float32", **overrides) -> Path:
+                            dtype: str = "float32", mtp_pattern: str | None = None, **overrides) -> Path:
     """Writes config.json + model.safetensors (+ tokenizer.json) and returns the directory."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -113,6 +149,8 @@ def write_random_checkpoint(directory, pattern: str = "M*E-M", seed: int = 0, to
         model = model.to(getattr(torch, dtype))
         model.config.dtype = dtype
     model.save_pretrained(str(directory))
+    if mtp_pattern:
+        add_mtp_layers(directory, mtp_pattern, seed)
     if tokenizer:
         tok = train_tokenizer(model.config.vocab_size, stdlib_corpus())
         tok.save(str(directory / "tokenizer.json"))

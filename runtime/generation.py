@@ -41,23 +41,33 @@ def check_request(prompts, max_new_tokens, max_seq_len, vocab_size):
                              f"exceeds max_seq_len {max_seq_len}")
 
 
-def prefill(runner, prompts, state, chunk_size):
-    """Feeds every prompt in chunks of at most chunk_size tokens; returns last-token logits [B, V]."""
+def prefill(runner, prompts, state, chunk_size, features=()):
+    """Feeds every prompt in chunks of at most chunk_size tokens.
+
+    Returns (last-token logits [B, V], state, number of forwards, {feature name: per-sequence
+    [L_b, F] tensors}) where ``features`` names the runner's feature outputs to collect per row.
+    """
     done = [0] * len(prompts)
     last = [None] * len(prompts)
+    collected = {name: [[] for _ in prompts] for name in features}
+    forwards = 0
     while any(d < len(p) for d, p in zip(done, prompts)):
         active = [b for b, p in enumerate(prompts) if done[b] < len(p)]
         chunks = [prompts[b][done[b]:done[b] + chunk_size] if b in active else [0] for b in range(len(prompts))]
         ids, positions, lengths = chunk_inputs(chunks, done, runner.device)
         index = (lengths - 1).to(torch.int32)[:, None]
-        logits, new_state = runner.forward(ids, positions, lengths, index, state)
+        logits, new_state, feats = runner.forward(ids, positions, lengths, index, state)
+        forwards += 1
         for b in active:  # sequences with nothing left keep their state
             for name, value in new_state.items():
                 if value is not state[name]:
                     state[name][b] = value[b]
             last[b] = logits[b, 0]
+            for name in features:
+                collected[name][b].append(feats[name][b, :len(chunks[b])])
             done[b] += len(chunks[b])
-    return torch.stack(last), state
+    collected = {name: [torch.cat(rows) for rows in per_seq] for name, per_seq in collected.items()}
+    return torch.stack(last), state, forwards, collected
 
 
 def generate(runner, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 0.0,
@@ -68,8 +78,7 @@ def generate(runner, prompts: list[list[int]], max_new_tokens: int, *, temperatu
     start = time.perf_counter()
     capacity = max(len(p) for p in prompts) + max_new_tokens
     state = runner.new_state(len(prompts), capacity)
-    logits, state = prefill(runner, prompts, state, prefill_chunk)
-    forwards = -(-max(len(p) for p in prompts) // prefill_chunk)
+    logits, state, forwards, _ = prefill(runner, prompts, state, prefill_chunk)
     outputs = [[] for _ in prompts]
     finished = [False] * len(prompts)
     lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int32)
@@ -85,7 +94,7 @@ def generate(runner, prompts: list[list[int]], max_new_tokens: int, *, temperatu
             break
         positions = (lengths + step)[:, None]
         ids = tokens.to(torch.int32)[:, None]
-        out, state = runner.forward(ids.to(runner.device), positions.to(runner.device), one.to(runner.device),
+        out, state, _ = runner.forward(ids.to(runner.device), positions.to(runner.device), one.to(runner.device),
                                     index.to(runner.device), state)
         logits = out[:, 0]
         forwards += 1

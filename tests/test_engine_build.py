@@ -76,8 +76,8 @@ def test_interpreted_engine_network_generates_like_eager(kind, engines):
     # prefill logits of a ragged batch, every row
     ids, positions, lengths = chunk_inputs(prompts, [0, 0, 0])
     index = torch.arange(7, dtype=torch.int32).repeat(3, 1)
-    a, state_a = interp.forward(ids, positions, lengths, index, interp.new_state(3, 24))
-    b, state_b = eager.forward(ids, positions, lengths, index, eager.new_state(3, 24))
+    a, state_a, _, _ = interp.forward(ids, positions, lengths, index, interp.new_state(3, 24))
+    b, state_b, _, _ = eager.forward(ids, positions, lengths, index, eager.new_state(3, 24))
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     for name in state_b:
         if "conv" in name or "ssm" in name:
@@ -105,8 +105,8 @@ def test_bfloat16_build(checkpoints, tmp_path):
     eager = open_engine_dir(out, backend="torch").runner
     assert eager.dtype == torch.bfloat16
     ids, positions, lengths = chunk_inputs([[5, 6, 7, 8]], [0])
-    a, _ = interp.forward(ids, positions, lengths, (lengths - 1)[:, None], interp.new_state(1, 8))
-    b, _ = eager.forward(ids, positions, lengths, (lengths - 1)[:, None], eager.new_state(1, 8))
+    a, _, _ = interp.forward(ids, positions, lengths, (lengths - 1)[:, None], interp.new_state(1, 8))
+    b, _, _ = eager.forward(ids, positions, lengths, (lengths - 1)[:, None], eager.new_state(1, 8))
     assert ((a - b).abs().max() / b.abs().max()).item() < 5e-2
 
 

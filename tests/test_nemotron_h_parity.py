@@ -37,7 +37,7 @@ def test_prefill_logits_match_transformers(kind, checkpoints):
         ref = theirs(torch.tensor([prompt])).logits[0]
     ids, positions, lengths = chunk_inputs([prompt], [0])
     state = ours.new_state(1, 32)
-    logits, _ = ours.forward(ids, positions, lengths, torch.arange(21, dtype=torch.int32)[None], state)
+    logits, _, _ = ours.forward(ids, positions, lengths, torch.arange(21, dtype=torch.int32)[None], state)
     assert _rel(logits[0], ref) < 1e-4
 
 
@@ -55,11 +55,11 @@ def test_incremental_decode_matches_transformers_cache(kind, checkpoints):
             ref.append(out.logits[0, -1])
     ids, positions, lengths = chunk_inputs([prompt], [0])
     state = ours.new_state(1, 64)
-    _, state = ours.forward(ids, positions, lengths, (lengths - 1)[:, None], state)
+    _, state, _ = ours.forward(ids, positions, lengths, (lengths - 1)[:, None], state)
     zero = torch.zeros(1, 1, dtype=torch.int32)
     for step, t in enumerate(follow):
         pos = torch.tensor([[len(prompt) + step]], dtype=torch.int32)
-        logits, state = ours.forward(torch.tensor([[t]], dtype=torch.int32), pos, torch.ones(1, dtype=torch.int32),
+        logits, state, _ = ours.forward(torch.tensor([[t]], dtype=torch.int32), pos, torch.ones(1, dtype=torch.int32),
                                      zero, state)
         assert _rel(logits[0, 0], ref[step]) < 1e-4, f"decode step {step}"
     # the recurrent state itself, after 9 + 32 tokens
@@ -113,7 +113,7 @@ def test_moe_with_latent_projection_and_group_routing_matches_transformers(tmp_p
     with torch.no_grad():
         ref = theirs(torch.tensor([prompt])).logits[0]
     ids, positions, lengths = chunk_inputs([prompt], [0])
-    logits, _ = ours.forward(ids, positions, lengths, torch.arange(12, dtype=torch.int32)[None],
+    logits, _, _ = ours.forward(ids, positions, lengths, torch.arange(12, dtype=torch.int32)[None],
                              ours.new_state(1, 16))
     assert _rel(logits[0], ref) < 1e-4
     theirs.generation_config.eos_token_id = None

@@ -29,6 +29,6 @@ def test_tensorrt_runner_matches_torch_runner(kind, checkpoints, tmp_path):
     pos = torch.arange(4, dtype=torch.int32, device="cuda")[None]
     lengths = torch.tensor([4], dtype=torch.int32, device="cuda")
     index = pos.clone()
-    a, _ = trt_runner.forward(ids, pos, lengths, index, trt_runner.new_state(1, 16))
-    b, _ = torch_runner.forward(ids, pos, lengths, index, torch_runner.new_state(1, 16))
+    a, _, _ = trt_runner.forward(ids, pos, lengths, index, trt_runner.new_state(1, 16))
+    b, _, _ = torch_runner.forward(ids, pos, lengths, index, torch_runner.new_state(1, 16))
     assert torch.allclose(a, b, rtol=1e-3, atol=1e-3)

@@ -477,7 +477,7 @@ def _record_model(module, all_states=False):
     feeds = {n: rec.add_input(n, torch.int32, s) for n, s in
              [("input_ids", (-1, -1)), ("positions", (-1, -1)), ("lengths", (-1,)), ("logit_index", (-1, -1))]}
     state = {n: rec.add_input("past." + n, dtype, shape) for n, (shape, dtype) in module.state_spec(-1, -1).items()}
-    logits, new_state = module.forward(feeds["input_ids"], feeds["positions"], feeds["lengths"],
+    logits, new_state, _ = module.forward(feeds["input_ids"], feeds["positions"], feeds["lengths"],
                                        feeds["logit_index"], state, all_states)
     rec.mark_output("logits", logits)
     for n, t in new_state.items():
@@ -489,7 +489,7 @@ def _compare_model(rec, module, ids, positions, lengths, index, state, all_state
     feeds = dict(input_ids=ids, positions=positions, lengths=lengths, logit_index=index)
     feeds.update({"past." + n: v for n, v in state.items()})
     got = run_network(rec.network, feeds)
-    logits, new_state = module.forward(ids, positions, lengths, index, {n: v.clone() for n, v in state.items()},
+    logits, new_state, _ = module.forward(ids, positions, lengths, index, {n: v.clone() for n, v in state.items()},
                                        all_states)
     torch.testing.assert_close(got["logits"], logits, rtol=1e-4, atol=1e-4)
     assert set(got) == {"logits"} | {"present." + n for n in new_state}
@@ -539,7 +539,7 @@ def test_nemotron_h_half_precision(tiny_target, dtype, bound):
     feeds = dict(input_ids=ids, positions=torch.arange(11, dtype=torch.int32).repeat(2, 1),
                  lengths=torch.tensor([11, 6], dtype=torch.int32), logit_index=torch.tensor([[10], [5]], dtype=torch.int32))
     got = run_network(rec.network, dict(feeds, **{"past." + n: v for n, v in state.items()}))
-    want, _ = module.forward(*feeds.values(), {n: v.clone() for n, v in state.items()})
+    want, _, _ = module.forward(*feeds.values(), {n: v.clone() for n, v in state.items()})
     assert ((got["logits"] - want).abs().max() / want.abs().max()).item() < bound
     assert torch.equal(got["logits"].argmax(-1), want.argmax(-1))
 

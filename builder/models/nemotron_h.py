@@ -98,71 +98,105 @@ class MoE:
         shared = p + "shared_experts."
         self.shared = MLP(cfg, w, shared, dtype) if shared + "up_proj.weight" in w else None
         self.fc1_latent = _bind(w, p + "fc1_latent_proj.weight", dtype)
+        self.fc1_latent_bias = _bind(w, p + "fc1_latent_proj.bias", dtype)
         self.fc2_latent = _bind(w, p + "fc2_latent_proj.weight", dtype)
+        self.fc2_latent_bias = _bind(w, p + "fc2_latent_proj.bias", dtype)
 
     def __call__(self, x):
         c = self.cfg
-        expert_in = x if self.fc1_latent is None else F.linear(x, self.fc1_latent)
+        expert_in = x if self.fc1_latent is None else F.linear(x, self.fc1_latent, self.fc1_latent_bias)
         routed = F.moe(x, expert_in, self.router, self.router_bias, self.up, self.down,
                        c.num_experts_per_tok, c.n_group, c.topk_group, c.norm_topk_prob,
                        c.routed_scaling_factor, c.mlp_hidden_act)
         if self.fc2_latent is not None:
-            routed = F.linear(routed, self.fc2_latent)
+            routed = F.linear(routed, self.fc2_latent, self.fc2_latent_bias)
         return routed if self.shared is None else routed + self.shared(x)
+
+
+MIXERS = {"mamba": Mamba2Mixer, "attention": Attention, "mlp": MLP, "moe": MoE}
+
+
+def run_block(kind, mixer, x, lengths, positions, state, new_state, p, all_states=False):
+    """One mixer on the normed stream; state names under prefix ``p``. Returns the mixer output."""
+    if kind == "mamba":
+        out = mixer(x, state[p + "conv_state"], state[p + "ssm_state"], lengths, all_states)
+        h, new_state[p + "conv_state"], new_state[p + "ssm_state"] = out[:3]
+        if all_states:
+            new_state[p + "conv_states"], new_state[p + "ssm_states"] = out[3:]
+        return h
+    if kind == "attention":
+        h, new_state[p + "key_cache"], new_state[p + "value_cache"] = mixer(
+            x, state[p + "key_cache"], state[p + "value_cache"], positions)
+        return h
+    return mixer(x)
+
+
+def block_state_spec(cfg, kind, p, batch, capacity, dtype):
+    """State tensors of one block: Mamba conv + SSM state, or an attention KV cache."""
+    if kind == "mamba":
+        return {p + "conv_state": ((batch, cfg.conv_kernel - 1, cfg.conv_dim), dtype),
+                p + "ssm_state": ((batch, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size), torch.float32)}
+    if kind == "attention":
+        shape = (batch, capacity, cfg.num_key_value_heads, cfg.head_dim)
+        return {p + "key_cache": (shape, dtype), p + "value_cache": (shape, dtype)}
+    return {}
 
 
 class NemotronH:
     """The target model. ``forward`` runs one chunk of T tokens for a batch of sequences."""
 
-    def __init__(self, cfg: NemotronHConfig, weights: dict, dtype=torch.float32):
+    def __init__(self, cfg: NemotronHConfig, weights: dict, dtype=torch.float32, capture_layers=(),
+                 final_hidden=False):
+        """``capture_layers``: ids of layers whose entering hidden state a draft reads (0 = the
+        embeddings, L = the pre-norm output of the last layer), returned as ``aux_hidden``
+        [B, T, len*H] in that order; ``final_hidden``: also return the post-norm hidden [B, T, H]."""
         self.cfg, self.dtype = cfg, dtype
+        self.capture_layers, self.final_hidden = tuple(capture_layers), final_hidden
         self.embeddings = weights["backbone.embeddings.weight"].to(dtype)
         # transformers writes and uses lm_head even when tie_word_embeddings is set
         head = weights.get("lm_head.weight")
         self.lm_head = self.embeddings if head is None else head.to(dtype)
         self.norm_f = weights["backbone.norm_f.weight"].to(dtype)
-        mixers = {"mamba": Mamba2Mixer, "attention": Attention, "mlp": MLP, "moe": MoE}
         self.layers = []
         for i, kind in enumerate(cfg.layer_types):
             p = f"backbone.layers.{i}."
-            self.layers.append((kind, weights[p + "norm.weight"].to(dtype), mixers[kind](cfg, weights, p + "mixer.", dtype)))
+            self.layers.append((kind, weights[p + "norm.weight"].to(dtype), MIXERS[kind](cfg, weights, p + "mixer.", dtype)))
 
     def state_spec(self, batch: int, capacity: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Name -> (shape, dtype) of every state tensor for ``batch`` sequences of ``capacity`` tokens."""
-        c, spec = self.cfg, {}
-        for i, kind in enumerate(c.layer_types):
-            if kind == "mamba":
-                spec[f"layers.{i}.conv_state"] = ((batch, c.conv_kernel - 1, c.conv_dim), self.dtype)
-                spec[f"layers.{i}.ssm_state"] = (
-                    (batch, c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size), torch.float32)
-            elif kind == "attention":
-                for n in ("key_cache", "value_cache"):
-                    spec[f"layers.{i}.{n}"] = ((batch, capacity, c.num_key_value_heads, c.head_dim), self.dtype)
+        spec = {}
+        for i, kind in enumerate(self.cfg.layer_types):
+            spec.update(block_state_spec(self.cfg, kind, f"layers.{i}.", batch, capacity, self.dtype))
         return spec
 
     def forward(self, input_ids, positions, lengths, logit_index, state: dict, all_states=False):
-        """Returns (logits [B, G, V] fp32 at chunk rows logit_index [B, G], new state dict).
+        """Returns (logits [B, G, V] fp32 at chunk rows logit_index [B, G], new state, features).
 
         With ``all_states`` the new state also holds, per Mamba layer, the conv and SSM state after
         every position of the chunk (``.conv_states``, ``.ssm_states``) for speculative rollback.
+        ``features`` holds ``aux_hidden`` and ``hidden`` for every row when the module captures them.
         """
         c = self.cfg
         x = F.embedding(input_ids, self.embeddings)
+        slots = {layer: i for i, layer in enumerate(self.capture_layers)}
+        aux = F.capture_buffer(x, len(slots)) if slots else None
+        if 0 in slots:
+            x, aux = F.hidden_capture(x, None, aux, slots[0])
         new_state = {}
         for i, (kind, norm, mixer) in enumerate(self.layers):
-            p = f"layers.{i}."
-            h = F.rms_norm(x, norm, c.layer_norm_epsilon)
-            if kind == "mamba":
-                out = mixer(h, state[p + "conv_state"], state[p + "ssm_state"], lengths, all_states)
-                h, new_state[p + "conv_state"], new_state[p + "ssm_state"] = out[:3]
-                if all_states:
-                    new_state[p + "conv_states"], new_state[p + "ssm_states"] = out[3:]
-            elif kind == "attention":
-                h, new_state[p + "key_cache"], new_state[p + "value_cache"] = mixer(
-                    h, state[p + "key_cache"], state[p + "value_cache"], positions)
+            h = run_block(kind, mixer, F.rms_norm(x, norm, c.layer_norm_epsilon), lengths, positions, state,
+                          new_state, f"layers.{i}.", all_states)
+            if i + 1 in slots:  # fused: residual add + write into the capture buffer
+                x, aux = F.hidden_capture(x, h, aux, slots[i + 1])
             else:
-                h = mixer(h)
-            x = x + h
-        x = F.gather_rows(x, logit_index)
-        x = F.rms_norm(x, self.norm_f, c.layer_norm_epsilon)
-        return F.to_float32(F.linear(x, self.lm_head)), new_state
+                x = x + h
+        features = {}
+        if aux is not None:
+            features["aux_hidden"] = aux
+        if self.final_hidden:
+            x = F.rms_norm(x, self.norm_f, c.layer_norm_epsilon)
+            features["hidden"] = x
+            x = F.gather_rows(x, logit_index)
+        else:
+            x = F.rms_norm(F.gather_rows(x, logit_index), self.norm_f, c.layer_norm_epsilon)
+        return F.to_float32(F.linear(x, self.lm_head)), new_state, features

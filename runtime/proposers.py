@@ -1,0 +1,154 @@
+"""The draft side of the speculative loop: proposes K tokens per step for a batch of sequences.
+
+Two families:
+
+* ``ModelDraftProposer`` (draft_target): a smaller NemotronH with the same vocabulary consumes
+  tokens like the target. It keeps one state snapshot per draft step and, after verification,
+  restores the snapshot of the accepted position (its Mamba state cannot be truncated).
+* ``FeatureDraftProposer`` (eagle, eagle3, mtp): the draft reads the target's hidden features. A
+  draft row pairs the token at position p+1 with the target feature of position p and uses
+  position p (vLLM's convention). After a verify that kept m drafts, one "catch-up" chunk of
+  m+1 rows feeds the verified features and already yields the first proposal of the next step;
+  the remaining K-1 proposals recycle the draft's own output hidden. Its KV rows past the
+  accepted position are overwritten, so it needs no rollback.
+
+Both return draft tokens [B, K] and, when sampling, the distributions they were drawn from.
+"""
+from __future__ import annotations
+
+import torch
+
+from runtime import sampling
+from runtime.generation import prefill
+from runtime.rollback import select_snapshots
+from runtime.state import chunk_inputs
+
+
+def _draw(logits, temperature, top_p, generator):
+    """(tokens [B], q [B, V] or None): greedy argmax, or a sample and the distribution it came from."""
+    if not temperature:
+        return logits.argmax(-1), None
+    q = sampling.probabilities(logits, temperature, top_p)
+    return torch.multinomial(q.cpu(), 1, generator=generator)[:, 0].to(logits.device), q
+
+
+def _take_rows(state: dict, keep: torch.Tensor) -> dict:
+    return {k: v[keep.to(v.device)] for k, v in state.items()}
+
+
+class ModelDraftProposer:
+    features = ()
+
+    def __init__(self, runner, prefill_chunk=512):
+        self.runner, self.prefill_chunk = runner, prefill_chunk
+
+    def start(self, prompts, first_tokens, features, capacity):
+        self.state = self.runner.new_state(len(prompts), capacity)
+        _, self.state, _, _ = prefill(self.runner, prompts, self.state, self.prefill_chunk)
+        self.consumed = [len(p) for p in prompts]
+        self.pending = [[t] for t in first_tokens]
+
+    def propose(self, k, temperature, top_p, generator):
+        dev = self.runner.device
+        ids, positions, lengths = chunk_inputs(self.pending, self.consumed, dev)
+        logits, self.state, _ = self.runner.forward(ids, positions, lengths, (lengths - 1)[:, None].to(torch.int32), self.state)
+        self.base = [c + len(p) for c, p in zip(self.consumed, self.pending)]
+        self.snapshots = [dict(self.state)]
+        tokens, probs = [], []
+        token, q = _draw(logits[:, 0], temperature, top_p, generator)
+        tokens.append(token)
+        probs.append(q)
+        one = torch.ones(len(self.base), dtype=torch.int32, device=dev)
+        zero = torch.zeros(len(self.base), 1, dtype=torch.int32, device=dev)
+        for i in range(1, k):
+            pos = torch.tensor(self.base, dtype=torch.int32, device=dev)[:, None] + (i - 1)
+            logits, self.state, _ = self.runner.forward(token.to(torch.int32)[:, None], pos, one, zero, self.state)
+            self.snapshots.append(dict(self.state))
+            token, q = _draw(logits[:, 0], temperature, top_p, generator)
+            tokens.append(token)
+            probs.append(q)
+        return torch.stack(tokens, 1), (torch.stack(probs, 1) if temperature else None)
+
+    def accept(self, accepted, next_tokens, drafts, verify_features):
+        k = drafts.shape[1]
+        index = torch.clamp(accepted, max=k - 1)
+        self.state = select_snapshots(self.snapshots, index)
+        self.consumed = [b + int(i) for b, i in zip(self.base, index)]
+        self.pending = [[int(t)] if int(m) < k else [int(drafts[b, -1]), int(t)]
+                        for b, (m, t) in enumerate(zip(accepted, next_tokens))]
+        self.snapshots = []
+
+    def keep(self, keep):
+        self.state = _take_rows(self.state, keep)
+        self.consumed = [self.consumed[i] for i in keep.tolist()]
+        self.pending = [self.pending[i] for i in keep.tolist()]
+
+
+class FeatureDraftProposer:
+    """``draft`` is a runtime.drafts adapter: feature name, new_state, step()."""
+
+    def __init__(self, draft, prefill_chunk=512):
+        self.draft, self.prefill_chunk = draft, prefill_chunk
+        self.features = (draft.feature,)
+
+    def _catch_up(self, rows_tokens, rows_features, start_positions):
+        """Feeds (token, target feature) rows; keeps the last row's logits and hidden per sequence."""
+        dev = self.draft.device
+        done = [0] * len(rows_tokens)
+        last_logits = [None] * len(rows_tokens)
+        last_hidden = [None] * len(rows_tokens)
+        width = rows_features[0].shape[-1]
+        while any(d < len(t) for d, t in zip(done, rows_tokens)):
+            active = [b for b, t in enumerate(rows_tokens) if done[b] < len(t)]
+            chunks = [rows_tokens[b][done[b]:done[b] + self.prefill_chunk] if b in active else [0]
+                      for b in range(len(rows_tokens))]
+            ids, positions, lengths = chunk_inputs(chunks, [s + d for s, d in zip(start_positions, done)], dev)
+            feats = torch.zeros(len(chunks), ids.shape[1], width, dtype=rows_features[0].dtype, device=dev)
+            for b in active:
+                feats[b, :len(chunks[b])] = rows_features[b][done[b]:done[b] + len(chunks[b])]
+            index = (lengths - 1).to(torch.int32)[:, None]
+            logits, hidden, new_state = self.draft.step(ids, feats, None, positions, lengths, index, self.state)
+            for b in active:
+                for name, value in new_state.items():
+                    if value is not self.state[name]:
+                        self.state[name][b] = value[b]
+                last_logits[b] = logits[b, 0]
+                last_hidden[b] = hidden[b, len(chunks[b]) - 1]
+                done[b] += len(chunks[b])
+        self.logits, self.hidden = torch.stack(last_logits), torch.stack(last_hidden)
+        self.position = [s + len(t) for s, t in zip(start_positions, rows_tokens)]
+
+    def start(self, prompts, first_tokens, features, capacity):
+        self.state = self.draft.new_state(len(prompts), capacity)
+        feats = features[self.draft.feature]
+        rows = [p[1:] + [t] for p, t in zip(prompts, first_tokens)]
+        self._catch_up(rows, feats, [0] * len(prompts))
+
+    def propose(self, k, temperature, top_p, generator):
+        dev = self.draft.device
+        batch = self.logits.shape[0]
+        token, q = _draw(self.logits, temperature, top_p, generator)
+        tokens, probs = [token], [q]
+        one = torch.ones(batch, dtype=torch.int32, device=dev)
+        zero = torch.zeros(batch, 1, dtype=torch.int32, device=dev)
+        hidden = self.hidden
+        for i in range(1, k):
+            pos = torch.tensor(self.position, dtype=torch.int32, device=dev)[:, None] + (i - 1)
+            logits, out, self.state = self.draft.step(token.to(torch.int32)[:, None], None, hidden[:, None], pos,
+                                                      one, zero, self.state)
+            hidden = out[:, 0]
+            token, q = _draw(logits[:, 0], temperature, top_p, generator)
+            tokens.append(token)
+            probs.append(q)
+        return torch.stack(tokens, 1), (torch.stack(probs, 1) if temperature else None)
+
+    def accept(self, accepted, next_tokens, drafts, verify_features):
+        feats = verify_features[self.draft.feature]
+        rows = [drafts[b, :int(m)].tolist() + [int(t)] for b, (m, t) in enumerate(zip(accepted, next_tokens))]
+        rows_features = [feats[b, :int(m) + 1] for b, m in enumerate(accepted)]
+        self._catch_up(rows, rows_features, list(self.position))  # where the verify chunk began
+
+    def keep(self, keep):
+        self.state = _take_rows(self.state, keep)
+        self.logits, self.hidden = self.logits[keep], self.hidden[keep]
+        self.position = [self.position[i] for i in keep.tolist()]
