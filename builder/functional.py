@@ -142,3 +142,40 @@ def moe(router_input, x, router_weight, router_bias, up, down, top_k, n_group, t
     return _backend(x, router_input).moe(router_input, x, router_weight, router_bias, up, down,
                                          top_k, n_group, topk_group, norm_topk_prob,
                                          routed_scaling_factor, act)
+
+
+# --- hidden-state capture (plugins/hidden_capture.py) ---------------------------------------------------
+def capture_buffer(x, n_slots):
+    """Zeros [..., n_slots * H] in x's dtype (x [..., H]; leading dims as x's, dynamic in a network):
+    the buffer ``hidden_capture`` writes captured hidden states into."""
+    return _backend(x).capture_buffer(x, n_slots)
+
+
+def hidden_capture(residual, delta, buffer, slot):
+    """Fused residual add + capture: ``x_new = residual + delta`` (``residual`` when delta is None)
+    and ``buffer_new`` = buffer with columns ``slot*H : (slot+1)*H`` replaced by x_new.
+
+    residual, delta [..., H]; buffer [..., n_slots*H], all one dtype. Returns (x_new, buffer_new).
+    Lowers to the ``nemospec_hidden_capture`` plugin layer where TensorRT has plugin layers, else to
+    native layers (add + slice/concat write).
+    """
+    return _backend(residual, delta, buffer).hidden_capture(residual, delta, buffer, slot)
+
+
+# --- draft-model ops (EAGLE / EAGLE-3) --------------------------------------------------------------
+def rope(x, positions, theta, rotary_dim=None, scaling=None):
+    """Llama rotary position embedding (rotate_half / NeoX convention) of x [B, T, H, D].
+
+    positions [B, T] int. The first ``rotary_dim`` channels (default D) are rotated, the rest pass
+    through. Angles ``positions * inv_freq`` and the rotation are computed in fp32; the result is
+    cast back to x's dtype. ``scaling`` is a Hugging Face ``rope_scaling`` / ``rope_parameters``
+    dict: None, ``default``, ``linear`` (factor) or ``llama3`` (factor, low_freq_factor,
+    high_freq_factor, original_max_position_embeddings); other types raise ValueError.
+    """
+    return _backend(x, positions).rope(x, positions, theta, rotary_dim, scaling)
+
+
+def where(cond, a, b):
+    """Elementwise select, torch.where semantics with broadcasting: cond (bool, or int: nonzero is
+    true) picks a, else b. a and b are tensors or Python numbers (result dtype as torch promotes)."""
+    return _backend(cond, a, b).where(cond, a, b)

@@ -120,6 +120,47 @@ def add_mtp_layers(directory, pattern: str = "*E", seed: int = 0) -> Path:
     return directory
 
 
+def write_layer_subset_draft(source, directory, keep_layers, noise: float = 0.0, seed: int = 0) -> Path:
+    """A draft_target checkpoint cut from a target: the kept layers (renumbered), the embeddings,
+    final norm and LM head, optionally with relative Gaussian noise. Same vocabulary and tokenizer,
+    fewer layers: a draft that agrees with its target often but not always."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    source, directory = Path(source), Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    raw = json.loads((source / "config.json").read_text())
+    pattern = raw.get("hybrid_override_pattern") or "".join(
+        {"linear_attention": "M", "mamba": "M", "full_attention": "*", "attention": "*", "mlp": "-", "moe": "E"}[k]
+        for k in raw["layers_block_type"])
+    raw.pop("layers_block_type", None)
+    raw["hybrid_override_pattern"] = "".join(pattern[i] for i in keep_layers)
+    raw["num_hidden_layers"] = len(keep_layers)
+    raw["num_nextn_predict_layers"] = 0
+    (directory / "config.json").write_text(json.dumps(raw, indent=2))
+    tensors = load_file(str(source / "model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, value in tensors.items():
+        if name.startswith("mtp."):
+            continue
+        if name.startswith("backbone.layers."):
+            index = int(name.split(".")[2])
+            if index not in keep_layers:
+                continue
+            name = name.replace(f"backbone.layers.{index}.", f"backbone.layers.{keep_layers.index(index)}.", 1)
+        if noise and value.is_floating_point() and value.dim() >= 2:
+            value = value + noise * value.std() * torch.randn(value.shape, generator=g).to(value.dtype)
+        out[name] = value.contiguous()
+    save_file(out, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    for extra in ("tokenizer.json", "generation_config.json"):
+        if (source / extra).is_file():
+            shutil.copy2(source / extra, directory / extra)
+    return directory
+
+
 def stdlib_corpus(max_files: int = 60) -> list[Path]:
     """Python standard library sources of the running interpreter (PSF licence), sorted."""
     root = Path(sysconfig.get_paths()["stdlib"])

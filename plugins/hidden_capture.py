@@ -149,31 +149,41 @@ def hidden_capture_reference(residual: torch.Tensor, delta: Optional[torch.Tenso
 
 
 # --- Triton-lang kernel ---------------------------------------------------------------------------------
-def _hidden_capture_kernel(residual_ptr, delta_ptr, buffer_in_ptr, x_out_ptr, buffer_out_ptr,
-                           hidden, slot, n_slots,
-                           HAS_DELTA: "constexpr", WRITE_X: "constexpr", COPY_BUFFER: "constexpr",
-                           BLOCK: "constexpr"):  # "constexpr" == tl.constexpr to Triton's parser
-    """Program (row, column block): x = residual (+ delta) in fp32, rounded once to the row's dtype;
-    x is stored to x_out (WRITE_X) and to the slot of buffer_out; with COPY_BUFFER the other slots of
-    buffer_in are copied to buffer_out (the out-of-place form a TensorRT plugin needs)."""
-    print("DBG", type(BLOCK), BLOCK, type(HAS_DELTA))
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < hidden
-    offsets = row * hidden + cols
-    x = tl.load(residual_ptr + offsets, mask=mask)
-    if HAS_DELTA:
-        d = tl.load(delta_ptr + offsets, mask=mask)
-        x = (x.to(tl.float32) + d.to(tl.float32)).to(x_out_ptr.dtype.element_ty)
-    if WRITE_X:
-        tl.store(x_out_ptr + offsets, x, mask=mask)
-    base = row * hidden * n_slots + cols
-    tl.store(buffer_out_ptr + base + slot * hidden, x, mask=mask)
-    if COPY_BUFFER:
-        for s in range(0, n_slots):
-            keep = mask & (s != slot)
-            v = tl.load(buffer_in_ptr + base + s * hidden, mask=keep)
-            tl.store(buffer_out_ptr + base + s * hidden, v, mask=keep)
+if tl is not None:  # defined only where Triton is installed (annotations must be real objects)
+
+    def _hidden_capture_kernel(residual_ptr, delta_ptr, buffer_in_ptr, x_out_ptr, buffer_out_ptr,
+                               hidden, slot, n_slots,
+                               HAS_DELTA: tl.constexpr, WRITE_X: tl.constexpr, COPY_BUFFER: tl.constexpr,
+                               BF16: tl.constexpr, BLOCK: tl.constexpr):
+        """Program (row, column block): x = residual (+ delta) in fp32, rounded once to the row's dtype;
+        x is stored to x_out (WRITE_X) and to the slot of buffer_out; with COPY_BUFFER the other slots of
+        buffer_in are copied to buffer_out (the out-of-place form a TensorRT plugin needs)."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < hidden
+        offsets = row * hidden + cols
+        x = tl.load(residual_ptr + offsets, mask=mask)
+        if HAS_DELTA:
+            d = tl.load(delta_ptr + offsets, mask=mask)
+            total = x.to(tl.float32) + d.to(tl.float32)
+            if BF16:  # round to nearest even by hand: the interpreter's fp32 -> bf16 cast truncates
+                bits = total.to(tl.uint32, bitcast=True)
+                rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+                rounded = tl.where(total != total, (bits >> 16) | 0x40, rounded)  # NaN stays NaN
+                x = rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            else:
+                x = total.to(x_out_ptr.dtype.element_ty)
+        if WRITE_X:
+            tl.store(x_out_ptr + offsets, x, mask=mask)
+        base = row * hidden * n_slots + cols
+        tl.store(buffer_out_ptr + base + slot * hidden, x, mask=mask)
+        if COPY_BUFFER:
+            for s in range(0, n_slots):
+                if s != slot:
+                    v = tl.load(buffer_in_ptr + base + s * hidden, mask=mask)
+                    tl.store(buffer_out_ptr + base + s * hidden, v, mask=mask)
+else:  # pragma: no cover
+    _hidden_capture_kernel = None
 
 
 _KERNELS: dict = {}
@@ -209,7 +219,8 @@ def _launch(residual, delta, buffer_in, x_out, buffer_out, spec: HiddenCaptureSp
     grid = (rows, -(-spec.hidden_size // block))
     _kernel()[grid](residual, residual if delta is None else delta, buffer_in, x_out, buffer_out,
                     spec.hidden_size, spec.slot, spec.n_slots,
-                    HAS_DELTA=delta is not None, WRITE_X=write_x, COPY_BUFFER=copy_buffer, BLOCK=block)
+                    HAS_DELTA=delta is not None, WRITE_X=write_x, COPY_BUFFER=copy_buffer,
+                    BF16=residual.dtype == torch.bfloat16, BLOCK=block)
 
 
 def hidden_capture_triton(residual: torch.Tensor, delta: Optional[torch.Tensor], buffer: torch.Tensor,

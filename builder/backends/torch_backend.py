@@ -240,3 +240,71 @@ def moe(router_input, x, router_weight, router_bias, up, down, top_k, n_group, t
         h = tf.linear(h, down[expert]) * weights[token, slot, None]
         out.index_add_(0, token, h.float())
     return out.to(x.dtype).reshape(shape)
+
+
+# --- hidden-state capture ----------------------------------------------------------------------------
+from plugins.hidden_capture import hidden_capture_reference as _hidden_capture_reference  # noqa: E402
+
+
+def capture_buffer(x, n_slots):
+    return torch.zeros(*x.shape[:-1], int(n_slots) * x.shape[-1], dtype=x.dtype, device=x.device)
+
+
+def hidden_capture(residual, delta, buffer, slot):
+    """The plugin's torch reference (functional: buffer_new is a new tensor)."""
+    return _hidden_capture_reference(residual, delta, buffer, slot)
+
+
+# --- draft-model ops (EAGLE / EAGLE-3) --------------------------------------------------------------
+import math  # noqa: E402
+
+
+def rope_inv_freq(theta, rotary_dim, scaling=None) -> torch.Tensor:
+    """fp32 inverse frequencies [rotary_dim // 2] of a Llama rotary embedding (shared by lowerings)."""
+    rotary_dim = int(rotary_dim)
+    if rotary_dim <= 0 or rotary_dim % 2:
+        raise ValueError(f"rope: rotary_dim must be a positive even number, got {rotary_dim}")
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim
+    inv_freq = 1.0 / (float(theta) ** exponents)
+    kind = None if scaling is None else (scaling.get("rope_type") or scaling.get("type") or "default")
+    if kind in (None, "default"):
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        context = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        # long wavelengths (low frequencies) are slowed by ``factor``, short ones kept, and the band
+        # between the two thresholds interpolates smoothly between the two
+        scaled = torch.where(wavelen > context / low, inv_freq / factor, inv_freq)
+        smooth = (context / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        middle = ~(wavelen < context / high) & ~(wavelen > context / low)
+        return torch.where(middle, blended, scaled)
+    raise ValueError(f"rope: unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
+
+
+def rope(x, positions, theta, rotary_dim=None, scaling=None):
+    dim = x.shape[-1]
+    rotary_dim = dim if rotary_dim is None else int(rotary_dim)
+    if rotary_dim > dim:
+        raise ValueError(f"rope: rotary_dim {rotary_dim} exceeds the head dim {dim}")
+    inv_freq = rope_inv_freq(theta, rotary_dim, scaling).to(x.device)
+    freqs = positions.to(torch.float32)[..., None] * inv_freq               # [B, T, rd/2]
+    angles = torch.cat([freqs, freqs], dim=-1)[:, :, None, :]             # [B, T, 1, rd]
+    xf = x.float()
+    xr, rest = xf[..., :rotary_dim], xf[..., rotary_dim:]
+    half = rotary_dim // 2
+    rotated = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
+    out = xr * torch.cos(angles) + rotated * torch.sin(angles)
+    if rotary_dim < dim:
+        out = torch.cat([out, rest], dim=-1)
+    return out.to(x.dtype)
+
+
+def where(cond, a, b):
+    if not isinstance(cond, torch.Tensor):
+        cond = torch.as_tensor(cond)
+    return torch.where(cond if cond.dtype == torch.bool else cond != 0, a, b)

@@ -1006,3 +1006,88 @@ def moe(router_input, x, router_weight, router_bias, up, down, top_k, n_group, t
 
 
 _MODULE = sys.modules[__name__]
+
+
+# --- hidden-state capture (plugins/hidden_capture.py) ---------------------------------------------------
+from plugins import hidden_capture as _hidden_capture_plugin  # noqa: E402
+
+__all__ += ["capture_buffer", "hidden_capture"]
+
+
+def capture_buffer(x, n_slots):
+    r = _recorder(x)
+    with r.op("capture_buffer", "native: fill zeros [..., n_slots*H] (fp32 fill, cast)"):
+        t = r.itensor(x)
+        if t.shape[-1] < 0:
+            raise BuildError("capture_buffer: the hidden size (last dim) must be static")
+        dims = [r.dim(t, i) for i in range(r.rank(t) - 1)] + [int(n_slots) * t.shape[-1]]
+        return r.wrap(r.cast(r.zeros(dims, torch.float32, "zeros"), torch_dtype(t.dtype), "cast"))
+
+
+def hidden_capture(residual, delta, buffer, slot):
+    """Lowered by the plugin module: a plugin layer where TensorRT has plugin layers, else native
+    layers; ``r.lowerings["hidden_capture"]`` says which."""
+    r = _recorder(residual, delta, buffer)
+    res, buf = r.itensor(residual, "residual"), r.itensor(buffer, "buffer")
+    d = None if delta is None else r.itensor(delta, "delta")
+    try:
+        x, b = _hidden_capture_plugin.lower(r, trt, res, d, buf, int(slot))
+    except (TypeError, ValueError) as exc:
+        raise BuildError(str(exc)) from exc
+    return r.wrap(x), r.wrap(b)
+
+
+# --- draft-model ops (EAGLE / EAGLE-3) --------------------------------------------------------------
+from builder.backends.torch_backend import rope_inv_freq as _rope_inv_freq  # noqa: E402
+
+__all__ += ["rope", "where"]
+
+
+def rope(x, positions, theta, rotary_dim=None, scaling=None):
+    r = _recorder(x, positions)
+    with r.op("rope", "native: fp32 angles positions*inv_freq, cos/sin unary, rotate_half by slices + concat"):
+        t, pos = r.itensor(x), r.itensor(positions, "positions")
+        _int_dtype(pos)
+        dim = t.shape[3]
+        if dim < 0:
+            raise BuildError("rope: the head dim (last dim) must be static")
+        rd = dim if rotary_dim is None else int(rotary_dim)
+        if rd > dim:
+            raise ValueError(f"rope: rotary_dim {rd} exceeds the head dim {dim}")
+        inv = _rope_inv_freq(theta, rd, scaling)
+        f32 = torch.float32
+        freq = r._constant(torch.cat([inv, inv]).reshape(1, 1, 1, rd), "inv_freq")
+        angles = r.ew(r.reshape(r.cast(pos, f32, "positions_fp32"), [0, 0, 1, 1], "positions_column"), freq,
+                      EW.PROD, "angles")  # [B, T, 1, rd]
+        cos, sin = r.unary(angles, UN.COS, "cos"), r.unary(angles, UN.SIN, "sin")
+        xf = r.cast(t, f32, "upcast")
+        xr = xf if rd == dim else r.slice(xf, 3, 0, rd, "rotary_part")
+        half = rd // 2
+        first, second = r.slice(xr, 3, 0, half, "first_half"), r.slice(xr, 3, half, half, "second_half")
+        rotated = r.concat([r.unary(second, UN.NEG, "neg_second_half"), first], 3, "rotate_half")
+        out = r.ew(r.ew(xr, cos, EW.PROD, "x_cos"), r.ew(rotated, sin, EW.PROD, "rotated_sin"), EW.SUM, "rotate")
+        if rd < dim:
+            out = r.concat([out, r.slice(xf, 3, rd, dim - rd, "pass_part")], 3, "with_pass")
+        return r.wrap(r.cast(out, torch_dtype(t.dtype), "downcast"))
+
+
+def where(cond, a, b):
+    r = _recorder(cond, a, b)
+    with r.op("where", "native: select (int conditions compared with zero)"):
+        def probe(v):
+            if isinstance(v, SymbolicTensor):
+                return torch.empty((1,) * max(v.ndim, 1), dtype=v.dtype)
+            return v
+        dtype = torch.result_type(probe(a), probe(b))
+        rank = max(v.ndim if isinstance(v, SymbolicTensor) else v.dim() if isinstance(v, torch.Tensor) else 0
+                   for v in (cond, a, b))
+        c = r.itensor(cond, "cond")
+        if c.dtype != trt.bool:
+            zero = r.scalar(0, torch_dtype(c.dtype), r.rank(c), "zero")
+            c = r.unary(r.ew(c, zero, EW.EQUAL, "is_zero"), UN.NOT, "nonzero")
+
+        def operand(v, what):
+            if isinstance(v, (SymbolicTensor, torch.Tensor)):
+                return r.cast(r.itensor(v, what), dtype, what + "_cast")
+            return r.scalar(v, dtype, rank, what)
+        return r.wrap(r.select(c, operand(a, "a"), operand(b, "b"), "select"))

@@ -1,0 +1,42 @@
+"""Target + draft pairs for the speculative tests, made by our own generators (no downloads)."""
+from __future__ import annotations
+
+import shutil
+
+import torch
+
+from builder.checkpoint import load_checkpoint
+from builder.models.mtp import MTPDraft
+from builder.models.nemotron_h import NemotronH
+from builder.random_checkpoint import add_mtp_layers, write_layer_subset_draft
+from runtime.drafts import EagerDraft
+from runtime.proposers import FeatureDraftProposer, ModelDraftProposer
+from runtime.runner import TorchRunner
+
+
+def target_with_mtp(source, directory):
+    """A copy of a transformers-written tiny target with NemotronH MTP layers appended."""
+    shutil.copytree(source, directory)
+    return add_mtp_layers(directory, "*E", seed=7)
+
+
+def runners(target_dir, draft_dir=None):
+    """(target runner with features, proposer factory by mode)."""
+    config, weights = load_checkpoint(target_dir)
+    target = TorchRunner(NemotronH(config, weights, torch.float32, final_hidden=True))
+
+    def proposer(mode):
+        if mode == "draft_target":
+            dcfg, dweights = load_checkpoint(draft_dir)
+            return ModelDraftProposer(TorchRunner(NemotronH(dcfg, dweights, torch.float32)))
+        if mode == "mtp":
+            return FeatureDraftProposer(EagerDraft(MTPDraft(config, weights, torch.float32), config.vocab_size))
+        raise ValueError(mode)
+
+    return target, proposer
+
+
+def layer_subset_draft(target_dir, directory, noise=0.05):
+    """Every layer of the target with small noise: agrees often, not always (exercises rollback)."""
+    config, _ = load_checkpoint(target_dir)
+    return write_layer_subset_draft(target_dir, directory, list(range(config.num_layers)), noise=noise, seed=3)
