@@ -1,13 +1,16 @@
-"""Engine directories: record the network, build it with TensorRT, write everything atomically.
+"""Engine directories: record each network, build it with TensorRT, write everything atomically.
 
 An engine directory is self-contained:
 
-    config.json          model + build configuration, source checkpoint hash, TensorRT flavour,
-                         and per engine its I/O tensor contract and optimization profiles
-    target.engine        the serialized TensorRT engine
-    weights/target.safetensors   the weights converted to the build dtype (the TorchRunner's input)
+    config.json          model + build configuration, source checkpoint hashes, TensorRT flavour,
+                         the speculative mode and draft, and per engine its I/O tensor contract
+    target.engine        the target: prefill and decode/verify-free chunks, the draft's features
+    verify.engine        (speculative modes) the target scoring K+1 tokens, returning per-position
+                         Mamba states for rollback
+    draft.engine         (speculative modes) the draft network
+    weights/*.safetensors  the weights in the build dtype (the TorchRunner's input)
     tokenizer.json ...   the checkpoint's tokenizer files, when it has them
-    build_report.json    layer count, bytes, build time, flavour, the lowering each op got
+    build_report.json    per engine: layers, bytes, build time, the lowering each op got
 
 The directory is written under a temporary name next to ``output_dir`` and renamed into place
 only when everything succeeded, so a failed build leaves nothing behind.
@@ -19,6 +22,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import save_file
@@ -31,7 +35,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 DTYPE_NAMES.update({torch.int32: "int32", torch.int64: "int64", torch.bool: "bool"})
-CHUNK_INPUTS = ("input_ids", "positions", "lengths", "logit_index")
+MODES = ("draft_target", "eagle", "eagle3", "mtp")
 # Tensors kept in fp32 whatever the build dtype (as transformers keeps them).
 FP32_TENSORS = ("A_log", ".D", "gate.weight", "e_score_correction_bias")
 
@@ -43,6 +47,7 @@ class BuildOptions:
     max_seq_len: int = 1024
     max_draft_len: int = 0
     dtype: str = "auto"
+    speculative_decoding_mode: str | None = None
 
     def validate(self):
         for name in ("max_batch_size", "max_input_len", "max_seq_len"):
@@ -54,6 +59,13 @@ class BuildOptions:
             raise BuildError(f"--max_input_len ({self.max_input_len}) exceeds --max_seq_len ({self.max_seq_len})")
         if self.dtype not in ("auto",) + tuple(TORCH_DTYPES):
             raise BuildError(f"--dtype: expected auto, float32, float16 or bfloat16, got {self.dtype}")
+        mode = self.speculative_decoding_mode
+        if mode is not None and mode not in MODES:
+            raise BuildError(f"--speculative_decoding_mode: expected one of {', '.join(MODES)}, got {mode}")
+        if mode is not None and self.max_draft_len < 1:
+            raise BuildError(f"--max_draft_len: speculative mode {mode} needs K >= 1, got {self.max_draft_len}")
+        if mode is not None and self.max_draft_len + 1 > self.max_input_len:
+            raise BuildError(f"--max_draft_len ({self.max_draft_len}) + 1 exceeds --max_input_len ({self.max_input_len})")
 
     def resolve_dtype(self, checkpoint_dtype: str) -> str:
         return checkpoint_dtype if self.dtype == "auto" else self.dtype
@@ -63,19 +75,36 @@ def convert_weights(weights: dict, dtype: torch.dtype) -> dict:
     """Checkpoint tensors in the build dtype (fp32-only tensors stay fp32), contiguous for saving."""
     out = {}
     for name, w in weights.items():
-        keep = any(name.endswith(s) for s in FP32_TENSORS) and w.is_floating_point()
-        out[name] = (w.float() if keep else w.to(dtype)).contiguous()
+        if w.is_floating_point():
+            w = w.float() if any(name.endswith(s) for s in FP32_TENSORS) else w.to(dtype)
+        out[name] = w.contiguous()
     return out
 
 
-def profiles(options: BuildOptions) -> list[dict]:
-    """Decode/verify chunks (1..max_draft_len+1 tokens) and prefill chunks (..max_input_len)."""
-    small = options.max_draft_len + 1
-    out = []
-    if small < options.max_input_len:
-        out.append({"name": "decode", "max_tokens": small})
-    out.append({"name": "prefill", "max_tokens": options.max_input_len})
-    return out
+# --- components: one network each -----------------------------------------------------------------
+@dataclass
+class Component:
+    """One engine: its eager module, named inputs (dims may be named), how feeds call the module."""
+    name: str
+    module: object
+    inputs: dict
+    call: Callable[[dict], dict]
+    profiles: list
+
+    def contract(self, options: BuildOptions, outputs: dict) -> dict:
+        ranges = []
+        for p in self.profiles:
+            shapes = {}
+            for name, entry in self.inputs.items():
+                dims = ["tokens" if d == "gathered" else d for d in entry["shape"]]
+                shapes[name] = [list(_dims(dims, 1, 1, 1)),
+                                list(_dims(dims, max(1, options.max_batch_size // 2), max(1, p["max_tokens"] // 2),
+                                           max(1, options.max_seq_len // 2))),
+                                list(_dims(dims, options.max_batch_size, p["max_tokens"], options.max_seq_len))]
+            ranges.append(dict(p, shapes=shapes))
+        state = {n[len("past."):]: e for n, e in self.inputs.items() if n.startswith("past.")}
+        return {"file": f"{self.name}.engine", "inputs": self.inputs, "outputs": outputs, "state": state,
+                "profiles": ranges}
 
 
 def _dims(dims, batch, tokens, capacity):
@@ -83,52 +112,92 @@ def _dims(dims, batch, tokens, capacity):
                  for d in dims)
 
 
-def io_contract(module: NemotronH, options: BuildOptions) -> dict:
-    """Symbolic I/O of the target engine: names, dims (named when dynamic) and dtypes."""
-    spec = module.state_spec("batch", "capacity")
+def _chunk_inputs(module, extra=None):
     inputs = {
         "input_ids": {"shape": ["batch", "tokens"], "dtype": "int32"},
         "positions": {"shape": ["batch", "tokens"], "dtype": "int32"},
         "lengths": {"shape": ["batch"], "dtype": "int32"},
         "logit_index": {"shape": ["batch", "gathered"], "dtype": "int32"},
     }
-    state = {}
-    for name, (shape, dtype) in spec.items():
-        state[name] = {"shape": list(shape), "dtype": DTYPE_NAMES[dtype]}
-        inputs["past." + name] = state[name]
-    outputs = {"logits": "float32"}
-    outputs.update({"present." + n: s["dtype"] for n, s in state.items()})
-    shapes = []
-    for p in profiles(options):
-        ranges = {}
-        for name, entry in inputs.items():
-            dims = [d if d != "gathered" else "tokens" for d in entry["shape"]]
-            lo = _dims(dims, 1, 1, 1)
-            opt = _dims(dims, max(1, options.max_batch_size // 2), max(1, p["max_tokens"] // 2),
-                        max(1, options.max_seq_len // 2))
-            hi = _dims(dims, options.max_batch_size, p["max_tokens"], options.max_seq_len)
-            ranges[name] = [list(lo), list(opt), list(hi)]
-        shapes.append(dict(p, shapes=ranges))
-    return {"file": "target.engine", "inputs": inputs, "outputs": outputs, "state": state, "profiles": shapes}
+    inputs.update(extra or {})
+    for name, (shape, dtype) in module.state_spec("batch", "capacity").items():
+        inputs["past." + name] = {"shape": list(shape), "dtype": DTYPE_NAMES[dtype]}
+    return inputs
 
 
-def record_target(module: NemotronH, contract: dict):
-    """Records the target's forward into a TensorRT network; returns the recorder."""
+def _chunk_profiles(options: BuildOptions, small: int):
+    out = [{"name": "decode", "max_tokens": small}] if small < options.max_input_len else []
+    return out + [{"name": "prefill", "max_tokens": options.max_input_len}]
+
+
+def _state_feeds(feeds):
+    return {n[len("past."):]: v for n, v in feeds.items() if n.startswith("past.")}
+
+
+def _outputs(logits, new_state, extra):
+    out = {"logits": logits}
+    out.update({"present." + n: v for n, v in new_state.items()})
+    out.update(extra)
+    return out
+
+
+def target_component(module: NemotronH, options: BuildOptions, verify=False) -> Component:
+    """The target engine (prefill + decode chunks) or, with ``verify``, the K+1-token verify engine."""
+    def call(f):
+        logits, new_state, features = module.forward(f["input_ids"], f["positions"], f["lengths"], f["logit_index"],
+                                                     _state_feeds(f), all_states=verify)
+        return _outputs(logits, new_state, {"features." + n: v for n, v in features.items()})
+    profiles = ([{"name": "verify", "max_tokens": options.max_draft_len + 1}] if verify
+                else _chunk_profiles(options, options.max_draft_len + 1))
+    return Component("verify" if verify else "target", module, _chunk_inputs(module), call, profiles)
+
+
+def draft_component(module, options: BuildOptions) -> Component:
+    """The draft engine: catch-up/proposal chunks up to K+1 tokens, prompt chunks up to max_input_len."""
+    kind = getattr(module, "kind", "draft_target")
+    profiles = _chunk_profiles(options, options.max_draft_len + 1)
+    if kind == "draft_target":
+        def call(f):
+            logits, new_state, _ = module.forward(f["input_ids"], f["positions"], f["lengths"], f["logit_index"],
+                                                  _state_feeds(f))
+            return _outputs(logits, new_state, {})
+        return Component("draft", module, _chunk_inputs(module), call, profiles)
+    dtype = DTYPE_NAMES[module.dtype]
+    hidden = {"hidden": {"shape": ["batch", "tokens", module.hidden_size], "dtype": dtype}}
+    if kind == "eagle3":
+        extra = {"aux_hidden": {"shape": ["batch", "tokens", len(module.aux_layer_ids) * module.hidden_size],
+                                "dtype": dtype},
+                 **hidden, "from_target": {"shape": ["batch", "tokens"], "dtype": "int32"}}
+
+        def call(f):
+            logits, out, new_state = module.forward(f["input_ids"], f["aux_hidden"], f["hidden"], f["from_target"],
+                                                    f["positions"], f["lengths"], f["logit_index"], _state_feeds(f))
+            return _outputs(logits, new_state, {"hidden_out": out})
+    else:
+        extra = hidden
+
+        def call(f):
+            logits, out, new_state = module.forward(f["input_ids"], f["hidden"], f["positions"], f["lengths"],
+                                                    f["logit_index"], _state_feeds(f))
+            return _outputs(logits, new_state, {"hidden_out": out})
+    return Component("draft", module, _chunk_inputs(module, extra), call, profiles)
+
+
+def record(component: Component):
+    """Records a component's forward into a TensorRT network; returns (recorder, output dtypes)."""
     from builder.backends.trt_backend import NetworkRecorder
-    recorder = NetworkRecorder()
+    recorder = NetworkRecorder(name=component.name)
     feeds = {}
-    for name, entry in contract["inputs"].items():
+    for name, entry in component.inputs.items():
         shape = [d if isinstance(d, int) else -1 for d in entry["shape"]]
-        feeds[name] = recorder.add_input(name, TORCH_DTYPES.get(entry["dtype"], getattr(torch, entry["dtype"])), shape)
-    state = {n: feeds["past." + n] for n in contract["state"]}
-    logits, new_state, _ = module.forward(feeds["input_ids"], feeds["positions"], feeds["lengths"],
-                                       feeds["logit_index"], state)
-    recorder.mark_output("logits", logits)
-    for name, tensor in new_state.items():
-        recorder.mark_output("present." + name, tensor)
-    return recorder
+        feeds[name] = recorder.add_input(name, TORCH_DTYPES.get(entry["dtype"]) or getattr(torch, entry["dtype"]), shape)
+    outputs = component.call(feeds)
+    for name, tensor in outputs.items():
+        recorder.mark_output(name, tensor)
+    return recorder, {name: DTYPE_NAMES[t.dtype] for name, t in outputs.items()}
 
 
+# --- the build ------------------------------------------------------------------------------------
 def _replace_dir(tmp: Path, final: Path):
     old = None
     if final.exists():
@@ -139,39 +208,63 @@ def _replace_dir(tmp: Path, final: Path):
         shutil.rmtree(old, ignore_errors=True)
 
 
-def build(checkpoint_dir, output_dir, options: BuildOptions, log=print) -> dict:
-    """Builds ENGINE_DIR from a checkpoint; returns the build report. Raises NemospecError subclasses."""
+def build(checkpoint_dir, output_dir, options: BuildOptions, log=print, draft_dir=None) -> dict:
+    """Builds ENGINE_DIR from a checkpoint (and a draft); returns the build report.
+
+    Raises NemospecError subclasses for bad input, before anything is written.
+    """
+    from builder import drafts
     from builder.backends import trt_build
     from builder.backends.trt_import import FLAVOUR, VERSION
 
     options.validate()
+    mode = options.speculative_decoding_mode
     started = time.perf_counter()
     checkpoint_dir, output_dir = Path(checkpoint_dir), Path(output_dir)
-    log(f"[1/4] reading checkpoint {checkpoint_dir}")
+    log(f"reading checkpoint {checkpoint_dir}")
     config, weights = load_checkpoint(checkpoint_dir)
     dtype_name = options.resolve_dtype(config.dtype)
-    weights = convert_weights(weights, TORCH_DTYPES[dtype_name])
-    module = NemotronH(config, weights, TORCH_DTYPES[dtype_name])
-    contract = io_contract(module, options)
+    dtype = TORCH_DTYPES[dtype_name]
+    weights = convert_weights(weights, dtype)
+    draft = drafts.load_draft(mode, config, weights, draft_dir, dtype, log) if mode else None
+    target = NemotronH(config, weights, dtype, **(draft.target_features if draft else {}))
+    components = [target_component(target, options)]
+    if draft:
+        components += [target_component(target, options, verify=True), draft_component(draft.module, options)]
 
-    log(f"[2/4] recording the network ({config.num_layers} layers: {config.hybrid_override_pattern}, {dtype_name})")
-    recorder = record_target(module, contract)
-    num_layers = recorder.network.num_layers
+    contracts, report_engines, blobs = {}, {}, {}
+    for n, component in enumerate(components, 1):
+        log(f"[{n}/{len(components)}] recording {component.name} network")
+        recorder, outputs = record(component)
+        contract = component.contract(options, outputs)
+        layers = recorder.network.num_layers
+        log(f"[{n}/{len(components)}] building {component.name}.engine with {FLAVOUR} {VERSION} "
+            f"({layers} layers, {len(contract['profiles'])} optimization profiles)")
+        t0 = time.perf_counter()
+        blobs[component.name] = trt_build.build_engine_bytes(recorder, [p["shapes"] for p in contract["profiles"]])
+        contracts[component.name] = contract
+        report_engines[component.name] = {
+            "layers": layers,
+            "engine_bytes": len(blobs[component.name]),
+            "build_seconds": round(time.perf_counter() - t0, 3),
+            "profiles": [{"name": p["name"], "max_tokens": p["max_tokens"]} for p in contract["profiles"]],
+            "lowerings": dict(recorder.lowerings),
+        }
+        del recorder
 
-    log(f"[3/4] building target.engine with {FLAVOUR} {VERSION} ({num_layers} layers, "
-        f"{len(contract['profiles'])} optimization profiles)")
-    build_started = time.perf_counter()
-    engine_bytes = trt_build.build_engine_bytes(recorder, [p["shapes"] for p in contract["profiles"]])
-    build_seconds = time.perf_counter() - build_started
-
-    log(f"[4/4] writing {output_dir}")
+    log(f"writing {output_dir}")
+    weight_files = {"target": weights}
+    if draft and draft.weights is not None:
+        weight_files["draft"] = draft.weights
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = output_dir.with_name(f".{output_dir.name}.tmp-{time.time_ns()}")
     try:
         tmp.mkdir()
-        (tmp / "target.engine").write_bytes(engine_bytes)
+        for name, blob in blobs.items():
+            (tmp / f"{name}.engine").write_bytes(blob)
         (tmp / "weights").mkdir()
-        save_file(weights, str(tmp / "weights" / "target.safetensors"))
+        for name, tensors in weight_files.items():
+            save_file(tensors, str(tmp / "weights" / f"{name}.safetensors"))
         tokenizer = [f for f in TOKENIZER_FILES if (checkpoint_dir / f).is_file()]
         for f in tokenizer:
             shutil.copy2(checkpoint_dir / f, tmp / f)
@@ -182,18 +275,15 @@ def build(checkpoint_dir, output_dir, options: BuildOptions, log=print) -> dict:
             "build": dict(asdict(options), dtype=dtype_name),
             "tensorrt": {"flavour": FLAVOUR, "version": VERSION},
             "tokenizer": "tokenizer.json" if "tokenizer.json" in tokenizer else None,
-            "engines": {"target": contract},
+            "speculative": draft.meta if draft else None,
+            "engines": contracts,
         }
         (tmp / "config.json").write_text(json.dumps(meta, indent=2))
+        weight_bytes = {n: sum(w.numel() * w.element_size() for w in t.values()) for n, t in weight_files.items()}
         report = {
-            "engines": {"target": {
-                "layers": num_layers,
-                "engine_bytes": len(engine_bytes),
-                "weight_bytes": sum(w.numel() * w.element_size() for w in weights.values()),
-                "build_seconds": round(build_seconds, 3),
-                "profiles": [{"name": p["name"], "max_tokens": p["max_tokens"]} for p in contract["profiles"]],
-                "lowerings": dict(recorder.lowerings),
-            }},
+            "engines": report_engines,
+            "weight_bytes": weight_bytes,
+            "speculative_decoding_mode": mode,
             "tensorrt": {"flavour": FLAVOUR, "version": VERSION},
             "dtype": dtype_name,
             "total_seconds": round(time.perf_counter() - started, 3),

@@ -23,3 +23,7 @@ class CheckpointError(NemospecError):
 
 class BuildError(NemospecError):
     """An engine could not be built from a valid checkpoint with the requested options."""
+
+
+class DraftError(NemospecError):
+    """A draft checkpoint (EAGLE, EAGLE-3, ...) is malformed or does not fit its target model."""

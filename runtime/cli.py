@@ -21,6 +21,9 @@ def _add_build_args(p):
     p.add_argument("--max_draft_len", type=int, default=0, help="K: draft tokens verified per step")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="auto keeps the checkpoint's dtype")
+    p.add_argument("--speculative_decoding_mode", default=None, choices=["draft_target", "eagle", "eagle3", "mtp"],
+                   help="build a draft and a verify engine beside the target")
+    p.add_argument("--draft_dir", default=None, help="draft checkpoint (every mode but mtp)")
 
 
 def _parser():
@@ -41,7 +44,9 @@ def _parser():
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--end_id", type=int, default=None, help="stop token (default: the config's eos_token_id)")
     g.add_argument("--ignore_eos", action="store_true")
-    g.add_argument("--no_speculation", action="store_true", help="run the target alone")
+    g.add_argument("--no_speculation", action="store_true", help="run the target alone (same engine directory)")
+    g.add_argument("--num_draft_tokens", type=int, default=None,
+                   help="draft tokens per step, at most the engine's --max_draft_len (default: that)")
     g.add_argument("--backend", default="auto", choices=["auto", "torch", "tensorrt", "interpreter"],
                    help="auto: TensorRT on a GPU, else torch; interpreter: the engine's network on the CPU (slow, a check)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
@@ -52,25 +57,32 @@ def _parser():
 
 def cmd_build(args):
     from builder.engine import BuildOptions, build
-    options = BuildOptions(args.max_batch_size, args.max_input_len, args.max_seq_len, args.max_draft_len, args.dtype)
+    options = BuildOptions(args.max_batch_size, args.max_input_len, args.max_seq_len, args.max_draft_len, args.dtype,
+                           args.speculative_decoding_mode)
     with err.status("building ...") as status:
         def log(message):
             status.update(message)
             err.print(message)
-        report = build(args.checkpoint_dir, args.output_dir, options, log)
+        report = build(args.checkpoint_dir, args.output_dir, options, log, draft_dir=args.draft_dir)
     from rich.table import Table
-    t = report["engines"]["target"]
-    table = Table(title=f"built {args.output_dir}", show_header=False)
-    table.add_row("TensorRT", f"{report['tensorrt']['flavour']} {report['tensorrt']['version']}")
-    table.add_row("dtype", report["dtype"])
-    table.add_row("layers", str(t["layers"]))
-    table.add_row("engine", f"{t['engine_bytes'] / 2**20:.2f} MiB")
-    table.add_row("weights", f"{t['weight_bytes'] / 2**20:.2f} MiB")
-    table.add_row("profiles", ", ".join(f"{p['name']} <= {p['max_tokens']} tokens" for p in t["profiles"]))
-    table.add_row("build time", f"{t['build_seconds']:.1f} s engine, {report['total_seconds']:.1f} s total")
-    for op, how in sorted(t["lowerings"].items()):
-        table.add_row(f"op {op}", how)
+    table = Table(title=f"built {args.output_dir}")
+    table.add_column("engine")
+    table.add_column("layers", justify="right")
+    table.add_column("MiB", justify="right")
+    table.add_column("build s", justify="right")
+    table.add_column("profiles")
+    for name, t in report["engines"].items():
+        table.add_row(name, str(t["layers"]), f"{t['engine_bytes'] / 2**20:.2f}", f"{t['build_seconds']:.1f}",
+                      ", ".join(f"{p['name']} <= {p['max_tokens']} tokens" for p in t["profiles"]))
     err.print(table)
+    weights = ", ".join(f"{n} {b / 2**20:.2f} MiB" for n, b in report["weight_bytes"].items())
+    err.print(f"TensorRT {report['tensorrt']['flavour']} {report['tensorrt']['version']}, {report['dtype']}, "
+              f"mode {report['speculative_decoding_mode'] or 'none'}, weights {weights}, "
+              f"{report['total_seconds']:.1f} s total")
+    lowerings = {}
+    for t in report["engines"].values():
+        lowerings.update(t["lowerings"])
+    err.print("lowerings: " + "; ".join(f"{op}: {how}" for op, how in sorted(lowerings.items())))
     return 0
 
 
@@ -106,18 +118,34 @@ def cmd_generate(args):
     eos = loaded.config.eos_token_id
     end_ids = set() if args.ignore_eos else (
         {args.end_id} if args.end_id is not None else set(eos if isinstance(eos, tuple) else [] if eos is None else [eos]))
+    chunk = loaded.max_input_len if loaded.max_input_len < (1 << 30) else 512
+    speculate = loaded.speculative is not None and not args.no_speculation
+    k = loaded.max_draft_len if args.num_draft_tokens is None else args.num_draft_tokens
+    if args.num_draft_tokens is not None and not 1 <= k <= loaded.max_draft_len:
+        raise NemospecError(f"--num_draft_tokens: expected 1..{loaded.max_draft_len} (the engine's max_draft_len), got {k}")
     try:
-        result = generate(loaded.runner, prompts, args.max_new_tokens, temperature=args.temperature,
-                          top_p=args.top_p, seed=args.seed, end_ids=end_ids, max_seq_len=loaded.max_seq_len,
-                          prefill_chunk=loaded.max_input_len if loaded.max_input_len < (1 << 30) else 512)
+        if speculate:
+            from runtime.speculative import speculative_generate
+            result = speculative_generate(loaded.runner, loaded.proposer(), prompts, args.max_new_tokens, k,
+                                          temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                                          end_ids=end_ids, max_seq_len=loaded.max_seq_len, prefill_chunk=chunk)
+        else:
+            result = generate(loaded.runner, prompts, args.max_new_tokens, temperature=args.temperature,
+                              top_p=args.top_p, seed=args.seed, end_ids=end_ids, max_seq_len=loaded.max_seq_len,
+                              prefill_chunk=chunk)
     except ValueError as e:
         raise NemospecError(str(e)) from None
     texts = [tokenizer.decode(o) for o in result.output_ids] if tokenizer else None
     if not args.json:
         for i, ids in enumerate(result.output_ids):
             print(texts[i] if texts else ",".join(map(str, ids)))
+    mode = loaded.speculative["mode"] if speculate else "target only"
     err.print(f"{result.num_tokens} tokens in {result.seconds:.3f} s = {result.tokens_per_second:.1f} tokens/s "
-              f"({loaded.backend} backend)")
+              f"({loaded.backend} backend, {mode})")
+    if speculate:
+        a = result.extra["acceptance"]
+        err.print(f"mean accepted tokens per target forward {a['mean_accepted_tokens']:.2f} (K={k}), "
+                  f"histogram {a['histogram']}")
     if args.json:
         single = len(prompts) == 1
         record = {
@@ -128,6 +156,8 @@ def cmd_generate(args):
             "num_target_forwards": result.num_target_forwards,
             "backend": loaded.backend,
         }
+        if speculate:
+            record["acceptance"] = result.extra["acceptance"]
         if texts is not None:
             record["text"] = texts[0] if single else texts
         print(json.dumps(record))

@@ -22,7 +22,7 @@ class MTPDraft:
     kind = "mtp"
 
     def __init__(self, cfg, weights: dict, dtype=torch.float32):
-        self.cfg, self.dtype = cfg, dtype
+        self.cfg, self.dtype, self.hidden_size = cfg, dtype, cfg.hidden_size
         p = "mtp.layers."
         self.embeddings = weights["backbone.embeddings.weight"].to(dtype)
         head = weights.get("lm_head.weight")

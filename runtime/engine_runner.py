@@ -1,0 +1,124 @@
+"""Running an engine directory's networks: TensorRT on a GPU, or the CPU interpreter.
+
+An executor runs one component (target, verify, draft) from named feeds to named outputs.
+``EngineRunner`` puts the target (+ verify) executors behind the Runner interface; ``EngineDraft``
+puts a feature draft's executor behind the ``step`` interface of ``runtime.drafts``.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from builder.engine import TORCH_DTYPES
+from runtime import state as state_lib
+from runtime.drafts import EagerDraft
+
+DTYPES = dict(TORCH_DTYPES, int32=torch.int32, int64=torch.int64, bool=torch.bool)
+
+
+class InterpretedExecutor:
+    """Evaluates the component's recorded network layer by layer on the CPU (slow; a check)."""
+
+    def __init__(self, component):
+        from builder.engine import record
+        self.recorder, _ = record(component)
+
+    def run(self, feeds: dict) -> dict:
+        from builder.interpreter import run_network
+        return run_network(self.recorder.network, feeds)
+
+
+class TensorRTExecutor:
+    """Runs a serialized engine with the TensorRT runtime; one execution context per profile."""
+
+    def __init__(self, engine_dir, contract):
+        from builder.backends.trt_import import trt
+        if not torch.cuda.is_available():
+            raise RuntimeError("the TensorRT backend needs a CUDA GPU; use --backend torch on this machine")
+        path = Path(engine_dir) / contract["file"]
+        self.contract = contract
+        self._logger = trt.Logger(trt.Logger.WARNING)
+        self._runtime = trt.Runtime(self._logger)
+        self.engine = self._runtime.deserialize_cuda_engine(path.read_bytes())
+        if self.engine is None:
+            raise RuntimeError(f"{path}: TensorRT could not deserialize the engine")
+        self.stream = torch.cuda.Stream()
+        self.contexts = []
+        for index, profile in enumerate(contract["profiles"]):
+            ctx = self.engine.create_execution_context()
+            ctx.set_optimization_profile_async(index, self.stream.cuda_stream)
+            self.contexts.append((profile["max_tokens"], ctx))
+        self.contexts.sort(key=lambda item: item[0])
+
+    def _context(self, tokens):
+        for max_tokens, ctx in self.contexts:
+            if tokens <= max_tokens:
+                return ctx
+        raise ValueError(f"chunk of {tokens} tokens exceeds the engine's largest profile ({self.contexts[-1][0]})")
+
+    def run(self, feeds: dict) -> dict:
+        ctx = self._context(feeds["input_ids"].shape[1])
+        keep = []
+        for name, tensor in feeds.items():
+            tensor = tensor.to("cuda").contiguous()
+            keep.append(tensor)
+            ctx.set_input_shape(name, tuple(tensor.shape))
+            ctx.set_tensor_address(name, tensor.data_ptr())
+        outputs = {}
+        for name, dtype in self.contract["outputs"].items():
+            outputs[name] = torch.empty(tuple(ctx.get_tensor_shape(name)), dtype=DTYPES[dtype], device="cuda")
+            ctx.set_tensor_address(name, outputs[name].data_ptr())
+        if not ctx.execute_async_v3(self.stream.cuda_stream):
+            raise RuntimeError(f"TensorRT execution of {self.contract['file']} failed")
+        self.stream.synchronize()
+        return outputs
+
+
+def _state_spec(contract, batch, capacity):
+    return {name: (tuple(batch if d == "batch" else capacity if d == "capacity" else d for d in e["shape"]),
+                   DTYPES[e["dtype"]]) for name, e in contract["state"].items()}
+
+
+def _split(outputs):
+    state = {n[len("present."):]: v for n, v in outputs.items() if n.startswith("present.")}
+    features = {n[len("features."):]: v for n, v in outputs.items() if n.startswith("features.")}
+    return outputs["logits"], state, features
+
+
+class EngineRunner:
+    """The Runner interface over a chunk engine (``main``) and, for verify passes, ``verify``."""
+
+    def __init__(self, config, dtype, device, main, main_contract, verify=None):
+        self.config, self.dtype, self.device = config, dtype, torch.device(device)
+        self.main, self.contract, self.verify = main, main_contract, verify
+
+    def new_state(self, batch, capacity):
+        return state_lib.allocate(_state_spec(self.contract, batch, capacity), self.device)
+
+    def forward(self, input_ids, positions, lengths, logit_index, state, all_states=False):
+        executor = self.verify if all_states else self.main
+        if executor is None:
+            raise ValueError("this engine directory has no verify engine (build it with a speculative mode)")
+        feeds = {"input_ids": input_ids, "positions": positions, "lengths": lengths, "logit_index": logit_index}
+        feeds.update({"past." + k: v for k, v in state.items()})
+        return _split(executor.run(feeds))
+
+
+class EngineDraft(EagerDraft):
+    """A feature draft (eagle, eagle3, mtp) run from its engine; same ``step`` as the eager one."""
+
+    def __init__(self, module, target_vocab, executor, contract, device):
+        super().__init__(module, target_vocab, device)
+        self.executor, self.contract = executor, contract
+
+    def new_state(self, batch, capacity):
+        return state_lib.allocate(_state_spec(self.contract, batch, capacity), self.device)
+
+    def step(self, ids, target_features, own_hidden, positions, lengths, logit_index, state):
+        feeds = {"input_ids": ids, "positions": positions, "lengths": lengths, "logit_index": logit_index}
+        feeds.update(self.row_inputs(ids, target_features, own_hidden))
+        feeds.update({"past." + k: v for k, v in state.items()})
+        out = self.executor.run(feeds)
+        logits, new_state, _ = _split(out)
+        return self.to_target_vocab(logits), out["hidden_out"], new_state
