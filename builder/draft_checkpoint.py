@@ -41,8 +41,9 @@ down}_proj.weight`` (+ ``.bias`` with ``mlp_bias``), ``layers.{i}.input_layernor
 ``layers.{i}.post_attention_layernorm.weight``, EAGLE-3 ``layers.0.hidden_norm.weight``.
 
 ``validate_against_target(draft_cfg, target_cfg)`` checks a draft against its NemotronH target and
-returns the draft config with its aux layer ids resolved (vLLM's default ``(2, L // 2, L - 3)``
-when the checkpoint pins none).
+returns the draft config with its aux layer ids resolved: vLLM's default ``(2, L // 2, L - 3)`` when
+the checkpoint pins none, and sorted ascending (vLLM captures them walking the layers, so ``fc``'s
+input columns are in layer order).
 """
 from __future__ import annotations
 
@@ -577,7 +578,7 @@ def _load(checkpoint_dir, read: bool):
             continue
         want = required.get(name, optional.get(name))
         if want is None:
-            raise DraftError(f"{path}: unexpected tensor {stored!r} for a {cfg.kind} draft "
+            raise DraftError(f"{path}: unexpected tensor {stored!r} for an {cfg.kind} draft "
                              f"({cfg.architecture}, {cfg.num_hidden_layers} layer(s))")
         if shape != want:
             raise DraftError(f"{path}: tensor {stored!r} has shape {_fmt(shape)}, expected {_fmt(want)}")
@@ -654,7 +655,9 @@ def validate_against_target(draft_cfg: Eagle3Config | EagleConfig, target_cfg) -
                              f"outside [0, {layers}] for a target of {layers} layers")
         if len(set(ids)) != len(ids):
             raise DraftError(f"eagle3 draft: eagle_aux_hidden_state_layer_ids {list(ids)} repeats a layer id")
-        return dataclasses.replace(c, aux_layer_ids=tuple(ids))
+        # vLLM (and speculators' datagen through it) appends captured states while walking the layers,
+        # so fc's input columns are in ascending layer order whatever order the config lists
+        return dataclasses.replace(c, aux_layer_ids=tuple(sorted(ids)))
     if c.hidden_size != target_hidden:
         raise DraftError(f"eagle draft: hidden_size {c.hidden_size} does not match the target's hidden_size "
                          f"{target_hidden}")

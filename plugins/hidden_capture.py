@@ -308,7 +308,7 @@ def register_tensorrt_plugin() -> None:
     import tensorrt as trt  # full TensorRT only: tensorrt_rtx has no plugin layers
     import tensorrt.plugin as trtp
 
-    namespace = getattr(trtp.op, PLUGIN_NAMESPACE, None) if hasattr(trtp.op, PLUGIN_NAMESPACE) else None
+    namespace = getattr(trtp.op, PLUGIN_NAMESPACE, None)  # registered already (e.g. by another copy)
     if namespace is not None and hasattr(namespace, PLUGIN_NAME):
         _REGISTERED = True
         return

@@ -55,10 +55,10 @@ def _run(module, ids, feature, positions, lengths, index, state, from_target=Non
     if module.kind == "eagle3":
         batch, rows = ids.shape
         if from_target is None:
-            aux, hidden = feature, torch.zeros(batch, rows, module.hidden_size)
+            aux, hidden = feature, torch.zeros(batch, rows, module.hidden_size, dtype=module.dtype)
             from_target = torch.ones(batch, rows, dtype=torch.int32)
         else:
-            aux, hidden = torch.zeros(batch, rows, module.aux_width), feature
+            aux, hidden = torch.zeros(batch, rows, module.aux_width, dtype=module.dtype), feature
         return module.forward(ids, aux, hidden, from_target, positions, lengths, index, state)
     return module.forward(ids, feature, positions, lengths, index, state)
 
@@ -150,16 +150,13 @@ def test_eagle3_mixed_rows_select_per_row():
     hidden = torch.randn(2, 3, 32, generator=torch.Generator().manual_seed(5))
     mixed = torch.tensor([[1, 0, 1], [0, 1, 1]], dtype=torch.int32)
     lengths, index = torch.tensor([3, 3], dtype=torch.int32), torch.tensor([[0, 1, 2]] * 2, dtype=torch.int32)
-    got = module.forward(ids, aux, hidden, mixed, pos, lengths, index, _state(module, 2))[0]
-    for b in range(2):
-        for t in range(3):
-            one = torch.full((1, 3), t, dtype=torch.int32)
-            ft = torch.full((1, 3), int(mixed[b, t]), dtype=torch.int32)
-            # the same row alone, after identical earlier rows
-            prev = module.forward(ids[b:b + 1], aux[b:b + 1], hidden[b:b + 1], mixed[b:b + 1], pos[b:b + 1],
-                                  lengths[:1], one, _state(module, 1))[0]
-            torch.testing.assert_close(got[b, t], prev[0, 0], rtol=1e-5, atol=1e-5)
-            del ft
+    got = module.forward(ids, aux, hidden, mixed, pos, lengths, index, _state(module, 2))
+    # the same chunk with fc(aux) precomputed into the recycled rows
+    merged = torch.where(mixed[..., None] == 1, torch.nn.functional.linear(aux, module.fc), hidden)
+    want = module.forward(ids, torch.zeros_like(aux), merged, torch.zeros_like(mixed), pos, lengths, index,
+                          _state(module, 2))
+    torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=1e-6)
 
 
 def test_bf16_draft_runs_close_to_reference():
@@ -243,6 +240,24 @@ def test_recorded_network_matches_eager(name):
     _compare(rec, module, step, state)
 
 
+def test_recorded_eagle3_network_builds():
+    """TensorRT accepts the recorded EAGLE-3 network with dynamic batch, rows and cache length."""
+    from builder.backends.trt_build import build_engine_bytes
+    module, _ = _load("eagle3_llama3")
+    rec = _record(module)
+    profile = {}
+    for i in range(rec.network.num_inputs):
+        t = rec.network.get_input(i)
+        tail = tuple(d for d in t.shape[2:])
+        if t.name == "lengths":
+            profile[t.name] = [(1,), (2,), (4,)]
+        elif t.name.startswith("past."):
+            profile[t.name] = [(1, 1) + tail, (2, 64) + tail, (4, 256) + tail]
+        else:
+            profile[t.name] = [(1, 1) + tail, (2, 8) + tail, (4, 64) + tail]
+    assert len(build_engine_bytes(rec, [profile])) > 1000
+
+
 # --- validation ----------------------------------------------------------------------------------------
 def _copy(tmp_path, name):
     return Path(shutil.copytree(FIXTURES / name, tmp_path / name, ignore=shutil.ignore_patterns("reference.*")))
@@ -319,6 +334,10 @@ def test_error_aux_layer_ids_out_of_range():
     cfg = load_draft_config(FIXTURES / "eagle3_llama3")
     msg = _error(validate_against_target, cfg, SimpleNamespace(hidden_size=32, vocab_size=96, num_layers=3))
     assert "eagle_aux_hidden_state_layer_ids [1, 3, 4]" in msg and "id 4 outside [0, 3]" in msg
+    shuffled = dataclasses.replace(cfg, aux_layer_ids=(4, 1, 3))
+    assert validate_against_target(shuffled, TARGET).aux_layer_ids == (1, 3, 4)  # vLLM's capture order
+    assert "repeats a layer id" in _error(validate_against_target, dataclasses.replace(cfg, aux_layer_ids=(1, 1, 3)),
+                                          TARGET)
     unset = dataclasses.replace(cfg, aux_layer_ids=None)
     assert validate_against_target(unset, SimpleNamespace(hidden_size=32, vocab_size=96, num_layers=40)).aux_layer_ids \
         == (2, 20, 37)
@@ -353,10 +372,11 @@ def test_error_tensors(tmp_path):
     assert "missing tensor 'layers.0.hidden_norm.weight'" in _error(load_draft_checkpoint, path)
     path = _copy(tmp_path, "eagle_hf")
     tensors = load_file(str(path / "model.safetensors"))
-    tensors["fc.weight"] = tensors["fc.weight"][:, :40].contiguous()
-    tensors["extra.weight"] = torch.zeros(2)
-    save_file(tensors, str(path / "model.safetensors"))
-    msg = _error(load_draft_checkpoint, path)
-    assert ("'fc.weight' has shape [32, 40], expected [32, 64]" in msg) or ("unexpected tensor 'extra.weight'" in msg)
+    save_file({**tensors, "fc.weight": tensors["fc.weight"][:, :40].contiguous()}, str(path / "model.safetensors"))
+    assert "tensor 'fc.weight' has shape [32, 40], expected [32, 64]" in _error(load_draft_checkpoint, path)
+    save_file({**tensors, "extra.weight": torch.zeros(2)}, str(path / "model.safetensors"))
+    assert "unexpected tensor 'extra.weight' for an eagle draft" in _error(load_draft_checkpoint, path)
+    save_file({**tensors, "fc.weight": tensors["fc.weight"].to(torch.int32)}, str(path / "model.safetensors"))
+    assert "tensor 'fc.weight' has dtype I32" in _error(load_draft_checkpoint, path)
     (path / "config.json").unlink()
     assert "config.json: missing" in _error(load_draft_checkpoint, path)

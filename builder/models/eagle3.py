@@ -44,7 +44,8 @@ speculators' trainer pairs the same (g_p, x_{p+1}) but gives that row position p
 two conventions give the same outputs up to rounding; we follow vLLM.
 
 Aux layer ids follow Hugging Face ``hidden_states`` indexing: id i is the hidden state entering
-target layer i (0 = embeddings, L = the output of the last layer, before the final norm).
+target layer i (0 = embeddings, L = the output of the last layer, before the final norm). ``aux``
+concatenates them in ascending layer order (``aux_layer_ids`` is sorted), as vLLM captures them.
 """
 from __future__ import annotations
 

@@ -1,0 +1,147 @@
+"""Speculative engine directories: target + verify + draft engines, checked on the CPU interpreter,
+and the CLI for every mode (draft_target, mtp here; eagle and eagle3 in test_eagle_drafts)."""
+import json
+import shutil
+
+import pytest
+import torch
+
+from builder.engine import BuildOptions, build
+from runtime import cli
+from runtime.generation import generate
+from runtime.loading import open_engine_dir
+from runtime.speculative import speculative_generate
+from runtime.state import chunk_inputs
+from speculative_fixtures import layer_subset_draft, target_with_mtp
+
+OPTIONS = dict(max_batch_size=4, max_input_len=32, max_seq_len=96, max_draft_len=3)
+
+
+@pytest.fixture(scope="module")
+def dirs(checkpoints, tmp_path_factory):
+    root = tmp_path_factory.mktemp("spec_engines")
+    target = target_with_mtp(checkpoints["dense"], root / "target")
+    draft = layer_subset_draft(target, root / "draft")
+    engines = {}
+    for mode in ("draft_target", "mtp"):
+        engines[mode] = root / f"engine_{mode}"
+        build(target, engines[mode], BuildOptions(**OPTIONS, speculative_decoding_mode=mode), log=lambda m: None,
+              draft_dir=draft if mode == "draft_target" else None)
+    return target, draft, engines
+
+
+@pytest.mark.parametrize("mode", ["draft_target", "mtp"])
+def test_speculative_engine_directory(mode, dirs):
+    engine_dir = dirs[2][mode]
+    meta = json.loads((engine_dir / "config.json").read_text())
+    assert meta["speculative"]["mode"] == mode
+    assert set(meta["engines"]) == {"target", "verify", "draft"}
+    verify = meta["engines"]["verify"]
+    assert [p["max_tokens"] for p in verify["profiles"]] == [4]
+    assert any(n.endswith(".ssm_states") for n in verify["outputs"]), "verify returns per-position states"
+    report = json.loads((engine_dir / "build_report.json").read_text())
+    assert set(report["engines"]) == {"target", "verify", "draft"}
+    for name in ("target", "verify", "draft"):
+        assert (engine_dir / f"{name}.engine").stat().st_size == report["engines"][name]["engine_bytes"]
+    if mode == "mtp":
+        assert "features.hidden" in meta["engines"]["target"]["outputs"]
+        assert "hidden_out" in meta["engines"]["draft"]["outputs"]
+        assert not (engine_dir / "weights" / "draft.safetensors").exists()
+    else:
+        assert (engine_dir / "weights" / "draft.safetensors").is_file()
+
+
+@pytest.mark.parametrize("mode", ["draft_target", "mtp"])
+def test_interpreted_engines_speculate_exactly(mode, dirs):
+    """target, verify and draft networks all run through the interpreter: output == target greedy."""
+    engine_dir = dirs[2][mode]
+    eager = open_engine_dir(engine_dir, backend="torch")
+    interp = open_engine_dir(engine_dir, backend="interpreter")
+    prompts = [[5, 9, 17, 33, 4], [7]]
+    want = generate(eager.runner, prompts, 12).output_ids
+    got = speculative_generate(interp.runner, interp.proposer(), prompts, 12, 3)
+    assert got.output_ids == want
+    eager_spec = speculative_generate(eager.runner, eager.proposer(), prompts, 12, 3)
+    assert eager_spec.extra["acceptance"] == got.extra["acceptance"]
+
+
+def test_draft_and_verify_engine_networks_equal_eager(dirs):
+    """Each network alone: verify (per-position states) and the MTP draft, interpreter vs eager."""
+    engine_dir = dirs[2]["mtp"]
+    eager = open_engine_dir(engine_dir, backend="torch")
+    interp = open_engine_dir(engine_dir, backend="interpreter")
+    ids, positions, lengths = chunk_inputs([[5, 6, 7, 8], [9, 10]], [3, 6])
+    rows = torch.arange(4, dtype=torch.int32).repeat(2, 1)
+    g = torch.Generator().manual_seed(0)
+    state = {k: torch.randn(v.shape, generator=g).to(v.dtype) for k, v in eager.runner.new_state(2, 16).items()}
+    a = interp.runner.forward(ids, positions, lengths, rows, {k: v.clone() for k, v in state.items()}, all_states=True)
+    b = eager.runner.forward(ids, positions, lengths, rows, {k: v.clone() for k, v in state.items()}, all_states=True)
+    torch.testing.assert_close(a[0], b[0], rtol=1e-4, atol=1e-4)
+    for name in b[1]:
+        if "states" in name:
+            torch.testing.assert_close(a[1][name], b[1][name], rtol=1e-4, atol=1e-4, msg=name)
+    torch.testing.assert_close(a[2]["hidden"], b[2]["hidden"], rtol=1e-4, atol=1e-4)
+    d_eager, d_interp = eager.proposer().draft, interp.proposer().draft
+    hidden = torch.randn(2, 4, eager.config.hidden_size, generator=g)
+    dstate = {k: torch.randn(v.shape, generator=g).to(v.dtype) for k, v in d_eager.new_state(2, 16).items()}
+    x = d_interp.step(ids, hidden, None, positions, lengths, (lengths - 1)[:, None], {k: v.clone() for k, v in dstate.items()})
+    y = d_eager.step(ids, hidden, None, positions, lengths, (lengths - 1)[:, None], {k: v.clone() for k, v in dstate.items()})
+    for u, v in zip(x[:2], y[:2]):
+        torch.testing.assert_close(u, v, rtol=1e-4, atol=1e-4)
+
+
+def _gen(capsys, *argv):
+    code = cli.main(["generate", *map(str, argv)])
+    out, err = capsys.readouterr()
+    return code, (json.loads(out.strip().splitlines()[-1]) if code == 0 else None), err
+
+
+@pytest.mark.parametrize("mode", ["draft_target", "mtp"])
+def test_cli_generate_reports_acceptance_and_no_speculation_matches(mode, dirs, capsys):
+    engine_dir = dirs[2][mode]
+    args = ["--engine_dir", engine_dir, "--input_ids", "5,9,17", "--max_new_tokens", 24, "--ignore_eos", "--json"]
+    code, spec, err = _gen(capsys, *args)
+    assert code == 0 and "mean accepted tokens" in err
+    a = spec["acceptance"]
+    assert set(a) >= {"mean_accepted_tokens", "histogram", "num_target_forwards"}
+    assert sum(int(n) * c for n, c in a["histogram"].items()) >= 23
+    _, plain, _ = _gen(capsys, *args, "--no_speculation")
+    assert spec["output_ids"] == plain["output_ids"] and "acceptance" not in plain
+    _, smaller, _ = _gen(capsys, *args, "--num_draft_tokens", 1)
+    assert smaller["output_ids"] == plain["output_ids"]
+    assert list(smaller["acceptance"]["histogram"]) == ["1", "2"]
+    code, _, err = _gen(capsys, *args, "--num_draft_tokens", 9)
+    assert code == 2 and "--num_draft_tokens" in err
+
+
+def test_build_errors_name_the_field(dirs, checkpoints, tmp_path, capsys):
+    target, draft, _ = dirs
+
+    def build_cli(*extra):
+        code = cli.main(["build", "--checkpoint_dir", str(target), "--output_dir", str(tmp_path / "e"),
+                         "--max_draft_len", "2", *map(str, extra)])
+        return code, capsys.readouterr().err
+
+    code, err = build_cli("--speculative_decoding_mode", "draft_target")
+    assert code == 2 and "--draft_dir" in err
+    code, err = build_cli("--speculative_decoding_mode", "mtp", "--draft_dir", draft)
+    assert code == 2 and "--draft_dir" in err
+    other_vocab = checkpoints["two_attention"]  # vocab 112 vs the target's 128
+    code, err = build_cli("--speculative_decoding_mode", "draft_target", "--draft_dir", other_vocab)
+    assert code == 2 and "vocab_size" in err
+    code = cli.main(["build", "--checkpoint_dir", str(checkpoints["dense"]), "--output_dir", str(tmp_path / "e"),
+                     "--max_draft_len", "2", "--speculative_decoding_mode", "mtp"])
+    assert code == 2 and "num_nextn_predict_layers" in capsys.readouterr().err
+    code2 = cli.main(["build", "--checkpoint_dir", str(target), "--output_dir", str(tmp_path / "e"),
+                      "--speculative_decoding_mode", "mtp"])
+    assert code2 == 2 and "--max_draft_len" in capsys.readouterr().err
+    assert not (tmp_path / "e").exists()
+    broken = tmp_path / "broken"
+    shutil.copytree(target, broken)
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(str(broken / "model.safetensors"))
+    del tensors["mtp.layers.0.eh_proj.weight"]
+    save_file(tensors, str(broken / "model.safetensors"))
+    code = cli.main(["build", "--checkpoint_dir", str(broken), "--output_dir", str(tmp_path / "e"),
+                     "--max_draft_len", "2", "--speculative_decoding_mode", "mtp"])
+    assert code == 2 and "mtp.layers.0.eh_proj.weight" in capsys.readouterr().err
