@@ -12,6 +12,9 @@ from pathlib import Path
 from builder.checkpoint import checkpoint_hash, load_checkpoint, validate_mtp
 from builder.config import NemotronHConfig
 from builder.errors import BuildError, DraftError
+from builder.draft_checkpoint import draft_config_from_dict, load_draft_checkpoint, validate_against_target
+from builder.models.eagle import EagleDraft
+from builder.models.eagle3 import Eagle3Draft
 from builder.models.mtp import MTPDraft
 from builder.models.nemotron_h import NemotronH
 
@@ -49,7 +52,27 @@ def load_draft(mode, target_cfg: NemotronHConfig, target_weights: dict, draft_di
         weights = convert_weights(weights, dtype)
         return LoadedDraft(NemotronH(cfg, weights, dtype), weights, {},
                            {"mode": mode, "draft": cfg.to_dict(), "draft_sha256": checkpoint_hash(directory)})
+    if mode in ("eagle", "eagle3"):
+        cfg, weights = load_draft_checkpoint(directory)
+        if cfg.kind != mode:
+            raise DraftError(f"{directory / 'config.json'}: this is an {cfg.kind} draft, not {mode}; "
+                             f"pass --speculative_decoding_mode {cfg.kind}")
+        cfg = validate_against_target(cfg, target_cfg)
+        weights = convert_weights(weights, dtype)
+        module = _feature_draft(cfg, weights, target_weights, dtype)
+        features = {"capture_layers": module.aux_layer_ids} if mode == "eagle3" else {"final_hidden": True}
+        return LoadedDraft(module, weights, features,
+                           {"mode": mode, "draft": cfg.to_dict(), "draft_sha256": checkpoint_hash(directory)})
     raise DraftError(f"--speculative_decoding_mode: unknown mode {mode}")
+
+
+def _feature_draft(cfg, weights, target_weights, dtype):
+    """EAGLE drafts use the target's embedding (and LM head, for EAGLE-1) unless they ship their own."""
+    embedding = target_weights["backbone.embeddings.weight"]
+    if cfg.kind == "eagle3":
+        return Eagle3Draft(cfg, weights, embedding, dtype)
+    head = target_weights.get("lm_head.weight", embedding)
+    return EagleDraft(cfg, weights, embedding, head, dtype)
 
 
 def draft_from_engine_dir(meta: dict, target_cfg: NemotronHConfig, target_weights: dict, draft_weights, dtype):
@@ -58,4 +81,6 @@ def draft_from_engine_dir(meta: dict, target_cfg: NemotronHConfig, target_weight
         return MTPDraft(target_cfg, target_weights, dtype)
     if mode == "draft_target":
         return NemotronH(NemotronHConfig.from_dict(meta["draft"]), draft_weights, dtype)
+    if mode in ("eagle", "eagle3"):
+        return _feature_draft(draft_config_from_dict(meta["draft"]), draft_weights, target_weights, dtype)
     raise DraftError(f"engine directory: unknown speculative mode {mode}")

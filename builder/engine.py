@@ -165,7 +165,7 @@ def draft_component(module, options: BuildOptions) -> Component:
     dtype = DTYPE_NAMES[module.dtype]
     hidden = {"hidden": {"shape": ["batch", "tokens", module.hidden_size], "dtype": dtype}}
     if kind == "eagle3":
-        extra = {"aux_hidden": {"shape": ["batch", "tokens", len(module.aux_layer_ids) * module.hidden_size],
+        extra = {"aux_hidden": {"shape": ["batch", "tokens", module.aux_width],
                                 "dtype": dtype},
                  **hidden, "from_target": {"shape": ["batch", "tokens"], "dtype": "int32"}}
 
@@ -183,10 +183,15 @@ def draft_component(module, options: BuildOptions) -> Component:
     return Component("draft", module, _chunk_inputs(module, extra), call, profiles)
 
 
-def record(component: Component):
-    """Records a component's forward into a TensorRT network; returns (recorder, output dtypes)."""
+def record(component: Component, native_plugins: bool = False):
+    """Records a component's forward into a TensorRT network; returns (recorder, output dtypes).
+
+    ``native_plugins`` lowers plugin ops to native layers even where plugin layers exist (the CPU
+    interpreter evaluates native layers only).
+    """
     from builder.backends.trt_backend import NetworkRecorder
     recorder = NetworkRecorder(name=component.name)
+    recorder.native_plugins = native_plugins
     feeds = {}
     for name, entry in component.inputs.items():
         shape = [d if isinstance(d, int) else -1 for d in entry["shape"]]

@@ -44,7 +44,7 @@ class EagerDraft:
         m = self.module
         zeros = lambda width: torch.zeros(batch, rows, width, dtype=m.dtype, device=self.device)  # noqa: E731
         return {"aux_hidden": target_features if target_features is not None
-                else zeros(len(m.aux_layer_ids) * m.hidden_size),
+                else zeros(m.aux_width),
                 "hidden": own_hidden if own_hidden is not None else zeros(m.hidden_size),
                 "from_target": torch.full((batch, rows), int(target_features is not None), dtype=torch.int32,
                                           device=self.device)}

@@ -22,7 +22,7 @@ class InterpretedExecutor:
 
     def __init__(self, component):
         from builder.engine import record
-        self.recorder, _ = record(component)
+        self.recorder, _ = record(component, native_plugins=True)
 
     def run(self, feeds: dict) -> dict:
         from builder.interpreter import run_network
@@ -33,9 +33,12 @@ class TensorRTExecutor:
     """Runs a serialized engine with the TensorRT runtime; one execution context per profile."""
 
     def __init__(self, engine_dir, contract):
-        from builder.backends.trt_import import trt
+        from builder.backends.trt_import import HAS_PLUGIN_LAYERS, trt
         if not torch.cuda.is_available():
             raise RuntimeError("the TensorRT backend needs a CUDA GPU; use --backend torch on this machine")
+        if HAS_PLUGIN_LAYERS:  # engines may hold our plugin layers: register them before deserializing
+            from plugins.hidden_capture import register_tensorrt_plugin
+            register_tensorrt_plugin()
         path = Path(engine_dir) / contract["file"]
         self.contract = contract
         self._logger = trt.Logger(trt.Logger.WARNING)

@@ -26,7 +26,10 @@ def reference(pair):
     return generate(target, PROMPTS, 48).output_ids
 
 
-@pytest.mark.parametrize("mode", ["draft_target", "mtp"])
+MODES = ["draft_target", "mtp", "eagle", "eagle3"]
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("k", [1, 4])
 def test_speculative_greedy_equals_target_greedy(mode, k, pair, reference):
     target, proposer = pair
@@ -51,8 +54,8 @@ def test_partial_acceptance_is_exercised(pair, reference):
 def test_one_token_prompt_alone(pair):
     target, proposer = pair
     want = generate(target, [[9]], 48).output_ids
-    assert speculative_generate(target, proposer("draft_target"), [[9]], 48, 3).output_ids == want
-    assert speculative_generate(target, proposer("mtp"), [[9]], 48, 3).output_ids == want
+    for mode in MODES:
+        assert speculative_generate(target, proposer(mode), [[9]], 48, 3).output_ids == want, mode
 
 
 def test_stops_at_end_id_and_max_tokens(pair, reference):
@@ -139,7 +142,7 @@ def _second_token_marginal(target, prompt, temperature):
     return p1 @ torch.softmax(logits[:, 0] / temperature, -1)
 
 
-@pytest.mark.parametrize("mode", ["draft_target", "mtp"])
+@pytest.mark.parametrize("mode", ["draft_target", "mtp", "eagle3"])
 def test_speculative_sampling_preserves_the_target_distribution(mode, pair, monkeypatch):
     """The 2nd generated token (the first one a draft proposes) of 3000 seeded speculative samples
     against the exact target marginal: chi-square p > 1e-3; an always-accepting sampler is caught."""

@@ -145,3 +145,47 @@ def test_build_errors_name_the_field(dirs, checkpoints, tmp_path, capsys):
     code = cli.main(["build", "--checkpoint_dir", str(broken), "--output_dir", str(tmp_path / "e"),
                      "--max_draft_len", "2", "--speculative_decoding_mode", "mtp"])
     assert code == 2 and "mtp.layers.0.eh_proj.weight" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def eagle_dirs(checkpoints, tmp_path_factory):
+    from speculative_fixtures import FEATURE_DRAFTS
+    root = tmp_path_factory.mktemp("eagle_engines")
+    engines = {}
+    for mode, draft in FEATURE_DRAFTS.items():
+        engines[mode] = root / mode
+        build(checkpoints["moe"], engines[mode], BuildOptions(**OPTIONS, speculative_decoding_mode=mode),
+              log=lambda m: None, draft_dir=draft)
+    return engines
+
+
+@pytest.mark.parametrize("mode", ["eagle", "eagle3"])
+def test_eagle_engine_directories_speculate_exactly_on_the_interpreter(mode, eagle_dirs):
+    engine_dir = eagle_dirs[mode]
+    meta = json.loads((engine_dir / "config.json").read_text())
+    assert meta["speculative"]["mode"] == mode and meta["speculative"]["draft"]["kind"] == mode
+    target_outputs = meta["engines"]["target"]["outputs"]
+    assert ("features.aux_hidden" if mode == "eagle3" else "features.hidden") in target_outputs
+    report = json.loads((engine_dir / "build_report.json").read_text())
+    if mode == "eagle3":
+        assert "hidden_capture" in report["engines"]["target"]["lowerings"]
+        assert "from_target" in meta["engines"]["draft"]["inputs"]
+    eager = open_engine_dir(engine_dir, backend="torch")
+    interp = open_engine_dir(engine_dir, backend="interpreter")
+    prompts = [[5, 9, 17, 33, 4], [7]]
+    want = generate(eager.runner, prompts, 10).output_ids
+    got = speculative_generate(interp.runner, interp.proposer(), prompts, 10, 3)
+    assert got.output_ids == want
+    assert got.extra["acceptance"] == speculative_generate(eager.runner, eager.proposer(), prompts, 10, 3).extra["acceptance"]
+
+
+def test_eagle3_draft_that_does_not_fit_exits_2(dirs, tmp_path, capsys):
+    from speculative_fixtures import FEATURE_DRAFTS
+    target = dirs[0]  # hidden 64: the fixture drafts are for hidden 32
+    code = cli.main(["build", "--checkpoint_dir", str(target), "--output_dir", str(tmp_path / "e"), "--max_draft_len", "2",
+                     "--speculative_decoding_mode", "eagle3", "--draft_dir", str(FEATURE_DRAFTS["eagle3"])])
+    assert code == 2 and "hidden_size" in capsys.readouterr().err
+    code = cli.main(["build", "--checkpoint_dir", str(target), "--output_dir", str(tmp_path / "e"), "--max_draft_len", "2",
+                     "--speculative_decoding_mode", "eagle", "--draft_dir", str(FEATURE_DRAFTS["eagle3"])])
+    assert code == 2 and "eagle3" in capsys.readouterr().err
+    assert not (tmp_path / "e").exists()
