@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from builder.checkpoint import load_checkpoint  # noqa: E402
+from builder.drafts import load_draft  # noqa: E402
 from builder.models.mtp import MTPDraft  # noqa: E402
 from builder.models.nemotron_h import NemotronH  # noqa: E402
 from builder.random_checkpoint import write_layer_subset_draft, write_random_checkpoint  # noqa: E402
@@ -52,14 +53,22 @@ def main():
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     root = Path(tempfile.mkdtemp())
-    target_dir = write_random_checkpoint(root / "target", "M*ME-M*-ME-M", hidden_size=128, mtp_pattern="*E")
+    # hidden 32 / vocabulary 96: the shape of the speculators-made EAGLE fixtures in tests/
+    target_dir = write_random_checkpoint(root / "target", "ME*EM-M*-ME-M", hidden_size=32, vocab_size=96,
+                                         head_dim=8, mamba_num_heads=4, mtp_pattern="*E")
     draft_dir = write_layer_subset_draft(target_dir, root / "draft", [0, 1, 2, 3])
     config, weights = load_checkpoint(target_dir)
     dconfig, dweights = load_checkpoint(draft_dir)
-    target = TorchRunner(NemotronH(config, weights, final_hidden=True))
+    fixtures = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "speculators"
+    eagle = {mode: load_draft(mode, config, weights, fixtures / name, torch.float32, log=lambda m: None)
+             for mode, name in (("eagle", "eagle_speculators"), ("eagle3", "eagle3_llama3"))}
+    target = TorchRunner(NemotronH(config, weights, final_hidden=True,
+                                   capture_layers=eagle["eagle3"].target_features["capture_layers"]))
     proposers = {
         "draft_target": lambda: ModelDraftProposer(TorchRunner(NemotronH(dconfig, dweights))),
         "mtp": lambda: FeatureDraftProposer(EagerDraft(MTPDraft(config, weights), config.vocab_size)),
+        "eagle": lambda: FeatureDraftProposer(EagerDraft(eagle["eagle"].module, config.vocab_size)),
+        "eagle3": lambda: FeatureDraftProposer(EagerDraft(eagle["eagle3"].module, config.vocab_size)),
     }
     prompt = [[int(t) for t in torch.randint(3, config.vocab_size, (16,), generator=torch.Generator().manual_seed(0))]]
     reference = generate(target, prompt, args.new_tokens).output_ids
