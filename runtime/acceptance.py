@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.sampling import probabilities
+from runtime.sampling import SamplingParams, probabilities
 
 
 def greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor):
@@ -40,3 +40,15 @@ def rejection(draft_tokens, draft_probs, target_logits, temperature, top_p, gene
     residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), target_row)
     token = torch.multinomial(residual, 1, generator=generator)[:, 0]
     return m.to(draft_tokens.device), token.to(draft_tokens.device)
+
+
+def accept(draft_tokens, draft_probs, target_logits, params: list[SamplingParams]):
+    """Per row: greedy acceptance, or rejection sampling with the row's own settings and generator."""
+    m, nxt = greedy(draft_tokens, target_logits)
+    for row, prm in enumerate(params):
+        if prm.temperature:
+            r = slice(row, row + 1)
+            m_r, t_r = rejection(draft_tokens[r], draft_probs[r], target_logits[r], prm.temperature, prm.top_p,
+                                 prm.generator)
+            m[row], nxt[row] = m_r[0], t_r[0]
+    return m, nxt

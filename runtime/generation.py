@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runtime import sampling
 from runtime.state import chunk_inputs
 
 
@@ -70,32 +69,29 @@ def prefill(runner, prompts, state, chunk_size, features=()):
     return torch.stack(last), state, forwards, collected
 
 
+def run_group(group, prompts, max_new_tokens, params, end_ids):
+    """Adds every prompt to an in-flight group and steps it until all are finished."""
+    from runtime.batching import Sequence
+    seqs = [Sequence(list(p), max_new_tokens, params, frozenset(end_ids)) for p in prompts]
+    group.add(seqs)
+    while True:
+        keep = [i for i, s in enumerate(group.seqs) if not s.finished]
+        if len(keep) < len(group.seqs):
+            group.drop(keep)
+        if not group.seqs:
+            return seqs
+        group.step()
+
+
 def generate(runner, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 0.0,
              top_p: float = 1.0, seed: int | None = None, end_ids=(),
              max_seq_len: int = 1 << 30, prefill_chunk: int = 512) -> GenerationResult:
+    """Target-only generation; every prompt of the batch draws from one seeded generator in order."""
+    from runtime.batching import PlainGroup
+    from runtime.sampling import SamplingParams
     check_request(prompts, max_new_tokens, max_seq_len, runner.config.vocab_size)
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     start = time.perf_counter()
-    capacity = max(len(p) for p in prompts) + max_new_tokens
-    state = runner.new_state(len(prompts), capacity)
-    logits, state, forwards, _ = prefill(runner, prompts, state, prefill_chunk)
-    outputs = [[] for _ in prompts]
-    finished = [False] * len(prompts)
-    lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int32)
-    one = torch.ones(len(prompts), dtype=torch.int32)
-    index = torch.zeros(len(prompts), 1, dtype=torch.int32)
-    for step in range(max_new_tokens):
-        tokens = sampling.choose(logits, temperature, top_p, generator)
-        for b, t in enumerate(tokens.tolist()):
-            if not finished[b]:
-                outputs[b].append(t)
-                finished[b] = t in end_ids
-        if all(finished) or step == max_new_tokens - 1:
-            break
-        positions = (lengths + step)[:, None]
-        ids = tokens.to(torch.int32)[:, None]
-        out, state, _ = runner.forward(ids.to(runner.device), positions.to(runner.device), one.to(runner.device),
-                                    index.to(runner.device), state)
-        logits = out[:, 0]
-        forwards += 1
-    return GenerationResult(outputs, time.perf_counter() - start, forwards)
+    group = PlainGroup(runner, max(len(p) for p in prompts) + max_new_tokens, prefill_chunk)
+    seqs = run_group(group, prompts, max_new_tokens, SamplingParams(temperature, top_p, generator), end_ids)
+    return GenerationResult([s.outputs for s in seqs], time.perf_counter() - start, group.forwards)

@@ -18,22 +18,25 @@ from __future__ import annotations
 
 import torch
 
-from runtime import sampling
 from runtime.generation import prefill
 from runtime.rollback import select_snapshots
+from runtime.sampling import draw
 from runtime.state import chunk_inputs
-
-
-def _draw(logits, temperature, top_p, generator):
-    """(tokens [B], q [B, V] or None): greedy argmax, or a sample and the distribution it came from."""
-    if not temperature:
-        return logits.argmax(-1), None
-    q = sampling.probabilities(logits, temperature, top_p)
-    return torch.multinomial(q.cpu(), 1, generator=generator)[:, 0].to(logits.device), q
 
 
 def _take_rows(state: dict, keep: torch.Tensor) -> dict:
     return {k: v[keep.to(v.device)] for k, v in state.items()}
+
+
+def _cat(a: dict, b: dict) -> dict:
+    return {k: torch.cat([a[k], b[k]]) for k in a}
+
+
+def _stack_q(probs, batch, vocab):
+    """Per-step q rows [B, V] (None when every row is greedy) -> [B, K, V] or None."""
+    if all(q is None for q in probs):
+        return None
+    return torch.stack([q if q is not None else torch.zeros(batch, vocab) for q in probs], 1)
 
 
 class ModelDraftProposer:
@@ -48,14 +51,14 @@ class ModelDraftProposer:
         self.consumed = [len(p) for p in prompts]
         self.pending = [[t] for t in first_tokens]
 
-    def propose(self, k, temperature, top_p, generator):
+    def propose(self, k, params):
         dev = self.runner.device
         ids, positions, lengths = chunk_inputs(self.pending, self.consumed, dev)
         logits, self.state, _ = self.runner.forward(ids, positions, lengths, (lengths - 1)[:, None].to(torch.int32), self.state)
         self.base = [c + len(p) for c, p in zip(self.consumed, self.pending)]
         self.snapshots = [dict(self.state)]
         tokens, probs = [], []
-        token, q = _draw(logits[:, 0], temperature, top_p, generator)
+        token, q = draw(logits[:, 0], params)
         tokens.append(token)
         probs.append(q)
         one = torch.ones(len(self.base), dtype=torch.int32, device=dev)
@@ -64,10 +67,10 @@ class ModelDraftProposer:
             pos = torch.tensor(self.base, dtype=torch.int32, device=dev)[:, None] + (i - 1)
             logits, self.state, _ = self.runner.forward(token.to(torch.int32)[:, None], pos, one, zero, self.state)
             self.snapshots.append(dict(self.state))
-            token, q = _draw(logits[:, 0], temperature, top_p, generator)
+            token, q = draw(logits[:, 0], params)
             tokens.append(token)
             probs.append(q)
-        return torch.stack(tokens, 1), (torch.stack(probs, 1) if temperature else None)
+        return torch.stack(tokens, 1), _stack_q(probs, len(params), logits.shape[-1])
 
     def accept(self, accepted, next_tokens, drafts, verify_features):
         k = drafts.shape[1]
@@ -82,6 +85,12 @@ class ModelDraftProposer:
         self.state = _take_rows(self.state, keep)
         self.consumed = [self.consumed[i] for i in keep.tolist()]
         self.pending = [self.pending[i] for i in keep.tolist()]
+
+    def merge(self, other: "ModelDraftProposer"):
+        """Appends another proposer's sequences (started on newcomers) after this one's."""
+        self.state = _cat(self.state, other.state)
+        self.consumed += other.consumed
+        self.pending += other.pending
 
 
 class FeatureDraftProposer:
@@ -124,10 +133,10 @@ class FeatureDraftProposer:
         rows = [p[1:] + [t] for p, t in zip(prompts, first_tokens)]
         self._catch_up(rows, feats, [0] * len(prompts))
 
-    def propose(self, k, temperature, top_p, generator):
+    def propose(self, k, params):
         dev = self.draft.device
         batch = self.logits.shape[0]
-        token, q = _draw(self.logits, temperature, top_p, generator)
+        token, q = draw(self.logits, params)
         tokens, probs = [token], [q]
         one = torch.ones(batch, dtype=torch.int32, device=dev)
         zero = torch.zeros(batch, 1, dtype=torch.int32, device=dev)
@@ -137,10 +146,10 @@ class FeatureDraftProposer:
             logits, out, self.state = self.draft.step(token.to(torch.int32)[:, None], None, hidden[:, None], pos,
                                                       one, zero, self.state)
             hidden = out[:, 0]
-            token, q = _draw(logits[:, 0], temperature, top_p, generator)
+            token, q = draw(logits[:, 0], params)
             tokens.append(token)
             probs.append(q)
-        return torch.stack(tokens, 1), (torch.stack(probs, 1) if temperature else None)
+        return torch.stack(tokens, 1), _stack_q(probs, batch, self.logits.shape[-1])
 
     def accept(self, accepted, next_tokens, drafts, verify_features):
         feats = verify_features[self.draft.feature]
@@ -152,3 +161,8 @@ class FeatureDraftProposer:
         self.state = _take_rows(self.state, keep)
         self.logits, self.hidden = self.logits[keep], self.hidden[keep]
         self.position = [self.position[i] for i in keep.tolist()]
+
+    def merge(self, other: "FeatureDraftProposer"):
+        self.state = _cat(self.state, other.state)
+        self.logits, self.hidden = torch.cat([self.logits, other.logits]), torch.cat([self.hidden, other.hidden])
+        self.position += other.position

@@ -1,7 +1,18 @@
-"""Token choice from logits: greedy, temperature and nucleus (top-p) sampling."""
+"""Token choice from logits: greedy, temperature and nucleus (top-p) sampling, per sequence."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass
+class SamplingParams:
+    """How one sequence chooses tokens. Rows may share a generator (offline batches draw in order)."""
+    temperature: float = 0.0
+    top_p: float = 1.0
+    generator: torch.Generator | None = None
+    banned: tuple[int, ...] = ()        # token ids whose logits are forced to -inf
 
 
 def probabilities(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
@@ -18,9 +29,35 @@ def probabilities(logits: torch.Tensor, temperature: float, top_p: float) -> tor
 
 def choose(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
            generator: torch.Generator | None = None) -> torch.Tensor:
-    """[..., V] logits -> [...] token ids. Temperature 0 is greedy (argmax)."""
+    """[..., V] logits -> [...] token ids, one setting for every row. Temperature 0 is greedy."""
     if not temperature:
         return logits.argmax(-1)
     probs = probabilities(logits, temperature, top_p)
     flat = probs.reshape(-1, probs.shape[-1])
     return torch.multinomial(flat.cpu(), 1, generator=generator).reshape(probs.shape[:-1]).to(logits.device)
+
+
+def ban(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """logits [B, ..., V] with each row's banned tokens at -inf (a copy only when something is banned)."""
+    if not any(p.banned for p in params):
+        return logits
+    logits = logits.clone()
+    for row, p in enumerate(params):
+        if p.banned:
+            logits[row, ..., list(p.banned)] = float("-inf")
+    return logits
+
+
+def draw(logits: torch.Tensor, params: list[SamplingParams]):
+    """[B, V] -> (tokens [B], q [B, V] or None): each row greedy or sampled by its own settings;
+    q holds, for sampled rows, the distribution the token was drawn from (rejection sampling's q)."""
+    logits = ban(logits, params)
+    tokens = logits.argmax(-1)
+    q = None
+    for row, p in enumerate(params):
+        if p.temperature:
+            if q is None:
+                q = torch.zeros(logits.shape, dtype=torch.float32)
+            q[row] = probabilities(logits[row], p.temperature, p.top_p).cpu()
+            tokens[row] = torch.multinomial(q[row], 1, generator=p.generator)[0].to(tokens.device)
+    return tokens, q

@@ -1,0 +1,176 @@
+"""In-flight batches: sequences join (prefill) and leave (finished, cancelled) between steps.
+
+``PlainGroup`` decodes one token per step for its sequences; ``SpeculativeGroup`` runs one
+propose -> verify -> accept -> roll back round per step. Both hold the batched state of their
+sequences and merge a prefilled newcomer's state rows into it. Offline generation and the
+server's scheduler drive the same groups, so a served request decodes exactly as offline.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime import acceptance
+from runtime.generation import prefill
+from runtime.rollback import select_verified
+from runtime.sampling import SamplingParams, ban, draw
+
+
+@dataclass
+class Sequence:
+    """One request's progress. ``emit`` appends tokens until an end id, a stop sequence or the limit."""
+    prompt: list[int]
+    max_new_tokens: int
+    params: SamplingParams = field(default_factory=SamplingParams)
+    end_ids: frozenset = frozenset()
+    stop_words: tuple = ()
+    outputs: list = field(default_factory=list)
+    position: int = 0          # position of the last token (the next chunk starts there)
+    last: int = 0
+    finished: bool = False
+    gained: Counter = field(default_factory=Counter)   # verify steps by tokens gained
+
+    def emit(self, tokens) -> list[int]:
+        kept = []
+        for t in tokens:
+            self.outputs.append(t)
+            kept.append(t)
+            if (t in self.end_ids or len(self.outputs) >= self.max_new_tokens
+                    or any(tuple(self.outputs[-len(s):]) == tuple(s) for s in self.stop_words if s)):
+                self.finished = True
+                break
+        return kept
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        total = sum(self.gained.values())
+        return sum(n * c for n, c in self.gained.items()) / total if total else 0.0
+
+
+def _rows(state: dict, index) -> dict:
+    index = torch.as_tensor(index, dtype=torch.long)
+    return {k: v[index.to(v.device)] for k, v in state.items()}
+
+
+def _cat(a: dict, b: dict) -> dict:
+    return {k: torch.cat([a[k], b[k]]) for k in a}
+
+
+class PlainGroup:
+    """Target-only sequences: one token per sequence per step."""
+
+    features = ()
+
+    def __init__(self, target, capacity: int, prefill_chunk: int = 512):
+        self.target, self.capacity, self.prefill_chunk = target, capacity, prefill_chunk
+        self.seqs: list[Sequence] = []
+        self.state = None
+        self.forwards = 0
+
+    def _prefill(self, seqs):
+        state = self.target.new_state(len(seqs), self.capacity)
+        logits, state, forwards, features = prefill(self.target, [s.prompt for s in seqs], state,
+                                                    self.prefill_chunk, self.features)
+        self.forwards += forwards
+        first, _ = draw(logits, [s.params for s in seqs])
+        emitted = []
+        for s, t in zip(seqs, first.tolist()):
+            s.position, s.last = len(s.prompt), t
+            emitted.append(s.emit([t]))
+        return state, features, emitted
+
+    def add(self, seqs: list[Sequence]) -> list[list[int]]:
+        """Prefills newcomers and merges them into the batch; returns each one's first token(s)."""
+        state, _, emitted = self._prefill(seqs)
+        self._merge(seqs, state)
+        return emitted
+
+    def _merge(self, seqs, state, *_):
+        self.state = state if not self.seqs else _cat(self.state, state)
+        self.seqs += seqs
+
+    def step(self) -> list[list[int]]:
+        """One decode step for every sequence; returns the tokens each one gained."""
+        dev = self.target.device
+        n = len(self.seqs)
+        ids = torch.tensor([[s.last] for s in self.seqs], dtype=torch.int32, device=dev)
+        pos = torch.tensor([[s.position] for s in self.seqs], dtype=torch.int32, device=dev)
+        logits, self.state, _ = self.target.forward(ids, pos, torch.ones(n, dtype=torch.int32, device=dev),
+                                                    torch.zeros(n, 1, dtype=torch.int32, device=dev), self.state)
+        self.forwards += 1
+        tokens, _ = draw(logits[:, 0], [s.params for s in self.seqs])
+        out = []
+        for s, t in zip(self.seqs, tokens.tolist()):
+            s.position, s.last = s.position + 1, t
+            out.append(s.emit([t]))
+        return out
+
+    def drop(self, keep: list[int]):
+        """Keeps the sequences at these indices (finished or cancelled ones leave)."""
+        self.seqs = [self.seqs[i] for i in keep]
+        self.state = _rows(self.state, keep) if keep else None
+
+
+class SpeculativeGroup(PlainGroup):
+    """Sequences decoded with a draft: one verify per step, K proposals per sequence."""
+
+    def __init__(self, target, make_proposer, draft_len: int, capacity: int, prefill_chunk: int = 512):
+        super().__init__(target, capacity, prefill_chunk)
+        self.make_proposer, self.draft_len = make_proposer, draft_len
+        self.proposer = None
+        self.verifies = 0
+        self.draft_seconds = self.verify_seconds = 0.0
+        self.histogram = Counter()
+
+    def add(self, seqs):
+        proposer = self.make_proposer()
+        self.features = proposer.features
+        state, features, emitted = self._prefill(seqs)
+        proposer.start([s.prompt for s in seqs], [s.last for s in seqs], features, self.capacity)
+        if self.proposer is None or not self.seqs:
+            self.proposer = proposer
+        else:
+            self.proposer.merge(proposer)
+        self._merge(seqs, state)
+        return emitted
+
+    def step(self):
+        dev = self.target.device
+        n = len(self.seqs)
+        params = [s.params for s in self.seqs]
+        k = min(self.draft_len, self.capacity - 1 - max(s.position for s in self.seqs))
+        t0 = time.perf_counter()
+        drafts, q = self.proposer.propose(k, params)
+        t1 = time.perf_counter()
+        ids = torch.cat([torch.tensor([[s.last] for s in self.seqs], dtype=torch.int32, device=dev),
+                         drafts.to(torch.int32).to(dev)], 1)
+        pos = (torch.tensor([[s.position] for s in self.seqs], dtype=torch.int32, device=dev)
+               + torch.arange(k + 1, dtype=torch.int32, device=dev))
+        rows = torch.arange(k + 1, dtype=torch.int32, device=dev).repeat(n, 1)
+        logits, new_state, features = self.target.forward(ids, pos, torch.full((n,), k + 1, dtype=torch.int32, device=dev),
+                                                          rows, self.state, all_states=True)
+        m, nxt = acceptance.accept(drafts.to(logits.device), q, ban(logits, params), params)
+        self.state = select_verified(new_state, m.to(dev))
+        self.proposer.accept(m, nxt, drafts, features)
+        self.verify_seconds += time.perf_counter() - t1
+        self.draft_seconds += t1 - t0
+        self.verifies += 1
+        self.forwards += 1
+        out = []
+        for i, s in enumerate(self.seqs):
+            gained = drafts[i, :int(m[i])].tolist() + [int(nxt[i])]
+            s.gained[len(gained)] += 1
+            self.histogram[len(gained)] += 1
+            s.position, s.last = s.position + len(gained), int(nxt[i])
+            out.append(s.emit(gained))
+        return out
+
+    def drop(self, keep):
+        super().drop(keep)
+        if keep:
+            self.proposer.keep(torch.tensor(keep, dtype=torch.long))
+        else:
+            self.proposer = None
