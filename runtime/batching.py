@@ -32,6 +32,8 @@ class Sequence:
     last: int = 0
     finished: bool = False
     gained: Counter = field(default_factory=Counter)   # verify steps by tokens gained
+    request_id: int = -1
+    on_tokens: object = None                            # the scheduler's callback for this request
 
     def emit(self, tokens) -> list[int]:
         kept = []

@@ -31,6 +31,7 @@ class Loaded:
     backend: str
     speculative: dict | None = None
     max_draft_len: int = 0
+    max_batch_size: int = 8
     _proposer: object = field(default=None, repr=False)
 
     def proposer(self):
@@ -117,4 +118,4 @@ def open_engine_dir(engine_dir, backend="auto", device=None) -> Loaded:
             proposer = lambda: FeatureDraftProposer(stepper, chunk)  # noqa: E731
     tok = engine_dir / meta["tokenizer"] if meta.get("tokenizer") else None
     return Loaded(runner, config, tok, build["max_seq_len"], build["max_input_len"], backend, spec,
-                  build.get("max_draft_len", 0), proposer)
+                  build.get("max_draft_len", 0), build["max_batch_size"], proposer)

@@ -1,0 +1,163 @@
+"""In-flight batching scheduler (what the Triton `speculative` model runs), tested in-process."""
+import threading
+
+import pytest
+
+from builder.engine import BuildOptions, build
+from runtime.generation import generate
+from runtime.loading import open_engine_dir
+from runtime.scheduler import Request, Scheduler, SchedulerError
+from speculative_fixtures import layer_subset_draft, target_with_mtp
+
+
+@pytest.fixture(scope="module")
+def loaded(checkpoints, tmp_path_factory):
+    root = tmp_path_factory.mktemp("sched")
+    target = target_with_mtp(checkpoints["moe"], root / "target")
+    draft = layer_subset_draft(target, root / "draft")
+    engine = root / "engine"
+    build(target, engine, BuildOptions(max_batch_size=4, max_input_len=16, max_seq_len=64, max_draft_len=3,
+                                       speculative_decoding_mode="draft_target"), log=lambda m: None, draft_dir=draft)
+    return open_engine_dir(engine, backend="torch")
+
+
+PROMPTS = [[5, 9, 17, 33], [7], [12, 13, 14], [40, 41, 42, 43, 44, 45], [3, 60], [8, 8, 8], [20, 30]]
+
+
+class Collector:
+    def __init__(self):
+        self.tokens, self.finished, self.info = [], False, None
+        self.calls = 0
+
+    def __call__(self, new, finished, info):
+        assert not self.finished, "no tokens after the end"
+        self.calls += 1
+        self.tokens += new
+        self.finished, self.info = finished, info
+
+
+def _drain(scheduler, limit=10_000):
+    for _ in range(limit):
+        if not scheduler.step():
+            return
+    raise AssertionError("scheduler did not finish")
+
+
+def test_in_flight_batching_equals_sequential_results(loaded):
+    want = generate(loaded.runner, PROMPTS, 20).output_ids
+    scheduler = Scheduler(loaded)
+    outs = [Collector() for _ in PROMPTS]
+    for p, c in zip(PROMPTS[:2], outs[:2]):
+        scheduler.submit(Request(p, 20), c)
+    for _ in range(3):  # the first two run alone for a few steps ...
+        scheduler.step()
+    for p, c in zip(PROMPTS[2:], outs[2:]):  # ... then the rest join the running batch
+        scheduler.submit(Request(p, 20, speculative=len(p) % 2 == 0), c)
+    _drain(scheduler)
+    assert [c.tokens for c in outs] == want
+    assert all(c.finished and c.calls > 1 for c in outs)  # streamed, not one answer at the end
+    assert scheduler.metrics["max_batch_seen"] == 4  # max_batch_size 4: the rest waited in the queue
+    assert max(scheduler.batch_sizes) == 4 and scheduler.metrics["active_sequences"] == 0
+    assert scheduler.metrics["generated_tokens"] == 20 * len(PROMPTS)
+    assert scheduler.metrics["verify_rows"] > 0 and scheduler.metrics["accepted_tokens"] >= scheduler.metrics["verify_rows"]
+    assert "mean_accepted_tokens" in outs[0].info
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(loaded):
+    def sample(extra):
+        scheduler = Scheduler(loaded)
+        mine = Collector()
+        scheduler.submit(Request([5, 9, 17], 16, temperature=1.2, top_p=0.9, seed=123), mine)
+        for p in extra:
+            scheduler.submit(Request(p, 16, temperature=0.7, seed=len(p)), Collector())
+        _drain(scheduler)
+        return mine.tokens
+    alone = sample([])
+    assert sample(PROMPTS[:3]) == alone
+    assert len(alone) == 16
+
+
+def test_cancel_frees_the_sequence(loaded):
+    scheduler = Scheduler(loaded)
+    doomed, other = Collector(), Collector()
+    rid = scheduler.submit(Request([5, 9, 17, 33], 40), doomed)
+    scheduler.submit(Request([7], 10), other)
+    scheduler.step()
+    scheduler.step()
+    seen = len(doomed.tokens)
+    scheduler.cancel(rid)
+    _drain(scheduler)
+    assert len(doomed.tokens) == seen and not doomed.finished
+    assert other.finished and scheduler.metrics["active_sequences"] == 0
+    assert scheduler.metrics["requests_cancelled"] == 1
+    queued = scheduler.submit(Request([5], 5), Collector())
+    scheduler.cancel(queued)  # cancelled before admission: never runs
+    _drain(scheduler)
+    assert scheduler.metrics["requests_cancelled"] == 2
+
+
+@pytest.mark.parametrize("request_, field", [
+    (Request([], 4), "text_input"),
+    (Request([1, 2], 0), "max_tokens"),
+    (Request([1, 2], 63), "max_tokens"),
+    (Request(list(range(3, 20)), 4), "max_input_len"),
+    (Request([1, 2], 4, temperature=-0.5), "temperature"),
+    (Request([1, 2], 4, top_p=0.0), "top_p"),
+    (Request([1, 1000], 4), "input_ids"),
+])
+def test_bad_requests_are_refused_naming_the_field(request_, field, loaded):
+    scheduler = Scheduler(loaded)
+    with pytest.raises(SchedulerError, match=field):
+        scheduler.submit(request_, Collector())
+    good = Collector()
+    scheduler.submit(Request([5, 6], 4), good)
+    _drain(scheduler)
+    assert good.finished
+
+
+def test_full_queue_is_refused_then_recovers(loaded):
+    scheduler = Scheduler(loaded, max_batch_size=1, max_queue=2)
+    for _ in range(2):
+        scheduler.submit(Request([5], 4), Collector())
+    with pytest.raises(SchedulerError, match="busy"):
+        scheduler.submit(Request([5], 4), Collector())
+    _drain(scheduler)
+    scheduler.submit(Request([5], 4), Collector())
+
+
+def test_stop_words_bad_words_and_end_ids(loaded):
+    free = generate(loaded.runner, [[5, 9]], 20).output_ids[0]
+    scheduler = Scheduler(loaded)
+    stop, banned, end = Collector(), Collector(), Collector()
+    scheduler.submit(Request([5, 9], 20, stop_words=(tuple(free[3:5]),)), stop)
+    scheduler.submit(Request([5, 9], 20, bad_words=((free[0],),)), banned)
+    scheduler.submit(Request([5, 9], 20, end_ids=frozenset({free[6]})), end)
+    _drain(scheduler)
+    assert stop.tokens == free[:5]
+    assert banned.tokens[0] != free[0] and free[0] not in banned.tokens
+    assert end.tokens == free[:free.index(free[6]) + 1]
+
+
+def test_background_thread_serves_concurrent_submitters(loaded):
+    want = generate(loaded.runner, PROMPTS, 12).output_ids
+    scheduler = Scheduler(loaded)
+    scheduler.start()
+    try:
+        outs = [Collector() for _ in PROMPTS]
+        done = [threading.Event() for _ in PROMPTS]
+
+        def client(i):
+            def cb(new, finished, info):
+                outs[i](new, finished, info)
+                if finished:
+                    done[i].set()
+            scheduler.submit(Request(PROMPTS[i], 12), cb)
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(PROMPTS))]
+        for t in threads:
+            t.start()
+        for e in done:
+            assert e.wait(timeout=120)
+        assert [c.tokens for c in outs] == want
+    finally:
+        scheduler.stop()
