@@ -90,7 +90,7 @@ def fp4_encode(x: torch.Tensor) -> torch.Tensor:
     """uint8 E2M1 codes of fp32 values (round to nearest, ties to the even code, saturating at +-6)."""
     x = x.float()
     mag = x.abs()
-    code = (mag[..., None] > _MIDPOINTS).sum(-1) + (mag[..., None] == _ODD_MIDPOINTS).any(-1)
+    code = torch.bucketize(mag, _MIDPOINTS, right=False) + torch.isin(mag, _ODD_MIDPOINTS)
     return (code + 8 * (x < 0)).to(torch.uint8)
 
 
@@ -455,14 +455,14 @@ def nvfp4_weights(tensors: Mapping[str, torch.Tensor], quant_config: QuantConfig
             raise CheckpointError(_at(where, f"tensor {name} is packed FP4 but module {module} is excluded from "
                                              "quantization by the checkpoint's exclude_modules"))
         scale, scale_2 = tensors.get(name + "_scale"), tensors.get(name + "_scale_2")
-        if shapes is not None and name in shapes:
+        if shapes is not None:
+            if name not in shapes:
+                raise CheckpointError(_at(where, f"unexpected packed FP4 tensor {name}: the model has no such weight"))
             shape = tuple(int(d) for d in shapes[name])
-        elif shapes is not None and not _allow_inferred(shapes):
-            raise CheckpointError(_at(where, f"unexpected packed FP4 tensor {name}: the model has no such weight"))
-        else:
-            if scale is None or scale.dim() < 2:
-                validate_nvfp4(name, t, scale, scale_2, tuple(t.shape[:-1]) + (t.shape[-1] * 2,), where)
+        elif scale is not None and scale.dim() >= 2:
             shape = tuple(scale.shape[:-1]) + (int(scale.shape[-1]) * group,)
+        else:  # validation below reports the missing or malformed scale
+            shape = tuple(t.shape[:-1]) + (int(t.shape[-1]) * 2,)
         validate_nvfp4(name, t, scale, scale_2, shape, where)
         out[name] = NVFP4Weight(t, scale, scale_2, shape, dtype or torch.float32, name)
         consumed.update((name + "_scale", name + "_scale_2", _module(name) + ".input_scale"))
@@ -473,13 +473,6 @@ def nvfp4_weights(tensors: Mapping[str, torch.Tensor], quant_config: QuantConfig
                 continue  # an unquantized module's activation scale: nothing to apply in W4A16
             raise CheckpointError(_at(where, f"tensor {name} has no packed FP4 weight {base} (expected uint8)"))
     return out
-
-
-_INFER = object()
-
-
-def _allow_inferred(shapes) -> bool:
-    return getattr(shapes, "allow_inferred", False)
 
 
 def _at(where: str, message: str) -> str:
@@ -579,9 +572,7 @@ def load_nvfp4_checkpoint(checkpoint_dir: str | os.PathLike, keep_quantized: boo
     where_of = {n: str(files[n]) for n in raw}
     dtype = getattr(torch, config.dtype)
 
-    weights: dict = {}
-    for name, w in nvfp4_weights(raw, qc, shapes, dtype, where=str(layout.where)).items():
-        weights[name] = w
+    weights = nvfp4_weights(raw, qc, shapes, dtype, where=str(layout.where))
     # the logical checkpoint: same rules as an unquantized one
     missing = [n for n in expected if n not in weights]
     if missing:

@@ -79,10 +79,15 @@ def cmd_build(args):
     err.print(f"TensorRT {report['tensorrt']['flavour']} {report['tensorrt']['version']}, {report['dtype']}, "
               f"mode {report['speculative_decoding_mode'] or 'none'}, weights {weights}, "
               f"{report['total_seconds']:.1f} s total")
-    lowerings = {}
-    for t in report["engines"].values():
-        lowerings.update(t["lowerings"])
-    err.print("lowerings: " + "; ".join(f"{op}: {how}" for op, how in sorted(lowerings.items())))
+    lowerings: dict[str, dict[str, list[str]]] = {}
+    for engine, t in report["engines"].items():
+        for op, how in t["lowerings"].items():
+            lowerings.setdefault(op, {}).setdefault(how, []).append(engine)
+    err.print("lowerings:")
+    for op in sorted(lowerings):
+        for how, engines in lowerings[op].items():
+            where = "" if len(engines) == len(report["engines"]) else f" [{', '.join(engines)}]"
+            err.print(f"  {op}: {how}{where}", markup=False)
     return 0
 
 

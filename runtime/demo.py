@@ -27,17 +27,23 @@ def main(argv=None):
     if not (checkpoint / "config.json").is_file():
         from builder.random_checkpoint import write_random_checkpoint
         console.rule("1. a small random NemotronH checkpoint (Mamba-2 + attention + MoE + MLP)")
-        write_random_checkpoint(checkpoint, "M*ME-M*E", seed=0, tokenizer=True)
+        write_random_checkpoint(checkpoint, "M*ME-M*E", seed=0, tokenizer=True, mtp_pattern="*E")
         console.print(f"wrote {checkpoint}")
-    console.rule("2. nemospec build")
+    console.rule("2. nemospec build (target + MTP draft: target, verify and draft engines)")
     code = cli.main(["build", "--checkpoint_dir", str(checkpoint), "--output_dir", str(engine),
-                     "--max_batch_size", "4", "--max_input_len", "128", "--max_seq_len", "256"])
+                     "--max_batch_size", "4", "--max_input_len", "128", "--max_seq_len", "256",
+                     "--speculative_decoding_mode", "mtp", "--max_draft_len", "3"])
     if code:
         return code
-    console.rule("3. nemospec generate")
+    generate = ["generate", "--engine_dir", str(engine), "--prompt", args.prompt,
+                "--max_new_tokens", str(args.max_new_tokens), "--ignore_eos"]
+    console.rule("3. nemospec generate, speculative (random weights: the MTP draft is rarely accepted)")
     console.print(f"prompt: {args.prompt!r}")
-    return cli.main(["generate", "--engine_dir", str(engine), "--prompt", args.prompt,
-                     "--max_new_tokens", str(args.max_new_tokens), "--ignore_eos"])
+    code = cli.main(generate)
+    if code:
+        return code
+    console.rule("4. nemospec generate --no_speculation (the same text, target only)")
+    return cli.main(generate + ["--no_speculation"])
 
 
 if __name__ == "__main__":
