@@ -272,8 +272,13 @@ def load_checkpoint(checkpoint_dir: str | os.PathLike) -> tuple[NemotronHConfig,
 
     Returns the config and canonical name -> tensor (dtype as stored) for every expected tensor,
     the optional ones present, and every ``mtp.*`` tensor. Raises :class:`CheckpointError`.
+    A ModelOpt NVFP4 checkpoint (``hf_quant_config.json`` / ``quantization_config``) is dequantized
+    to the config's dtype (see :mod:`builder.quantization`; its ``load_nvfp4_checkpoint`` keeps it packed).
     """
     config = load_config(checkpoint_dir)
+    from builder import quantization  # ModelOpt NVFP4 checkpoints: validated, dequantized on load
+    if quantization.read_quant_config(checkpoint_dir) is not None:
+        return quantization.load_nvfp4_checkpoint(checkpoint_dir)
     layout = _locate(checkpoint_dir)
     expected = expected_tensors(config)
     optional = optional_tensors(config)

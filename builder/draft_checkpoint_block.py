@@ -58,7 +58,7 @@ from safetensors import safe_open
 from builder.draft_checkpoint import (_FLOAT_DTYPES, _IGNORED, _INT_DTYPES, Eagle3Config, _DraftLayers,
                                       _Fields, _fmt, _headers, _layers, _parse_speculators_eagle3,
                                       _read_config, _verifier, draft_tensors, validate_against_target)
-from builder.errors import DraftError
+from builder.errors import CheckpointError, DraftError
 
 __all__ = [
     "DFlashConfig",
@@ -387,21 +387,29 @@ def _canonical(stored: str, source: str) -> str:
 
 _PACKED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
            "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+_ROW_SUFFIXES = ("weight", "bias", "weight_scale")       # split along the output rows
+_SHARED_SUFFIXES = ("weight_scale_2", "input_scale")    # per-tensor scalars: each part keeps them
 
 
 def _unpack(entries: dict, data: dict) -> dict:
     """Expand fused ``qkv_proj`` / ``gate_up_proj`` entries into one virtual entry per projection
-    (sizes from the config: q heads, kv heads, head_dim, intermediate_size)."""
+    (sizes from the config: q heads, kv heads, head_dim, intermediate_size). NVFP4 packed weights
+    and their block scales split along the rows too; their global scales are shared."""
     hidden = data.get("hidden_size")
     heads, kv_heads = data.get("num_attention_heads"), data.get("num_key_value_heads", data.get("num_attention_heads"))
     head_dim = data.get("head_dim") or (hidden // heads if isinstance(hidden, int) and isinstance(heads, int) else None)
     out = {}
     for name, entry in entries.items():
         fused = next((k for k in _PACKED if f".{k}." in f".{name}"), None)
-        if fused is None:
+        suffix = name.rsplit(".", 1)[-1]
+        if fused is None or suffix not in _ROW_SUFFIXES + _SHARED_SUFFIXES:
             out[name] = entry
             continue
         path, stored, shape, dtype, _ = entry
+        if suffix in _SHARED_SUFFIXES:
+            for part in _PACKED[fused]:
+                out[name.replace(fused, part)] = entry
+            continue
         if fused == "self_attn.qkv_proj":
             if not all(isinstance(v, int) for v in (heads, kv_heads, head_dim)):
                 raise DraftError(f"{path}: tensor {stored!r} is a fused qkv projection but config.json lacks "
@@ -429,14 +437,33 @@ def load_block_draft_config(checkpoint_dir: str | os.PathLike):
     return _load(checkpoint_dir, read=False)[0]
 
 
-def load_block_draft_checkpoint(checkpoint_dir: str | os.PathLike):
-    """Read and validate a DFlash / DSpark / P-EAGLE draft checkpoint: (cfg, canonical name -> tensor)."""
-    return _load(checkpoint_dir, read=True)
+def load_block_draft_checkpoint(checkpoint_dir: str | os.PathLike, keep_quantized: bool = True):
+    """Read and validate a DFlash / DSpark / P-EAGLE draft checkpoint: (cfg, canonical name -> tensor).
+
+    A ModelOpt NVFP4 checkpoint (``hf_quant_config.json`` or ``quantization_config``; packed uint8
+    ``X.weight`` + ``X.weight_scale`` + ``X.weight_scale_2``) gives
+    :class:`builder.quantization.NVFP4Weight` objects for its packed weights (the draft modules bind
+    them like tensors; ``F.linear`` dequantizes on the fly eagerly and lowers to FP4 constants in
+    TensorRT; DSpark's W2 goes to the fused Markov-head op), or plain dequantized tensors with
+    ``keep_quantized=False``. The logical shape of each packed weight comes from the config."""
+    return _load(checkpoint_dir, read=True, keep_quantized=keep_quantized)
 
 
-def _load(checkpoint_dir, read: bool):
+def _quant_config(directory: Path):
+    from builder.quantization import read_quant_config
+    if not directory.is_dir():
+        return None
+    try:
+        return read_quant_config(directory)
+    except CheckpointError as e:
+        raise DraftError(str(e)) from None
+
+
+def _load(checkpoint_dir, read: bool, keep_quantized: bool = True):
+    from builder.quantization import _SCALE_SUFFIXES
     directory = Path(checkpoint_dir)
     data, where = _read_config(directory)
+    qc = _quant_config(directory)
     headers = _headers(directory)
     source = "speculators" if "speculators_model_type" in data else "hf"
     entries: dict[str, tuple] = {}
@@ -463,15 +490,29 @@ def _load(checkpoint_dir, read: bool):
     for name, (path, stored, shape, dtype, _) in entries.items():
         if name in _IGNORED:
             continue
+        if qc is not None and name.endswith(_SCALE_SUFFIXES):
+            base = name[:name.rfind(".")] + ".weight"
+            if base not in entries:
+                raise DraftError(f"{path}: tensor {stored!r} has no packed FP4 weight {base!r}")
+            continue  # validated with its weight (builder.quantization) when read
         want = required.get(name, optional.get(name))
         if want is None:
             raise DraftError(f"{path}: unexpected tensor {stored!r} for a {cfg.kind} draft "
                              f"({cfg.architecture}, {cfg.num_hidden_layers} layer(s))")
+        if qc is not None and dtype == "U8" and name.endswith(".weight"):
+            packed = tuple(want[:-1]) + (want[-1] // 2,)
+            if shape != packed:
+                raise DraftError(f"{path}: packed FP4 tensor {stored!r} has shape {_fmt(shape)}, expected "
+                                 f"{_fmt(packed)} for logical shape {_fmt(want)} (odd or wrong packed length)")
+            if name + "_scale" not in entries:
+                raise DraftError(f"{path}: packed FP4 tensor {stored!r} has no {name + '_scale'!r} block scales")
+            continue
         if shape != want:
             raise DraftError(f"{path}: tensor {stored!r} has shape {_fmt(shape)}, expected {_fmt(want)}")
         allowed = _INT_DTYPES if name == "d2t" else _FLOAT_DTYPES
         if dtype not in allowed:
-            raise DraftError(f"{path}: tensor {stored!r} has dtype {dtype}, expected one of {', '.join(allowed)}")
+            raise DraftError(f"{path}: tensor {stored!r} has dtype {dtype}, expected one of {', '.join(allowed)}"
+                             + ("" if qc is not None else " (no quantization config: not an NVFP4 checkpoint)"))
     if not read:
         return cfg, {}
     weights: dict[str, torch.Tensor] = {}
@@ -488,6 +529,14 @@ def _load(checkpoint_dir, read: bool):
                 if t is None:
                     t = cache[stored] = f.get_tensor(stored)
                 weights[name] = t if part is None else t[part[0]:part[0] + part[1]].contiguous()
+    if qc is not None:
+        from builder.quantization import dequantize_weights, nvfp4_weights
+        try:
+            weights = nvfp4_weights(weights, qc, {**optional, **required}, where=str(directory))
+        except CheckpointError as e:
+            raise DraftError(str(e)) from None
+        if not keep_quantized:
+            weights = dequantize_weights(weights)
     if "d2t" in weights:
         d2t = weights["d2t"] = weights["d2t"].long()
         target_ids = torch.arange(d2t.shape[0]) + d2t

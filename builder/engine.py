@@ -227,7 +227,11 @@ def build(checkpoint_dir, output_dir, options: BuildOptions, log=print, draft_di
     started = time.perf_counter()
     checkpoint_dir, output_dir = Path(checkpoint_dir), Path(output_dir)
     log(f"reading checkpoint {checkpoint_dir}")
-    config, weights = load_checkpoint(checkpoint_dir)
+    from builder import quantization  # an NVFP4 checkpoint keeps its linears packed: FP4 constants in the engine
+    if quantization.is_nvfp4_checkpoint(checkpoint_dir):
+        config, weights = quantization.load_nvfp4_checkpoint(checkpoint_dir, keep_quantized=True)
+    else:
+        config, weights = load_checkpoint(checkpoint_dir)
     dtype_name = options.resolve_dtype(config.dtype)
     dtype = TORCH_DTYPES[dtype_name]
     weights = convert_weights(weights, dtype)
@@ -258,7 +262,7 @@ def build(checkpoint_dir, output_dir, options: BuildOptions, log=print, draft_di
         del recorder
 
     log(f"writing {output_dir}")
-    weight_files = {"target": weights}
+    weight_files = {"target": quantization.dequantize_weights(weights)}  # the TorchRunner's, in the build dtype
     if draft and draft.weights is not None:
         weight_files["draft"] = draft.weights
     output_dir.parent.mkdir(parents=True, exist_ok=True)

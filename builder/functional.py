@@ -28,7 +28,10 @@ def _backend(*xs):
 
 # --- dense algebra -------------------------------------------------------------------------------
 def linear(x, weight, bias=None):
-    """x [..., in] @ weight[out, in].T + bias."""
+    """x [..., in] @ weight[out, in].T + bias. An NVFP4 weight (builder.quantization.NVFP4Weight) goes
+    to :func:`linear_nvfp4`."""
+    if getattr(weight, "is_nvfp4", False):
+        return linear_nvfp4(x, weight.packed, weight.scale, weight.scale_2, weight.shape, bias)
     return _backend(x).linear(x, weight, bias)
 
 
@@ -179,3 +182,22 @@ def where(cond, a, b):
     """Elementwise select, torch.where semantics with broadcasting: cond (bool, or int: nonzero is
     true) picks a, else b. a and b are tensors or Python numbers (result dtype as torch promotes)."""
     return _backend(cond, a, b).where(cond, a, b)
+
+
+# --- NVFP4 weights (builder/quantization.py) and the DSpark Markov head (plugins/fp4_markov_head.py) ---
+def linear_nvfp4(x, packed, scale, scale_2, shape, bias=None):
+    """x [..., in] @ W.T + bias for an NVFP4 weight W of logical ``shape`` [out, in] in ModelOpt's
+    layout: ``packed`` uint8 [out, in/2] (E2M1 codes, element 2i in the low nibble), ``scale``
+    float8_e4m3fn [out, in/16], ``scale_2`` float32 scalar. W is dequantized in x's dtype (block scale
+    ``fp8 * scale_2`` then ``e2m1 * block scale``). TensorRT: FP4 constant + FP8 block scales + global
+    scale -> dequantize -> matmul. ``linear`` routes an :class:`~builder.quantization.NVFP4Weight` here."""
+    return _backend(x).linear_nvfp4(x, packed, scale, scale_2, tuple(int(d) for d in shape), bias)
+
+
+def fp4_markov_head(logits, prev_ids, w1, w2_packed, w2_scale, w2_scale_2):
+    """DSpark Markov bias: ``logits [..., V] fp32 + W1[prev_ids] @ W2.T`` with W1 [V_prev, r] (high
+    precision, gathered by prev_ids [...] int) and W2 [V, r] NVFP4 (``w2_packed`` uint8 [V, r/2],
+    ``w2_scale`` float8_e4m3fn [V, r/16], ``w2_scale_2`` float32 scalar); fp32 throughout. Lowers to
+    the ``nemospec_fp4_markov_head`` plugin layer where TensorRT has plugin layers, else to native
+    layers (gather + FP4 block dequantize + matmul + add)."""
+    return _backend(logits, prev_ids).fp4_markov_head(logits, prev_ids, w1, w2_packed, w2_scale, w2_scale_2)

@@ -611,3 +611,80 @@ def run_network(network, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Ten
             _check_output(ctx, tensor, value, j)
             env[tensor.name] = value
     return {network.get_output(i).name: env[network.get_output(i).name] for i in range(network.num_outputs)}
+
+
+# --- low-precision constants and dequantize layers (NVFP4 weights: builder/quantization.py) ---------
+# FP8 (E4M3) tensors are held as torch.float8_e4m3fn. FP4 (E2M1) tensors are held decoded, as
+# torch.float8_e5m2: every E2M1 value (0, +-0.5 ... +-6) is exact there, and TensorRT has no E5M2 type
+# of its own, so the container cannot be confused with a real tensor type.
+_FP4 = getattr(trt.DataType, "FP4", None)
+_FP8 = getattr(trt.DataType, "FP8", None)
+_FP4_CONTAINER = torch.float8_e5m2
+_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+if _FP8 is not None:
+    _DTYPES[_FP8] = torch.float8_e4m3fn
+if _FP4 is not None:
+    _DTYPES[_FP4] = _FP4_CONTAINER
+
+
+def _raw_weights(weights, dtype, count: int, nbytes: int) -> bytes:
+    """The bytes behind a constant's ``trt.Weights`` (same struct reading as ``_weights_bytes``)."""
+    holder = ctypes.c_void_p.from_address(id(weights) + object.__basicsize__).value
+    if not holder:
+        raise InterpreterError("cannot locate the data of a constant's weights")
+    kind = ctypes.c_int32.from_address(holder).value
+    values = ctypes.c_void_p.from_address(holder + 8).value
+    n = ctypes.c_int64.from_address(holder + 16).value
+    if kind != int(dtype) or n != count or not values:
+        raise InterpreterError(f"unexpected weights layout (type {kind} vs {int(dtype)}, count {n} vs {count})")
+    return ctypes.string_at(values, nbytes)
+
+
+def _constant_low_precision(ctx, layer, ins):
+    """FP8 and FP4 constants (FP4: two values per byte, element 2i in the low nibble); others as before."""
+    dtype = layer.get_output(0).dtype
+    if dtype not in (_FP4, _FP8) or dtype is None:
+        return _constant(ctx, layer, ins)
+    shape = _dims(layer.shape)
+    count = math.prod(shape)
+    if dtype == _FP8:
+        raw = _raw_weights(layer.weights, dtype, count, count)
+        value = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(torch.float8_e4m3fn)
+        return [value.reshape(shape)]
+    raw = _raw_weights(layer.weights, dtype, count, (count + 1) // 2)
+    packed = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(-1)[:count]
+    return [_E2M1[codes.long()].to(_FP4_CONTAINER).reshape(shape)]
+
+
+def _dequantize(ctx, layer, ins):
+    """``to_type((x * scale))`` computed in fp32: per-tensor (scalar scale), per-axis (1-D scale along
+    ``axis``) or block quantization (scale of the input's rank; a dim of the scale smaller than the
+    input's is blocked, block = input dim / scale dim)."""
+    x, scale = ins[0], ins[1]
+    if len(ins) > 2 and ins[2] is not None and bool(ins[2].ne(0).any()):
+        ctx.unsupported("dequantize with a nonzero zero point")
+    target = _torch_dtype(layer.to_type, ctx.where)
+    xf, s = x.float(), scale.float()
+    if s.numel() == 1 and s.dim() <= 1:
+        s = s.reshape([1] * xf.dim())
+    elif s.dim() == 1:
+        axis = layer.axis % xf.dim()
+        if s.shape[0] != xf.shape[axis]:
+            ctx.fail(f"per-axis scale of {s.shape[0]} values for axis {axis} of {list(xf.shape)}")
+        s = s.reshape([-1 if a == axis else 1 for a in range(xf.dim())])
+    elif s.dim() == xf.dim():
+        for a in range(xf.dim()):
+            if s.shape[a] != xf.shape[a]:
+                if s.shape[a] == 0 or xf.shape[a] % s.shape[a]:
+                    ctx.fail(f"block scale {list(s.shape)} does not tile input {list(xf.shape)} on axis {a}")
+                s = s.repeat_interleave(xf.shape[a] // s.shape[a], dim=a)
+    else:
+        ctx.fail(f"scale of shape {list(s.shape)} for input {list(xf.shape)}")
+    return [(xf * s).to(target)]
+
+
+_HANDLERS[_LT.CONSTANT] = _constant_low_precision
+_CLASSES[_LT.DEQUANTIZE] = trt.IDequantizeLayer
+_HANDLERS[_LT.DEQUANTIZE] = _dequantize
+SUPPORTED_LAYER_TYPES = tuple(sorted(t.name for t in _CLASSES))

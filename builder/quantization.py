@@ -34,6 +34,13 @@ linear layers are quantized (Mamba ``in_proj``/``out_proj``, attention ``q/k/v/o
 expert ``up_proj``/``down_proj``, shared experts, the MoE latent projections); ``lm_head``,
 ``mixer.conv1d``, routers (``mixer.gate``), embeddings, norms, ``A_log``/``D``/``dt_bias`` and
 ``mtp.*`` stay in high precision.
+
+Use: :func:`builder.checkpoint.load_checkpoint` reads an NVFP4 NemotronH checkpoint dequantized to
+its config's dtype (the eager reference); :func:`load_nvfp4_checkpoint` with ``keep_quantized`` binds
+:class:`NVFP4Weight` objects instead, which ``functional.linear`` lowers to FP4 constants in
+TensorRT. Drafts (any tensor dict, quantized independently of their target) use
+:func:`quantize_tensors` / :func:`dequantize_tensors` / :func:`nvfp4_weights`;
+:func:`quantize_checkpoint` is ``nemospec quantize``.
 """
 from __future__ import annotations
 
@@ -83,6 +90,7 @@ DEFAULT_EXCLUDE_MODULES = ("*lm_head*", "*mixer.conv1d*", "*router*", "*mlp.gate
 # linear modules of NemotronH (and of drafts, which pass their names explicitly)
 _LINEAR_SUFFIXES = ("_proj", "lm_head")
 _SCALE_SUFFIXES = (".weight_scale_2", ".weight_scale", ".input_scale")
+_KV_SCALE_SUFFIXES = (".k_scale", ".v_scale")  # ModelOpt's FP8 KV-cache scales (k_proj.k_scale, v_proj.v_scale)
 
 
 # --- the number format ------------------------------------------------------------------------------
@@ -96,7 +104,7 @@ def fp4_encode(x: torch.Tensor) -> torch.Tensor:
 
 def fp4_decode(codes: torch.Tensor) -> torch.Tensor:
     """fp32 values of uint8 E2M1 codes."""
-    return E2M1_VALUES[codes.long()]
+    return E2M1_VALUES.to(codes.device)[codes.long()]
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
@@ -433,16 +441,18 @@ def nvfp4_weights(tensors: Mapping[str, torch.Tensor], quant_config: QuantConfig
     ``X.weight_scale_2``) replaced by an :class:`NVFP4Weight` under ``X.weight`` and the scale tensors
     (and W4A4 ``X.input_scale``) dropped; other tensors pass through.
 
-    ``shapes`` (name -> logical shape, from the model config) is authoritative. A packed weight it does
-    not list gets the shape ``[*scale.shape[:-1], scale.shape[-1] * group_size]``, which must agree
-    with the packed bytes. ``dtype`` is the compute dtype of the weights (default float32).
+    ``shapes`` (name -> logical shape, from the model config) is authoritative: a packed weight it does
+    not list is an error. Without ``shapes`` a packed weight gets ``[*scale.shape[:-1],
+    scale.shape[-1] * group_size]``, which must agree with the packed bytes. ``dtype`` is the compute
+    dtype of the weights (default float32). FP8 KV-cache scales (``*.k_scale``, ``*.v_scale``) are
+    dropped: the KV cache stays in the activation dtype.
     """
     qc = _as_config(quant_config, where)
     group = qc.group_size if qc is not None else BLOCK_SIZE
     out: dict = {}
     consumed: set = set()
     for name, t in tensors.items():
-        if name.endswith(_SCALE_SUFFIXES):
+        if name.endswith(_SCALE_SUFFIXES) or name.endswith(_KV_SCALE_SUFFIXES):
             continue
         if t.dtype != torch.uint8 or not name.endswith(".weight"):
             if (name + "_scale") in tensors and name.endswith(".weight"):
@@ -557,8 +567,9 @@ def load_nvfp4_checkpoint(checkpoint_dir: str | os.PathLike, keep_quantized: boo
                 fused = ck._FUSED_EXPERTS.match(name)
                 if fused:
                     if t.dtype == torch.uint8:
-                        raise CheckpointError(f"{path}: tensor {stored!r}: fused NVFP4 expert tensors are not supported; "
-                                              "store experts.{e}.up_proj.weight / down_proj.weight per expert")
+                        raise CheckpointError(f"{path}: tensor {stored!r}: fused NVFP4 expert tensors are not "
+                                              "supported; store experts.{e}.up_proj.weight / down_proj.weight "
+                                              "per expert")
                     for e in range(t.shape[0]):
                         split = f"{fused.group(1)}.{e}.{fused.group(2)}.weight"
                         raw[split], files[split] = t[e], path
@@ -587,13 +598,15 @@ def load_nvfp4_checkpoint(checkpoint_dir: str | os.PathLike, keep_quantized: boo
         if isinstance(w, NVFP4Weight):
             continue
         if w.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise CheckpointError(f"{where_of.get(name, layout.where)}: tensor {name!r} has dtype {_dtype_name(w.dtype)}, "
-                                  "expected float32, float16 or bfloat16 (or uint8 packed FP4 with its scales)")
+            raise CheckpointError(f"{where_of.get(name, layout.where)}: tensor {name!r} has dtype "
+                                  f"{_dtype_name(w.dtype)}, expected float32, float16 or bfloat16 (or uint8 packed "
+                                  "FP4 with its scales)")
         want = shapes.get(name)
         if want is not None and tuple(w.shape) != tuple(want):
-            raise CheckpointError(f"{where_of.get(name, layout.where)}: tensor {name!r} has shape {ck._fmt(tuple(w.shape))}, "
-                                  f"expected {ck._fmt(tuple(want))}")
-    order = list(expected) + [n for n in optional if n in weights] + sorted(n for n in weights if n.startswith(ck.MTP_PREFIX))
+            raise CheckpointError(f"{where_of.get(name, layout.where)}: tensor {name!r} has shape "
+                                  f"{ck._fmt(tuple(w.shape))}, expected {ck._fmt(tuple(want))}")
+    order = list(expected) + [n for n in optional if n in weights] + \
+        sorted(n for n in weights if n.startswith(ck.MTP_PREFIX))
     weights = {n: weights[n] for n in order}
     if not keep_quantized:
         weights = dequantize_weights(weights)
@@ -645,7 +658,8 @@ def quantize_checkpoint(checkpoint_dir: str | os.PathLike, output_dir: str | os.
         if any(module == p or fnmatch.fnmatchcase(module, p) for p in patterns):
             excluded.append(module)
         elif weights[name].shape[-1] % BLOCK_SIZE:
-            log(f"keeping {module} in high precision: input dim {weights[name].shape[-1]} is not a multiple of {BLOCK_SIZE}")
+            log(f"keeping {module} in high precision: input dim {weights[name].shape[-1]} is not a multiple of "
+                f"{BLOCK_SIZE}")
             excluded.append(module)
         else:
             chosen.append(name)
@@ -653,8 +667,7 @@ def quantize_checkpoint(checkpoint_dir: str | os.PathLike, output_dir: str | os.
     excluded += [_module(n) for n in weights if n.endswith(".conv1d.weight")]
     if not chosen:
         raise CheckpointError(f"{src}: no linear layer left to quantize (check --exclude_modules)")
-    qc = QuantConfig(QUANT_ALGO, BLOCK_SIZE, tuple(sorted(set(excluded)) + [p for p in exclude_modules
-                                                                             if p and p not in excluded]))
+    qc = QuantConfig(QUANT_ALGO, BLOCK_SIZE, tuple(sorted(set(excluded))))  # module names, as ModelOpt lists them
     log(f"quantizing {len(chosen)} linear weights to NVFP4 (W4A16, blocks of {BLOCK_SIZE}); "
         f"{len(set(excluded))} modules kept in high precision")
     tensors = quantize_tensors(weights, chosen)

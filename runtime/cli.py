@@ -52,7 +52,15 @@ def _parser():
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="with --checkpoint_dir: the eager dtype")
     g.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    from runtime.serve import add_serve_args
+    add_serve_args(sub.add_parser("serve", help="serve an engine directory with Triton Inference Server"))
+    _add_quantize_args(sub.add_parser("quantize", help="write an NVFP4 (ModelOpt W4A16) checkpoint"))
     return parser
+
+
+def cmd_serve(args):
+    from runtime.serve import cmd_serve as serve
+    return serve(args)
 
 
 def cmd_build(args):
@@ -169,10 +177,31 @@ def cmd_generate(args):
     return 0
 
 
+def _add_quantize_args(p):
+    p.add_argument("--checkpoint_dir", required=True, help="bf16/fp16/fp32 NemotronH checkpoint (safetensors)")
+    p.add_argument("--output_dir", required=True, help="NVFP4 checkpoint directory to write")
+    p.add_argument("--format", default="nvfp4_w4a16", choices=["nvfp4_w4a16"],
+                   help="NVFP4 weights (ModelOpt layout), 16-element FP8 block scales, activations unquantized")
+    p.add_argument("--exclude_modules", default="",
+                   help="comma-separated module names or wildcards kept in high precision, besides ModelOpt's "
+                        "defaults (lm_head, conv1d, routers, mtp.*)")
+
+
+def cmd_quantize(args):
+    from builder.quantization import quantize_checkpoint
+    exclude = [p.strip() for p in args.exclude_modules.split(",") if p.strip()]
+    summary = quantize_checkpoint(args.checkpoint_dir, args.output_dir, exclude, log=err.print)
+    err.print(f"wrote {summary['output_dir']}: {len(summary['quantized'])} linear weights in NVFP4, "
+              f"{summary['bytes_before'] / 2**20:.2f} -> {summary['bytes_after'] / 2**20:.2f} MiB; "
+              f"kept in high precision: {', '.join(summary['excluded']) or 'none'}", markup=False)
+    return 0
+
+
 def main(argv=None):
     args = _parser().parse_args(argv)
     try:
-        return {"build": cmd_build, "generate": cmd_generate}[args.command](args)
+        return {"build": cmd_build, "generate": cmd_generate, "serve": cmd_serve,
+                "quantize": cmd_quantize}[args.command](args)
     except NemospecError as e:
         err.print(f"error: {e}", markup=False)
         return 2

@@ -308,3 +308,20 @@ def where(cond, a, b):
     if not isinstance(cond, torch.Tensor):
         cond = torch.as_tensor(cond)
     return torch.where(cond if cond.dtype == torch.bool else cond != 0, a, b)
+
+
+# --- NVFP4 weights (builder/quantization.py) and the FP4 Markov head (plugins/fp4_markov_head.py) -----
+from builder.quantization import dequantize_nvfp4 as _dequantize_nvfp4  # noqa: E402
+from plugins.fp4_markov_head import fp4_markov_head_reference as _fp4_markov_head_reference  # noqa: E402
+
+
+def linear_nvfp4(x, packed, scale, scale_2, shape, bias=None):
+    """Dequantize on the fly, in x's dtype (block scales, then weights, each rounded to it, as the
+    TensorRT lowering does), then a plain linear."""
+    w = _dequantize_nvfp4(packed, scale, scale_2, shape, x.dtype)
+    return tf.linear(x, w.to(x.device), bias)
+
+
+def fp4_markov_head(logits, prev_ids, w1, w2_packed, w2_scale, w2_scale_2):
+    """The plugin's torch reference."""
+    return _fp4_markov_head_reference(logits, prev_ids, w1, w2_packed, w2_scale, w2_scale_2)

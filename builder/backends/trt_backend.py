@@ -1091,3 +1091,78 @@ def where(cond, a, b):
                 return r.cast(r.itensor(v, what), dtype, what + "_cast")
             return r.scalar(v, dtype, rank, what)
         return r.wrap(r.select(c, operand(a, "a"), operand(b, "b"), "select"))
+
+
+# --- NVFP4 weights (builder/quantization.py) and the FP4 Markov head (plugins/fp4_markov_head.py) -----
+from plugins import fp4_markov_head as _markov_head_plugin  # noqa: E402
+
+__all__ += ["linear_nvfp4", "fp4_markov_head", "NVFP4_LOWERING"]
+
+NVFP4_LOWERING = ("native: FP4 weight constant + FP8 block-scale constant dequantized by the FP32 global "
+                  "scale -> block dequantize (16 along the input dim) -> matmul")
+
+
+def _nvfp4_weight(self, packed, scale, scale_2, shape, dtype: torch.dtype, what: str = "weight"):
+    """``[out, in]`` ITensor in ``dtype`` of an NVFP4 weight (ModelOpt layout): an FP4 constant holding
+    the packed bytes as they are (TensorRT also packs element 2i in the low nibble), an FP8 constant of
+    the block scales, a dequantize of the block scales by the FP32 global scale, and a block dequantize
+    of the weight (axis 1, blocks of 16). One set of layers per (packed tensor, dtype)."""
+    cache = self.__dict__.setdefault("_nvfp4_layers", {})
+    key = (id(packed), dtype)
+    hit = cache.get(key)
+    if hit is not None and hit[0] is packed:
+        return hit[1]
+    shape = tuple(int(d) for d in shape)
+    if len(shape) != 2:
+        raise BuildError(f"NVFP4 weight {what}: expected a 2-D logical shape, got {list(shape)}")
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise BuildError(f"NVFP4 weight {what}: cannot dequantize to {dtype}")
+    from builder.quantization import BLOCK_SIZE, _check_layout
+    try:
+        _check_layout(packed, scale, scale_2, shape, BLOCK_SIZE, what)
+    except ValueError as exc:
+        raise BuildError(f"NVFP4 weight {exc}") from exc
+    out, inner = shape
+    p = packed.detach().to("cpu").contiguous()
+    s = scale.detach().to("cpu").contiguous().view(torch.uint8)
+    p_arr, s_arr = p.numpy(), s.numpy()
+    self._keep.extend([(p, p_arr), (s, s_arr)])
+    fp4 = self._out(self.network.add_constant(shape, trt.Weights(trt.DataType.FP4, p_arr.ctypes.data, out * inner)),
+                    what + "_fp4")
+    blocks = (out, inner // BLOCK_SIZE)
+    fp8 = self._out(self.network.add_constant(blocks, trt.Weights(trt.DataType.FP8, s_arr.ctypes.data,
+                                                                  blocks[0] * blocks[1])), what + "_block_scale_fp8")
+    global_scale = self._constant(scale_2.detach().to("cpu", torch.float32).reshape(()), what + "_global_scale")
+    block_scale = self._out(self.network.add_dequantize(fp8, global_scale, trt_dtype(dtype)), what + "_block_scale")
+    layer = self.network.add_dequantize(fp4, block_scale, trt_dtype(dtype))
+    layer.axis = 1
+    w = self._out(layer, what + "_dequantize")
+    cache[key] = (packed, w)
+    return w
+
+
+NetworkRecorder.nvfp4_weight = _nvfp4_weight
+
+
+def linear_nvfp4(x, packed, scale, scale_2, shape, bias=None):
+    r = _recorder(x)
+    with r.op("linear_nvfp4", NVFP4_LOWERING):
+        t = r.itensor(x)
+        dtype = torch_dtype(t.dtype)
+        w = r.nvfp4_weight(packed, scale, scale_2, shape, dtype)
+        y = r.matmul(t, w, transpose_b=True)
+        if bias is not None:
+            y = r.ew(y, r.cast(r.weight(bias, "bias"), dtype), EW.SUM, "add_bias")
+        return r.wrap(y)
+
+
+def fp4_markov_head(logits, prev_ids, w1, w2_packed, w2_scale, w2_scale_2):
+    """Lowered by the plugin module: a plugin layer where TensorRT has plugin layers, else native
+    layers (gather + FP4 block dequantize + matmul + add); ``r.lowerings["fp4_markov_head"]`` says which."""
+    r = _recorder(logits, prev_ids)
+    lg, ids = r.itensor(logits, "logits"), r.itensor(prev_ids, "prev_ids")
+    try:
+        out = _markov_head_plugin.lower(r, trt, lg, ids, w1, w2_packed, w2_scale, w2_scale_2)
+    except (TypeError, ValueError) as exc:
+        raise BuildError(str(exc)) from exc
+    return r.wrap(out)

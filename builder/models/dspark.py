@@ -26,10 +26,12 @@ choose d_j (argmax, or sample and keep the distribution for rejection sampling),
 (as a target id). Only the vanilla head is implemented; ``gated`` / ``rnn`` are refused when the
 checkpoint is read (``markov_head_type``).
 
-Quantized W2: when the weights carry an NVFP4 ``markov_head.markov_w2`` (packed ``weight`` uint8
-[Vd, r/2] with ``weight_scale`` [Vd, r/16] FP8 and ``weight_scale_2``), ``markov_logits`` calls the
-fused plugin op ``F.fp4_markov_head(logits, prev_ids, w1, w2_packed, w2_scale, w2_scale_2)``
-(``plugins/fp4_markov_head.py``); otherwise plain ops (embedding gather + linear + add).
+Quantized W2: when ``markov_head.markov_w2.weight`` is a :class:`builder.quantization.NVFP4Weight`
+(``load_block_draft_checkpoint`` of a ModelOpt NVFP4 checkpoint keeps it packed: uint8 [Vd, r/2],
+FP8 block scales [Vd, r/16], FP32 global scale), ``markov_logits`` calls the fused plugin op
+``F.fp4_markov_head(logits, prev_ids, w1, w2_packed, w2_scale, w2_scale_2)``
+(``plugins/fp4_markov_head.py``); otherwise plain ops (embedding gather + linear + add). Other NVFP4
+linear weights of the backbone go through ``F.linear``'s NVFP4 path unchanged.
 """
 from __future__ import annotations
 
@@ -49,41 +51,40 @@ class DSparkDraft(DFlashDraft):
         super().__init__(cfg, weights, target_embedding, target_lm_head, dtype)
         self.markov_rank = int(getattr(cfg, "markov_rank", 0))
         self.markov_w1 = self.markov_w2 = None
-        self.markov_w2_fp4 = None  # (packed uint8, block scales, global scale) when W2 is NVFP4
         if self.markov_rank > 0:
             self.markov_w1 = weights[W1].to(dtype)
-            scale = weights.get(W2 + "_scale")
-            if scale is not None:
-                self.markov_w2_fp4 = (weights[W2], scale, weights[W2 + "_scale_2"])
-            else:
-                self.markov_w2 = weights[W2].to(dtype)
+            self.markov_w2 = weights[W2].to(dtype)  # a tensor, or a builder.quantization.NVFP4Weight
 
     @property
     def has_markov(self) -> bool:
         return self.markov_rank > 0
 
+    @property
+    def markov_w2_fp4(self) -> bool:
+        """Whether W2 is NVFP4 (then ``markov_logits`` uses the fused ``fp4_markov_head`` op)."""
+        return bool(getattr(self.markov_w2, "is_nvfp4", False))
+
     def markov_bias(self, prev_ids):
-        """fp32 bias [..., Vd] = W2 @ W1[prev_ids] for previous TARGET token ids prev_ids [B, G]
-        (plain ops; with an NVFP4 W2, eager only: the fused op applied to zero logits)."""
+        """fp32 bias [B, G, Vd] = W2 @ W1[prev_ids] for previous TARGET token ids prev_ids [B, G]
+        (plain ops: embedding gather + linear; an NVFP4 W2 goes through ``F.linear``'s NVFP4 path)."""
         if not self.has_markov:
             raise DraftError("dspark draft: markov_rank is 0, the checkpoint has no Markov head")
-        if self.markov_w2 is None:
-            zeros = torch.zeros(tuple(prev_ids.shape) + (self.vocab_size,), dtype=torch.float32)
-            return self.markov_logits(zeros, prev_ids)
         return F.to_float32(F.linear(F.embedding(prev_ids, self.markov_w1), self.markov_w2))
 
     def markov_logits(self, logits, prev_ids):
         """logits [B, G, Vd] fp32 (block rows) + bias(prev_ids [B, G]): the distribution each
-        draft token is chosen from. Uses the fused FP4 Markov head op when W2 is NVFP4."""
+        draft token is chosen from. The hook for a quantized W2: when W2 is NVFP4 this is the fused
+        ``F.fp4_markov_head(logits, prev_ids, W1, W2 packed, W2 scale, W2 scale_2)`` (one plugin
+        layer in TensorRT); otherwise gather + linear + add."""
         if not self.has_markov:
             return logits
-        if self.markov_w2_fp4 is not None:
+        if self.markov_w2_fp4:
             op = getattr(F, "fp4_markov_head", None)
             if op is None:
                 raise DraftError("dspark draft: markov_head.markov_w2 is NVFP4 but builder.functional has no "
                                  "fp4_markov_head op (plugins/fp4_markov_head.py)")
-            packed, scale, scale_2 = self.markov_w2_fp4
-            return op(logits, prev_ids, self.markov_w1, packed, scale, scale_2)
+            w2 = self.markov_w2
+            return op(logits, prev_ids, self.markov_w1, w2.packed, w2.scale, w2.scale_2)
         return logits + self.markov_bias(prev_ids)
 
     def choose_block(self, base_logits, anchor_ids, choose):

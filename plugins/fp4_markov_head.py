@@ -1,0 +1,405 @@
+"""DSpark's Markov head as one fused op: gather W1 rows for the previous tokens, an NVFP4 GEMM with W2,
+added to the draft logits.
+
+DSpark (speculators 0.9.0, ``MarkovHead`` with ``markov_head_type: "vanilla"``) biases the logits of
+each block position by a low-rank function of the token chosen before it:
+``out[n, v] = logits[n, v] + sum_j W2[v, j] * W1[p_n, j]`` with ``W1 = markov_w1.weight [V_prev, r]``
+(an embedding table over the verifier vocabulary, kept in high precision) and
+``W2 = markov_w2.weight [V, r]`` (a linear layer over the draft vocabulary, NVFP4-quantized in the
+ModelOpt W4A16 layout: ``w2_packed`` uint8 ``[V, r/2]`` with element 2i in the low nibble,
+``w2_scale`` float8_e4m3fn ``[V, r/16]``, ``w2_scale_2`` float32 scalar; see builder/quantization.py).
+Everything is computed in fp32: the gathered W1 rows, the dequantized W2 (``e2m1 * (fp8 scale *
+scale_2)``), their product and the sum with the fp32 logits.
+
+The four faces of the plugin (see ARCHITECTURE.md, "Plugins"):
+
+* **spec** -- :data:`PLUGIN_NAME` / :data:`PLUGIN_VERSION` / :data:`PLUGIN_NAMESPACE`, the attributes
+  (:class:`MarkovHeadSpec`: ``vocab_size``, ``rank``, ``prev_vocab_size``, ``scale_2``) and output
+  shape and dtype (:func:`output_shapes`, :func:`output_dtypes`): the logits' shape, float32.
+* **torch reference** -- :func:`fp4_markov_head_reference` (and :func:`dequantize_w2`).
+* **Triton-lang kernel** -- :func:`fp4_markov_head_triton`: per (row block, vocab block) program, the
+  W1 rows are gathered by the previous ids, W2's FP4 nibbles and FP8 block scales are decoded in the
+  kernel, a ``tl.dot`` accumulates over the rank, the logits are added. On a CPU it runs under
+  ``TRITON_INTERPRET=1`` (jitted lazily, per interpreter setting).
+* **TensorRT lowering** -- :func:`lower`. Where the flavour offers plugin layers (full ``tensorrt``
+  >= 10.7 with ``tensorrt.plugin``) a plugin layer that launches the Triton kernel; otherwise
+  (``tensorrt_rtx``) native layers: gather of the W1 constant, an FP4 constant + FP8 block scales
+  dequantized by the global scale (the recorder's ``nvfp4_weight``), a matrix multiply and an add.
+  The lowering it got is recorded in ``recorder.lowerings["fp4_markov_head"]``.
+
+This module imports neither ``builder`` nor ``runtime``; :func:`lower` takes the recorder and the
+TensorRT module as arguments (duck typed). Annotations must stay real objects (no ``from __future__
+import annotations``): ``tensorrt.plugin`` inspects them.
+"""
+import dataclasses
+import importlib.util
+import os
+from typing import Sequence
+
+import torch
+
+try:  # the kernel's language module; Triton itself is only needed to launch the kernel
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton is a dependency, but keep the spec importable
+    tl = None
+
+PLUGIN_NAME = "nemospec_fp4_markov_head"
+PLUGIN_VERSION = "1"  # TensorRT's Python (quickly deployable) plugins always have version "1"
+PLUGIN_NAMESPACE = "nemospec"
+PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{PLUGIN_NAME}"
+OP_NAME = "fp4_markov_head"
+BLOCK_SIZE = 16  # NVFP4: one FP8 scale per 16 elements along the rank
+
+#: plugin attributes, in the order the plugin declares them
+ATTRIBUTES = ("vocab_size", "rank", "prev_vocab_size", "scale_2")
+
+#: set to 1 to lower to native layers even where plugin layers exist (e.g. to interpret the network)
+NATIVE_ENV = "NEMOSPEC_NATIVE_PLUGINS"
+
+PLUGIN_LOWERING = (f"plugin: {PLUGIN_NAME} v{PLUGIN_VERSION} (Triton kernel: gather + in-kernel FP4 dequantize + "
+                   "GEMM + add)")
+NATIVE_LOWERING = ("native: gather W1 rows + FP4 W2 constant with FP8 block scales dequantized by the FP32 "
+                   "global scale -> block dequantize -> matmul + add")
+
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+# --- spec -------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class MarkovHeadSpec:
+    """Attributes of one Markov head: W2 is ``[vocab_size, rank]``, W1 ``[prev_vocab_size, rank]``."""
+
+    vocab_size: int
+    rank: int
+    prev_vocab_size: int
+    scale_2: float
+
+    def __post_init__(self):
+        if self.vocab_size <= 0 or self.prev_vocab_size <= 0:
+            raise ValueError(f"fp4_markov_head: vocabulary sizes must be positive, got {self.vocab_size} "
+                             f"(W2) and {self.prev_vocab_size} (W1)")
+        if self.rank <= 0 or self.rank % BLOCK_SIZE:
+            raise ValueError(f"fp4_markov_head: rank {self.rank} must be a positive multiple of the NVFP4 block "
+                             f"size {BLOCK_SIZE}")
+        if not (self.scale_2 > 0 and self.scale_2 < float("inf")):
+            raise ValueError(f"fp4_markov_head: global scale (w2_scale_2) must be finite and positive, got "
+                             f"{self.scale_2}")
+
+    def attributes(self) -> dict:
+        """Plugin fields (ints, and the global scale as a float)."""
+        return {"vocab_size": int(self.vocab_size), "rank": int(self.rank),
+                "prev_vocab_size": int(self.prev_vocab_size), "scale_2": float(self.scale_2)}
+
+
+def _static(d) -> bool:
+    return d is not None and d >= 0
+
+
+def make_spec(logits_shape: Sequence[int], ids_shape: Sequence[int], w1_shape: Sequence[int],
+              w2_packed_shape: Sequence[int], w2_scale_shape: Sequence[int], scale_2: float) -> MarkovHeadSpec:
+    """Validate shapes and derive the attributes: logits ``[..., V]`` and ids ``[...]`` (same leading
+    dims, -1 for dynamic ones), W1 ``[V_prev, r]``, W2 packed ``[V, r/2]``, W2 scales ``[V, r/16]``."""
+    logits_shape, ids_shape = tuple(logits_shape), tuple(ids_shape)
+    w1_shape, w2_packed_shape, w2_scale_shape = tuple(w1_shape), tuple(w2_packed_shape), tuple(w2_scale_shape)
+    if len(w1_shape) != 2 or len(w2_packed_shape) != 2 or len(w2_scale_shape) != 2:
+        raise ValueError(f"fp4_markov_head: W1 {list(w1_shape)}, W2 packed {list(w2_packed_shape)} and W2 scales "
+                         f"{list(w2_scale_shape)} must be 2-D")
+    prev_vocab, rank = w1_shape
+    vocab = w2_packed_shape[0]
+    if w2_packed_shape[1] * 2 != rank:
+        raise ValueError(f"fp4_markov_head: W2 packed {list(w2_packed_shape)} does not hold rank {rank} (W1 "
+                         f"{list(w1_shape)}) as two FP4 values per byte")
+    if w2_scale_shape != (vocab, rank // BLOCK_SIZE):
+        raise ValueError(f"fp4_markov_head: W2 scales {list(w2_scale_shape)}, expected {[vocab, rank // BLOCK_SIZE]} "
+                         f"(one per {BLOCK_SIZE} of rank {rank})")
+    if len(logits_shape) < 1 or not _static(logits_shape[-1]):
+        raise ValueError(f"fp4_markov_head: logits {list(logits_shape)} need a static vocabulary (last) dim")
+    if logits_shape[-1] != vocab:
+        raise ValueError(f"fp4_markov_head: logits vocabulary {logits_shape[-1]} differs from W2's {vocab}")
+    lead = logits_shape[:-1]
+    if len(ids_shape) != len(lead) or not all(
+            not _static(a) or not _static(b) or a == b for a, b in zip(ids_shape, lead)):
+        raise ValueError(f"fp4_markov_head: previous ids {list(ids_shape)} must match the leading dims of "
+                         f"logits {list(logits_shape)}")
+    return MarkovHeadSpec(int(vocab), int(rank), int(prev_vocab), float(scale_2))
+
+
+def output_shapes(logits_shape, ids_shape, w1_shape, w2_packed_shape, w2_scale_shape, scale_2):
+    """The output has the logits' shape."""
+    make_spec(logits_shape, ids_shape, w1_shape, w2_packed_shape, w2_scale_shape, scale_2)
+    return tuple(logits_shape)
+
+
+def output_dtypes(logits_dtype, ids_dtype, w1_dtype, w2_packed_dtype, w2_scale_dtype):
+    """float32 (torch dtypes): logits float32, ids int32/int64, W1 a float type, W2 uint8 + float8_e4m3fn."""
+    if logits_dtype != torch.float32:
+        raise TypeError(f"fp4_markov_head: logits must be float32, got {logits_dtype}")
+    if ids_dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"fp4_markov_head: previous ids must be int32 or int64, got {ids_dtype}")
+    if w1_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"fp4_markov_head: W1 must be float32, float16 or bfloat16, got {w1_dtype}")
+    if w2_packed_dtype != torch.uint8 or w2_scale_dtype not in (torch.float8_e4m3fn, torch.uint8):
+        raise TypeError(f"fp4_markov_head: W2 must be uint8 packed FP4 with float8_e4m3fn scales, got "
+                        f"{w2_packed_dtype} and {w2_scale_dtype}")
+    return torch.float32
+
+
+def _scale_2(w2_scale_2) -> float:
+    t = torch.as_tensor(w2_scale_2)
+    if t.numel() != 1 or t.dim() > 1:
+        raise ValueError(f"fp4_markov_head: w2_scale_2 must be a scalar, got shape {list(t.shape)}")
+    return float(t.float().reshape(()))
+
+
+def _check(logits, prev_ids, w1, w2_packed, w2_scale, w2_scale_2) -> MarkovHeadSpec:
+    output_dtypes(logits.dtype, prev_ids.dtype, w1.dtype, w2_packed.dtype, w2_scale.dtype)
+    return make_spec(logits.shape, prev_ids.shape, w1.shape, w2_packed.shape, w2_scale.shape, _scale_2(w2_scale_2))
+
+
+# --- torch reference ------------------------------------------------------------------------------------
+def dequantize_w2(w2_packed: torch.Tensor, w2_scale: torch.Tensor, w2_scale_2) -> torch.Tensor:
+    """fp32 ``[V, r]``: E2M1 code (element 2i in the low nibble) * (FP8 block scale * global scale)."""
+    codes = torch.stack([w2_packed & 0x0F, w2_packed >> 4], dim=-1).flatten(-2).long()
+    values = torch.tensor(_E2M1, device=codes.device)[codes & 7]
+    values = torch.where(codes >= 8, -values, values)
+    scale = w2_scale.view(torch.float8_e4m3fn) if w2_scale.dtype == torch.uint8 else w2_scale
+    block = scale.float() * torch.as_tensor(w2_scale_2, dtype=torch.float32, device=scale.device).reshape(())
+    return (values.unflatten(-1, (-1, BLOCK_SIZE)) * block[..., None]).flatten(-2)
+
+
+def fp4_markov_head_reference(logits: torch.Tensor, prev_ids: torch.Tensor, w1: torch.Tensor,
+                              w2_packed: torch.Tensor, w2_scale: torch.Tensor, w2_scale_2) -> torch.Tensor:
+    """``logits + W1[prev_ids] @ dequantize(W2).T`` in fp32 (a new tensor; inputs untouched)."""
+    _check(logits, prev_ids, w1, w2_packed, w2_scale, w2_scale_2)
+    rows = w1[prev_ids.long()].float()                      # [..., r]
+    w2 = dequantize_w2(w2_packed, w2_scale, w2_scale_2)     # [V, r]
+    return logits + torch.matmul(rows, w2.t())
+
+
+# --- Triton-lang kernel ---------------------------------------------------------------------------------
+if tl is not None:  # defined only where Triton is installed (annotations must be real objects)
+
+    def _fp4_markov_head_kernel(logits_ptr, ids_ptr, w1_ptr, w2_ptr, scale_ptr, out_ptr,
+                                n_rows, vocab, rank, scale_2,
+                                BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr):
+        """Program (row block, vocab block): acc[n, v] = sum_j W1[ids[n], j] * W2[v, j], W2 decoded from
+        its FP4 nibbles and FP8 block scales here; out = logits + acc (all fp32)."""
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+        row_ok, col_ok = rows < n_rows, cols < vocab
+        ids = tl.load(ids_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+        cols64 = cols.to(tl.int64)
+        # tl.full, not tl.zeros: stdlib jit functions jitted before TRITON_INTERPRET=1 cannot be interpreted
+        acc = tl.full((BLOCK_N, BLOCK_V), 0.0, tl.float32)
+        for k0 in range(0, rank, BLOCK_R):
+            ks = k0 + tl.arange(0, BLOCK_R)
+            k_ok = ks < rank
+            h = tl.load(w1_ptr + ids[:, None] * rank + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                        other=0.0).to(tl.float32)                                            # [BN, BR]
+            wmask = col_ok[:, None] & k_ok[None, :]
+            byte = tl.load(w2_ptr + cols64[:, None] * (rank // 2) + (ks[None, :] // 2), mask=wmask,
+                           other=0).to(tl.int32)
+            code = (byte >> ((ks[None, :] % 2) * 4)) & 15
+            mag = code & 7
+            exp, man = mag >> 1, (mag & 1).to(tl.float32)
+            value = tl.where(exp == 0, 0.5 * man,
+                             (1.0 + 0.5 * man) * tl.where(exp == 3, 4.0, tl.where(exp == 2, 2.0, 1.0)))
+            value = tl.where(code >= 8, -value, value)
+            sbyte = tl.load(scale_ptr + cols64[:, None] * (rank // 16) + (ks[None, :] // 16), mask=wmask,
+                            other=0).to(tl.int32)
+            # E4M3 -> fp32 by moving its fields: exponent bias 7 -> 127, 3 mantissa bits to the top
+            sexp, sman = (sbyte >> 3) & 15, sbyte & 7
+            normal = (((sexp + 120) << 23) | (sman << 20)).to(tl.float32, bitcast=True)
+            scale = tl.where(sexp == 0, sman.to(tl.float32) * 0.001953125, normal)       # subnormals: m * 2^-9
+            scale = tl.where((sbyte & 0x7F) == 0x7F, float("nan"), scale)
+            scale = tl.where(sbyte >= 128, -scale, scale)
+            w = value * (scale * scale_2)                                                # [BV, BR]
+            acc += tl.dot(h, tl.trans(w), input_precision="ieee")
+        offsets = rows.to(tl.int64)[:, None] * vocab + cols64[None, :]
+        omask = row_ok[:, None] & col_ok[None, :]
+        logits = tl.load(logits_ptr + offsets, mask=omask, other=0.0)
+        tl.store(out_ptr + offsets, logits + acc, mask=omask)
+else:  # pragma: no cover
+    _fp4_markov_head_kernel = None
+
+
+_KERNELS: dict = {}
+
+
+def _kernel():
+    """The jitted kernel, made on first use per TRITON_INTERPRET setting (importing needs no GPU)."""
+    import triton
+
+    if tl is None:
+        raise ImportError("the fp4_markov_head Triton kernel needs triton (pip install triton==3.9.0)")
+    interpret = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+    kernel = _KERNELS.get(interpret)
+    if kernel is None:
+        kernel = _KERNELS[interpret] = triton.jit(_fp4_markov_head_kernel)
+    return kernel
+
+
+def _launch(logits, prev_ids, w1, w2_packed, w2_scale_bytes, out, spec: MarkovHeadSpec) -> None:
+    rows = logits.numel() // spec.vocab_size
+    if rows == 0:
+        return
+    block_n, block_v = 16, 64
+    block_r = 32 if spec.rank <= 32 else 64
+    grid = (-(-rows // block_n), -(-spec.vocab_size // block_v))
+    _kernel()[grid](logits, prev_ids, w1, w2_packed, w2_scale_bytes, out, rows, spec.vocab_size, spec.rank,
+                    spec.scale_2, BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_R=block_r)
+
+
+def fp4_markov_head_triton(logits: torch.Tensor, prev_ids: torch.Tensor, w1: torch.Tensor, w2_packed: torch.Tensor,
+                           w2_scale: torch.Tensor, w2_scale_2) -> torch.Tensor:
+    """Triton launch of the fused op; returns a new fp32 tensor shaped like ``logits``.
+
+    CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``. Inputs are read as contiguous.
+    """
+    spec = _check(logits, prev_ids, w1, w2_packed, w2_scale, w2_scale_2)
+    out = torch.empty_like(logits)
+    scale_bytes = (w2_scale if w2_scale.dtype == torch.uint8 else w2_scale.view(torch.uint8)).contiguous()
+    _launch(logits.contiguous(), prev_ids.contiguous(), w1.contiguous(), w2_packed.contiguous(), scale_bytes, out,
+            spec)
+    return out
+
+
+# --- TensorRT lowering ------------------------------------------------------------------------------------
+def plugin_layers_available(network) -> bool:
+    """Whether ``network`` accepts our plugin layer: full TensorRT with ``add_plugin`` and its Python
+    plugin package ``tensorrt.plugin``; not tensorrt_rtx."""
+    if not (hasattr(network, "add_plugin_v3") and hasattr(network, "add_plugin")):
+        return False
+    try:
+        return importlib.util.find_spec("tensorrt.plugin") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _native_requested(recorder) -> bool:
+    if getattr(recorder, "native_plugins", False):
+        return True
+    return os.environ.get(NATIVE_ENV, "").lower() in ("1", "true", "yes", "on")
+
+
+def _torch_type(trt, dtype):
+    names = {"FLOAT": torch.float32, "HALF": torch.float16, "BF16": torch.bfloat16, "INT32": torch.int32,
+             "INT64": torch.int64}
+    return names.get(getattr(dtype, "name", str(dtype)), dtype)
+
+
+def lower(recorder, trt, logits, prev_ids, w1: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor,
+          w2_scale_2):
+    """Record the op into ``recorder.network``; returns the output ITensor (fp32, logits' shape).
+
+    ``recorder`` is builder's NetworkRecorder (duck typed: ``network``, ``flavour``, ``op``, ``weight``,
+    ``gather``, ``cast``, ``matmul``, ``ew``, ``nvfp4_weight``); ``trt`` the TensorRT module it records
+    with; ``logits`` / ``prev_ids`` ITensors; the weights torch tensors (build-time constants). A plugin
+    layer where the flavour has plugin layers (unless ``recorder.native_plugins`` or
+    ``NEMOSPEC_NATIVE_PLUGINS=1``), else native layers.
+    """
+    output_dtypes(_torch_type(trt, logits.dtype), _torch_type(trt, prev_ids.dtype), w1.dtype, w2_packed.dtype,
+                  w2_scale.dtype)
+    spec = make_spec(tuple(logits.shape), tuple(prev_ids.shape), tuple(w1.shape), tuple(w2_packed.shape),
+                     tuple(w2_scale.shape), _scale_2(w2_scale_2))
+    flavour = getattr(recorder, "flavour", getattr(trt, "__name__", "tensorrt"))
+    has_plugins = plugin_layers_available(recorder.network)
+    if has_plugins and not _native_requested(recorder):
+        return _lower_plugin(recorder, logits, prev_ids, w1, w2_packed, w2_scale, spec)
+    reason = "plugin layers disabled" if has_plugins else f"{flavour} has no plugin layers"
+    return _lower_native(recorder, trt, logits, prev_ids, w1, w2_packed, w2_scale, w2_scale_2, spec, reason)
+
+
+def _lower_native(r, trt, logits, prev_ids, w1, w2_packed, w2_scale, w2_scale_2, spec: MarkovHeadSpec, reason: str):
+    with r.op(OP_NAME, f"{NATIVE_LOWERING} ({reason})"):
+        rows = r.gather(r.weight(w1, "w1"), prev_ids, 0, "gather_w1")              # [..., r]
+        rows = r.cast(rows, torch.float32, "w1_fp32")
+        w2 = r.nvfp4_weight(w2_packed, w2_scale, torch.as_tensor(w2_scale_2, dtype=torch.float32),
+                            (spec.vocab_size, spec.rank), torch.float32, "w2")      # [V, r] fp32
+        bias = r.matmul(rows, w2, transpose_b=True, what="w2_gemm")                 # [..., V]
+        return r.ew(logits, bias, trt.ElementWiseOperation.SUM, "add")
+
+
+_REGISTERED = False
+
+
+def register_tensorrt_plugin() -> None:
+    """Register the plugin with full TensorRT's Python plugin registry (``tensorrt.plugin``), once per
+    process (building a network with the layer does it; deserialising an engine holding it needs it
+    first). Needs full ``tensorrt`` >= 10.7; running the layer needs torch with CUDA and Triton."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    import tensorrt as trt  # full TensorRT only: tensorrt_rtx has no plugin layers
+    import tensorrt.plugin as trtp
+
+    namespace = getattr(trtp.op, PLUGIN_NAMESPACE, None)
+    if namespace is not None and hasattr(namespace, PLUGIN_NAME):
+        _REGISTERED = True
+        return
+
+    # Inputs: logits [..., V] fp32, ids [...] int32/int64, W1 [V_prev, r], W2 bytes [V, r/2] uint8 and
+    # W2 block scales [V, r/16] (FP8 bytes, uint8); the global scale is a float attribute.
+    @trtp.register(PLUGIN_ID)
+    def _describe(logits: trtp.TensorDesc, prev_ids: trtp.TensorDesc, w1: trtp.TensorDesc,
+                  w2_packed: trtp.TensorDesc, w2_scale: trtp.TensorDesc, vocab_size: int, rank: int,
+                  prev_vocab_size: int, scale_2: float) -> trtp.TensorDesc:
+        return logits.like()
+
+    @trtp.impl(PLUGIN_ID)
+    def _enqueue(logits, prev_ids, w1, w2_packed, w2_scale, vocab_size: int, rank: int, prev_vocab_size: int,
+                 scale_2: float, outputs, stream: int) -> None:
+        spec = MarkovHeadSpec(vocab_size, rank, prev_vocab_size, scale_2)
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
+            args = [_device_tensor(trt, t) for t in (logits, prev_ids, w1, w2_packed, w2_scale)]
+            _launch(*args, _device_tensor(trt, outputs[0]), spec)
+
+    _REGISTERED = True
+
+
+def _device_tensor(trt, t) -> torch.Tensor:
+    """A torch view of a ``tensorrt.plugin.Tensor`` (device pointer, shape, strides in elements), made
+    from our own ``__cuda_array_interface__`` (bf16 goes through as int16 and is viewed back)."""
+    types = {trt.float32: ("<f4", 4, None), trt.float16: ("<f2", 2, None), trt.bfloat16: ("<i2", 2, torch.bfloat16),
+             trt.int32: ("<i4", 4, None), trt.int64: ("<i8", 8, None), trt.uint8: ("|u1", 1, None)}
+    if t.dtype not in types:
+        raise TypeError(f"{PLUGIN_NAME}: unsupported data type {t.dtype}")
+    typestr, itemsize, view = types[t.dtype]
+
+    class _Array:
+        __cuda_array_interface__ = {
+            "shape": tuple(int(d) for d in t.shape),
+            "typestr": typestr,
+            "data": (int(t.data_ptr), False),
+            "strides": tuple(int(s) * itemsize for s in t.strides),
+            "version": 3,
+            "stream": None,  # already on TensorRT's stream
+        }
+
+    out = torch.as_tensor(_Array(), device="cuda")
+    return out if view is None else out.view(view)
+
+
+def _lower_plugin(r, logits, prev_ids, w1, w2_packed, w2_scale, spec: MarkovHeadSpec):
+    register_tensorrt_plugin()
+    import tensorrt.plugin as trtp
+
+    with r.op(OP_NAME, PLUGIN_LOWERING):
+        scale_bytes = w2_scale if w2_scale.dtype == torch.uint8 else w2_scale.view(torch.uint8)
+        make = getattr(getattr(trtp.op, PLUGIN_NAMESPACE), PLUGIN_NAME)
+        layer = r.network.add_plugin(make(logits, prev_ids, r.weight(w1, "w1"), r.weight(w2_packed, "w2_fp4_bytes"),
+                                          r.weight(scale_bytes, "w2_block_scale_bytes"), **spec.attributes()))
+        if layer is None:
+            raise RuntimeError(f"TensorRT refused the {PLUGIN_ID} plugin layer")
+        named = getattr(r, "_named", None)
+        if named is not None:
+            named(layer, "plugin")
+        return layer.get_output(0)
+
+
+__all__ = [
+    "PLUGIN_NAME", "PLUGIN_VERSION", "PLUGIN_NAMESPACE", "PLUGIN_ID", "OP_NAME", "ATTRIBUTES", "NATIVE_ENV",
+    "PLUGIN_LOWERING", "NATIVE_LOWERING", "BLOCK_SIZE", "MarkovHeadSpec", "make_spec", "output_shapes",
+    "output_dtypes", "dequantize_w2", "fp4_markov_head_reference", "fp4_markov_head_triton",
+    "plugin_layers_available", "lower", "register_tensorrt_plugin",
+]
