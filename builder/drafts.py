@@ -13,8 +13,13 @@ from builder.checkpoint import checkpoint_hash, load_checkpoint, validate_mtp
 from builder.config import NemotronHConfig
 from builder.errors import BuildError, DraftError
 from builder.draft_checkpoint import draft_config_from_dict, load_draft_checkpoint, validate_against_target
+from builder.draft_checkpoint_block import (block_draft_config_from_dict, load_block_draft_checkpoint,
+                                            validate_block_draft)
+from builder.models.dflash import DFlashDraft
+from builder.models.dspark import DSparkDraft
 from builder.models.eagle import EagleDraft
 from builder.models.eagle3 import Eagle3Draft
+from builder.models.peagle import PEagleDraft
 from builder.models.mtp import MTPDraft
 from builder.models.nemotron_h import NemotronH
 
@@ -33,8 +38,32 @@ def _need_draft_dir(mode, draft_dir):
     return Path(draft_dir)
 
 
-def load_draft(mode, target_cfg: NemotronHConfig, target_weights: dict, draft_dir, dtype, log=print) -> LoadedDraft:
+BLOCK_MODES = {"dflash": DFlashDraft, "dspark": DSparkDraft, "peagle": PEagleDraft}
+QUANTIZATIONS = ("nvfp4_w4a16",)
+# draft tensors that stay in high precision when the draft is quantized (ModelOpt keeps these too)
+_KEEP_PRECISION = ("embed", "lm_head", "norm", "markov_w1", "d2t", "t2d", "mask_hidden")
+
+
+def quantizable(weights: dict) -> list[str]:
+    """The draft's linear weights NVFP4 quantizes: 2-D ``.weight``s with an input dim of whole blocks."""
+    return [n for n, w in weights.items() if n.endswith(".weight") and w.dim() == 2 and w.shape[-1] % 16 == 0
+            and w.is_floating_point() and not any(k in n for k in _KEEP_PRECISION)]
+
+
+def _bind_quantized(stored: dict, dtype):
+    """Packed ModelOpt tensors -> NVFP4Weight objects (the module binds them like weights)."""
+    from builder.quantization import nvfp4_weights
+    return nvfp4_weights(stored, None, None, dtype)
+
+
+def load_draft(mode, target_cfg: NemotronHConfig, target_weights: dict, draft_dir, dtype, log=print,
+               quantization=None) -> LoadedDraft:
     from builder.engine import convert_weights
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise DraftError(f"--quantization: expected one of {', '.join(QUANTIZATIONS)}, got {quantization}")
+    if quantization is not None and mode in ("mtp", "draft_target"):
+        raise DraftError(f"--quantization: {mode} drafts are not quantized here; quantize the checkpoint with "
+                         "`nemospec quantize` instead")
     if mode == "mtp":
         if draft_dir is not None:
             raise BuildError("--draft_dir: mtp mode uses the target checkpoint's own MTP layers; drop --draft_dir")
@@ -63,7 +92,43 @@ def load_draft(mode, target_cfg: NemotronHConfig, target_weights: dict, draft_di
         features = {"capture_layers": module.aux_layer_ids} if mode == "eagle3" else {"final_hidden": True}
         return LoadedDraft(module, weights, features,
                            {"mode": mode, "draft": cfg.to_dict(), "draft_sha256": checkpoint_hash(directory)})
+    if mode in BLOCK_MODES:
+        cfg, weights = load_block_draft_checkpoint(directory, keep_quantized=True)
+        if cfg.kind != mode:
+            raise DraftError(f"{directory / 'config.json'}: this is a {cfg.kind} draft, not {mode}; "
+                             f"pass --speculative_decoding_mode {cfg.kind}")
+        cfg = validate_block_draft(cfg, target_cfg)
+        stored = _to_storable(weights, dtype)
+        if quantization == "nvfp4_w4a16":
+            from builder.quantization import quantize_tensors
+            stored = quantize_tensors(stored, quantizable(stored))
+        module = _block_draft(cfg, _bind_quantized(stored, dtype), target_weights, dtype)
+        meta = {"mode": mode, "draft": cfg.to_dict(), "draft_sha256": checkpoint_hash(directory),
+                "quantization": quantization or ("nvfp4_w4a16" if any(n.endswith("weight_scale_2") for n in stored)
+                                                 else None)}
+        return LoadedDraft(module, stored, {"capture_layers": module.target_layer_ids}, meta)
     raise DraftError(f"--speculative_decoding_mode: unknown mode {mode}")
+
+
+def _to_storable(weights: dict, dtype) -> dict:
+    """Draft tensors as a flat safetensors dict: packed NVFP4 weights back to ModelOpt's three tensors."""
+    from builder.engine import convert_weights
+    out = {}
+    for name, w in weights.items():
+        if getattr(w, "is_nvfp4", False):
+            base = name[:-len("weight")]
+            out.update({name: w.packed, base + "weight_scale": w.scale, base + "weight_scale_2": w.scale_2})
+        else:
+            out.update(convert_weights({name: w}, dtype))
+    return out
+
+
+def _block_draft(cfg, weights, target_weights, dtype):
+    embedding = target_weights["backbone.embeddings.weight"]
+    head = target_weights.get("lm_head.weight", embedding)
+    if cfg.kind == "peagle":
+        return PEagleDraft(cfg, weights, embedding, dtype)
+    return BLOCK_MODES[cfg.kind](cfg, weights, embedding, head, dtype)
 
 
 def _feature_draft(cfg, weights, target_weights, dtype):
@@ -83,4 +148,7 @@ def draft_from_engine_dir(meta: dict, target_cfg: NemotronHConfig, target_weight
         return NemotronH(NemotronHConfig.from_dict(meta["draft"]), draft_weights, dtype)
     if mode in ("eagle", "eagle3"):
         return _feature_draft(draft_config_from_dict(meta["draft"]), draft_weights, target_weights, dtype)
+    if mode in BLOCK_MODES:
+        return _block_draft(block_draft_config_from_dict(meta["draft"]), _bind_quantized(draft_weights, dtype),
+                            target_weights, dtype)
     raise DraftError(f"engine directory: unknown speculative mode {mode}")

@@ -35,7 +35,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 DTYPE_NAMES.update({torch.int32: "int32", torch.int64: "int64", torch.bool: "bool"})
-MODES = ("draft_target", "eagle", "eagle3", "mtp")
+MODES = ("draft_target", "eagle", "eagle3", "mtp", "dflash", "dspark", "peagle")
 # Tensors kept in fp32 whatever the build dtype (as transformers keeps them).
 FP32_TENSORS = ("A_log", ".D", "gate.weight", "e_score_correction_bias")
 
@@ -108,8 +108,8 @@ class Component:
 
 
 def _dims(dims, batch, tokens, capacity):
-    return tuple(batch if d == "batch" else tokens if d == "tokens" else capacity if d == "capacity" else d
-                 for d in dims)
+    named = {"batch": batch, "tokens": tokens, "context": tokens, "capacity": capacity}
+    return tuple(named.get(d, d) if isinstance(d, str) else d for d in dims)
 
 
 def _chunk_inputs(module, extra=None):
@@ -164,6 +164,26 @@ def draft_component(module, options: BuildOptions) -> Component:
         return Component("draft", module, _chunk_inputs(module), call, profiles)
     dtype = DTYPE_NAMES[module.dtype]
     hidden = {"hidden": {"shape": ["batch", "tokens", module.hidden_size], "dtype": dtype}}
+    aux = {"aux": {"shape": ["batch", "tokens", module.aux_width], "dtype": dtype}} if hasattr(module, "aux_width") else {}
+    if kind in ("dflash", "dspark"):
+        # context rows (the verified tokens' target features) and the block run in one network
+        extra = {"aux": {"shape": ["batch", "context", module.aux_width], "dtype": dtype},
+                 "context_positions": {"shape": ["batch", "context"], "dtype": "int32"},
+                 "context_lengths": {"shape": ["batch"], "dtype": "int32"}}
+
+        def call(f):
+            logits, new_state = module.forward(f["aux"], f["context_positions"], f["context_lengths"], f["input_ids"],
+                                               f["positions"], f["lengths"], f["logit_index"], _state_feeds(f))
+            return _outputs(logits, new_state, {})
+        return Component("draft", module, _chunk_inputs(module, extra), call, profiles)
+    if kind == "peagle":
+        extra = dict(aux, is_mask={"shape": ["batch", "tokens"], "dtype": "int32"})
+
+        def call(f):
+            logits, new_state = module.forward(f["input_ids"], f["aux"], f["is_mask"], f["positions"], f["lengths"],
+                                               f["logit_index"], _state_feeds(f))
+            return _outputs(logits, new_state, {})
+        return Component("draft", module, _chunk_inputs(module, extra), call, profiles)
     if kind == "eagle3":
         extra = {"aux_hidden": {"shape": ["batch", "tokens", module.aux_width],
                                 "dtype": dtype},
@@ -181,6 +201,24 @@ def draft_component(module, options: BuildOptions) -> Component:
                                                     f["logit_index"], _state_feeds(f))
             return _outputs(logits, new_state, {"hidden_out": out})
     return Component("draft", module, _chunk_inputs(module, extra), call, profiles)
+
+
+def markov_component(module, options: BuildOptions) -> Component:
+    """DSpark's Markov step: one draft row's logits + W2(W1[previous token]) (the FP4 head op)."""
+    inputs = {"logits": {"shape": ["batch", "tokens", module.vocab_size], "dtype": "float32"},
+              "prev_ids": {"shape": ["batch", "tokens"], "dtype": "int32"}}
+
+    def call(f):
+        return {"markov_logits": module.markov_logits(f["logits"], f["prev_ids"])}
+    return Component("markov", module, inputs, call, [{"name": "step", "max_tokens": 1}])
+
+
+def draft_components(module, options: BuildOptions) -> list[Component]:
+    """Every engine a draft needs: the draft network, plus DSpark's Markov step when it has one."""
+    out = [draft_component(module, options)]
+    if getattr(module, "has_markov", False):
+        out.append(markov_component(module, options))
+    return out
 
 
 def record(component: Component, native_plugins: bool = False):
@@ -213,7 +251,8 @@ def _replace_dir(tmp: Path, final: Path):
         shutil.rmtree(old, ignore_errors=True)
 
 
-def build(checkpoint_dir, output_dir, options: BuildOptions, log=print, draft_dir=None) -> dict:
+def build(checkpoint_dir, output_dir, options: BuildOptions, log=print, draft_dir=None,
+          draft_quantization=None) -> dict:
     """Builds ENGINE_DIR from a checkpoint (and a draft); returns the build report.
 
     Raises NemospecError subclasses for bad input, before anything is written.
@@ -235,11 +274,13 @@ def build(checkpoint_dir, output_dir, options: BuildOptions, log=print, draft_di
     dtype_name = options.resolve_dtype(config.dtype)
     dtype = TORCH_DTYPES[dtype_name]
     weights = convert_weights(weights, dtype)
-    draft = drafts.load_draft(mode, config, weights, draft_dir, dtype, log) if mode else None
+    if draft_quantization and not mode:
+        raise BuildError("--quantization: quantizes the draft; it needs --speculative_decoding_mode")
+    draft = drafts.load_draft(mode, config, weights, draft_dir, dtype, log, draft_quantization) if mode else None
     target = NemotronH(config, weights, dtype, **(draft.target_features if draft else {}))
     components = [target_component(target, options)]
     if draft:
-        components += [target_component(target, options, verify=True), draft_component(draft.module, options)]
+        components += [target_component(target, options, verify=True), *draft_components(draft.module, options)]
 
     contracts, report_engines, blobs = {}, {}, {}
     for n, component in enumerate(components, 1):

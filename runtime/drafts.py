@@ -1,17 +1,23 @@
-"""Uniform stepping of feature-reading drafts (eagle, eagle3, mtp) for FeatureDraftProposer.
+"""Driving draft networks from named feeds: eagerly, or through an engine executor.
 
-``step(ids, target_features, own_hidden, positions, lengths, logit_index, state)`` takes either
-the target's features for every row (a catch-up chunk) or the draft's own recycled hidden (one
-proposal row) and returns (logits over the TARGET vocabulary, hidden_out, new_state): a draft
-vocabulary is mapped back with ``d2t`` (target id = draft id + d2t[draft id]). Feeds are named as
-the draft engine's inputs, so the eager module and the engine are driven the same way.
+``EagerDraft`` runs a draft module's component(s) (``builder.engine.draft_components``) on torch
+tensors; ``runtime.engine_runner.EngineDraft`` runs the same feeds through engines. Feeds are named
+as the draft engine's inputs, so both are driven the same way. Logits over a draft vocabulary are
+mapped back with ``d2t`` (target id = draft id + d2t[draft id]).
+
+``step`` is the feature-draft interface (eagle, eagle3, mtp): either the target's features for
+every row (a catch-up chunk) or the draft's own recycled hidden (one proposal row).
 """
 from __future__ import annotations
 
 import torch
 
-from builder.engine import BuildOptions, draft_component
+from builder.engine import BuildOptions, draft_components
 from runtime.state import allocate
+
+
+def _present(out: dict) -> dict:
+    return {n[len("present."):]: v for n, v in out.items() if n.startswith("present.")}
 
 
 class EagerDraft:
@@ -19,15 +25,19 @@ class EagerDraft:
 
     def __init__(self, module, target_vocab: int, device="cpu"):
         self.module, self.kind = module, module.kind
-        self.feature = "aux_hidden" if self.kind == "eagle3" else "hidden"
+        self.feature = "hidden" if self.kind in ("eagle", "mtp") else "aux_hidden"
         self.device = torch.device(device)
         self.target_vocab = target_vocab
         d2t = getattr(module, "d2t", None)
         self.target_ids = None if d2t is None else (torch.arange(d2t.shape[0]) + d2t.long()).to(self.device)
-        self.component = draft_component(module, BuildOptions())
+        self.components = {c.name: c for c in draft_components(module, BuildOptions())}
 
     def new_state(self, batch, capacity):
         return allocate(self.module.state_spec(batch, capacity), self.device)
+
+    @torch.inference_mode()
+    def run(self, name: str, feeds: dict) -> dict:
+        return self.components[name].call(feeds)
 
     def to_target_vocab(self, logits):
         if self.target_ids is None:
@@ -36,6 +46,13 @@ class EagerDraft:
                           device=logits.device)
         return full.scatter_(-1, self.target_ids.expand(logits.shape), logits)
 
+    def to_target_ids(self, draft_ids):
+        return draft_ids if self.target_ids is None else self.target_ids[draft_ids.long()]
+
+    def markov(self, logits, prev_ids):
+        """DSpark: draft-vocabulary logits [B, 1, Vd] + W2(W1[previous target ids [B, 1]])."""
+        return self.run("markov", {"logits": logits, "prev_ids": prev_ids.to(torch.int32)})["markov_logits"]
+
     def row_inputs(self, ids, target_features, own_hidden) -> dict:
         """The draft's feature inputs for a chunk fed either target features or its own hidden."""
         if self.kind != "eagle3":
@@ -43,17 +60,19 @@ class EagerDraft:
         batch, rows = ids.shape
         m = self.module
         zeros = lambda width: torch.zeros(batch, rows, width, dtype=m.dtype, device=self.device)  # noqa: E731
-        return {"aux_hidden": target_features if target_features is not None
-                else zeros(m.aux_width),
+        return {"aux_hidden": target_features if target_features is not None else zeros(m.aux_width),
                 "hidden": own_hidden if own_hidden is not None else zeros(m.hidden_size),
                 "from_target": torch.full((batch, rows), int(target_features is not None), dtype=torch.int32,
                                           device=self.device)}
 
-    @torch.inference_mode()
     def step(self, ids, target_features, own_hidden, positions, lengths, logit_index, state):
         feeds = {"input_ids": ids, "positions": positions, "lengths": lengths, "logit_index": logit_index}
         feeds.update(self.row_inputs(ids, target_features, own_hidden))
         feeds.update({"past." + k: v for k, v in state.items()})
-        out = self.component.call(feeds)
-        new_state = {n[len("present."):]: v for n, v in out.items() if n.startswith("present.")}
-        return self.to_target_vocab(out["logits"]), out["hidden_out"], new_state
+        out = self.run("draft", feeds)
+        return self.to_target_vocab(out["logits"]), out["hidden_out"], _present(out)
+
+    def logits_and_state(self, feeds: dict, state: dict):
+        """Block and parallel drafts: (logits over the draft vocabulary, new state) of one forward."""
+        out = self.run("draft", {**feeds, **{"past." + k: v for k, v in state.items()}})
+        return out["logits"], _present(out)

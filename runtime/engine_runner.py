@@ -61,7 +61,7 @@ class TensorRTExecutor:
         raise ValueError(f"chunk of {tokens} tokens exceeds the engine's largest profile ({self.contexts[-1][0]})")
 
     def run(self, feeds: dict) -> dict:
-        ctx = self._context(feeds["input_ids"].shape[1])
+        ctx = self._context(max(t.shape[1] for n, t in feeds.items() if not n.startswith("past.") and t.dim() > 1))
         keep = []
         for name, tensor in feeds.items():
             tensor = tensor.to("cuda").contiguous()
@@ -109,19 +109,14 @@ class EngineRunner:
 
 
 class EngineDraft(EagerDraft):
-    """A feature draft (eagle, eagle3, mtp) run from its engine; same ``step`` as the eager one."""
+    """A draft run from its engines (draft, and DSpark's markov); same interface as the eager one."""
 
-    def __init__(self, module, target_vocab, executor, contract, device):
+    def __init__(self, module, target_vocab, executors: dict, contract, device):
         super().__init__(module, target_vocab, device)
-        self.executor, self.contract = executor, contract
+        self.executors, self.contract = executors, contract
 
     def new_state(self, batch, capacity):
         return state_lib.allocate(_state_spec(self.contract, batch, capacity), self.device)
 
-    def step(self, ids, target_features, own_hidden, positions, lengths, logit_index, state):
-        feeds = {"input_ids": ids, "positions": positions, "lengths": lengths, "logit_index": logit_index}
-        feeds.update(self.row_inputs(ids, target_features, own_hidden))
-        feeds.update({"past." + k: v for k, v in state.items()})
-        out = self.executor.run(feeds)
-        logits, new_state, _ = _split(out)
-        return self.to_target_vocab(logits), out["hidden_out"], new_state
+    def run(self, name, feeds):
+        return self.executors[name].run(feeds)

@@ -10,12 +10,12 @@ from safetensors.torch import load_file
 
 from builder.config import NemotronHConfig
 from builder.drafts import draft_from_engine_dir
-from builder.engine import TORCH_DTYPES, draft_component, target_component, BuildOptions
+from builder.engine import TORCH_DTYPES, BuildOptions, draft_component, draft_components, target_component
 from builder.errors import NemospecError
 from builder.models.nemotron_h import NemotronH
 from runtime.drafts import EagerDraft
 from runtime.engine_runner import EngineDraft, EngineRunner, InterpretedExecutor, TensorRTExecutor
-from runtime.proposers import FeatureDraftProposer, ModelDraftProposer
+from runtime.proposers import BlockDraftProposer, FeatureDraftProposer, ModelDraftProposer, ParallelDraftProposer
 from runtime.runner import TorchRunner
 
 BACKENDS = ("auto", "torch", "tensorrt", "interpreter")
@@ -83,8 +83,9 @@ def open_engine_dir(engine_dir, backend="auto", device=None) -> Loaded:
     features = {}
     if draft is not None:
         kind = getattr(draft, "kind", "draft_target")
-        features = ({"capture_layers": draft.aux_layer_ids} if kind == "eagle3"
-                    else {"final_hidden": True} if kind in ("eagle", "mtp") else {})
+        features = ({"final_hidden": True} if kind in ("eagle", "mtp")
+                    else {} if kind == "draft_target" else {"capture_layers": draft.target_layer_ids
+                                                            if hasattr(draft, "target_layer_ids") else draft.aux_layer_ids})
     target = NemotronH(config, weights, dtype, **features)
     options = BuildOptions(**{k: v for k, v in build.items() if k != "dtype"})
     engines = meta["engines"]
@@ -113,9 +114,12 @@ def open_engine_dir(engine_dir, backend="auto", device=None) -> Loaded:
             if backend == "torch":
                 stepper = EagerDraft(draft, config.vocab_size, device)
             else:
-                component = draft_component(draft, options)
-                stepper = EngineDraft(draft, config.vocab_size, executor(component), engines["draft"], device)
-            proposer = lambda: FeatureDraftProposer(stepper, chunk)  # noqa: E731
+                stepper = EngineDraft(draft, config.vocab_size,
+                                      {c.name: executor(c) for c in draft_components(draft, options)},
+                                      engines["draft"], device)
+            kinds = {"dflash": BlockDraftProposer, "dspark": BlockDraftProposer, "peagle": ParallelDraftProposer}
+            make = kinds.get(kind, FeatureDraftProposer)
+            proposer = lambda: make(stepper, chunk)  # noqa: E731
     tok = engine_dir / meta["tokenizer"] if meta.get("tokenizer") else None
     return Loaded(runner, config, tok, build["max_seq_len"], build["max_input_len"], backend, spec,
                   build.get("max_draft_len", 0), build["max_batch_size"], proposer)

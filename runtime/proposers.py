@@ -166,3 +166,154 @@ class FeatureDraftProposer:
         self.state = _cat(self.state, other.state)
         self.logits, self.hidden = torch.cat([self.logits, other.logits]), torch.cat([self.hidden, other.hidden])
         self.position += other.position
+
+
+class BlockDraftProposer:
+    """DFlash / DSpark: one draft forward proposes a whole block.
+
+    The draft's context is the target's captured features of every accepted token (row p is the
+    feature of token x_p at position p, no shift). Each step runs ONE network: the context rows
+    verified since the last step, then the block [anchor, mask, ...] at the anchor's position
+    (bidirectional inside the block). DFlash chooses every draft row independently; DSpark adds its
+    Markov bias W2(W1[previous token]) row by row, left to right. Slots past the anchor are
+    overwritten by the next step's context, so nothing is rolled back.
+    """
+
+    def __init__(self, draft, prefill_chunk=512):
+        self.draft, self.prefill_chunk = draft, prefill_chunk
+        self.features = ("aux_hidden",)
+        self.module = draft.module
+
+    def start(self, prompts, first_tokens, features, capacity):
+        self.state = self.draft.new_state(len(prompts), capacity)
+        self.context = [f for f in features["aux_hidden"]]          # rows not yet written, per sequence
+        self.context_start = [0] * len(prompts)
+        self.anchor = list(first_tokens)
+        self.position = [len(p) for p in prompts]                   # the anchor's position
+
+    def _run(self, k):
+        """Writes pending context (in chunks) and runs the block; returns draft-row logits [B, k, Vd]."""
+        dev, m = self.draft.device, self.module
+        while True:
+            take = [min(len(c), self.prefill_chunk) for c in self.context]
+            last = all(len(c) <= self.prefill_chunk for c in self.context)
+            width = max(1, max(take))
+            aux = torch.zeros(len(take), width, m.aux_width, dtype=m.dtype, device=dev)
+            for b, n in enumerate(take):
+                aux[b, :n] = self.context[b][:n]
+            cpos = torch.tensor(self.context_start, dtype=torch.int32, device=dev)[:, None] + torch.arange(width, dtype=torch.int32, device=dev)
+            if last:
+                ids, pos, lengths, index = m.block_inputs(torch.tensor(self.anchor, device=dev),
+                                                          torch.tensor(self.position, device=dev), k)
+            else:  # an early chunk of a long prompt: a throwaway one-row block past the chunk
+                ids = torch.full((len(take), 1), m.mask_token_id, dtype=torch.int32, device=dev)
+                pos = cpos[:, -1:] + 1
+                lengths = torch.ones(len(take), dtype=torch.int32, device=dev)
+                index = torch.zeros(len(take), 1, dtype=torch.int32, device=dev)
+            feeds = {"aux": aux, "context_positions": cpos,
+                     "context_lengths": torch.tensor([max(1, n) for n in take], dtype=torch.int32, device=dev),
+                     "input_ids": ids, "positions": pos, "lengths": lengths, "logit_index": index}
+            logits, self.state = self.draft.logits_and_state(feeds, self.state)
+            self.context = [c[n:] for c, n in zip(self.context, take)]
+            self.context_start = [s + n for s, n in zip(self.context_start, take)]
+            if last:
+                return logits
+
+    def propose(self, k, params):
+        base = self._run(k)                                          # [B, k, Vd]
+        tokens, probs = [], []
+        prev = torch.tensor(self.anchor, dtype=torch.long)[:, None]
+        markov = getattr(self.module, "has_markov", False)
+        for j in range(k):
+            row = base[:, j:j + 1]
+            if markov:
+                row = self.draft.markov(row, prev.to(row.device))
+            token, q = draw(self.draft.to_target_vocab(row[:, 0]), params)
+            tokens.append(token)
+            probs.append(q)
+            prev = token.long().cpu()[:, None]
+        return torch.stack(tokens, 1), _stack_q(probs, len(params), self.draft.target_vocab)
+
+    def accept(self, accepted, next_tokens, drafts, verify_features):
+        feats = verify_features["aux_hidden"]
+        self.context = [feats[b, :int(m) + 1] for b, m in enumerate(accepted)]
+        self.context_start = list(self.position)                     # verify rows began at the anchor
+        self.position = [p + int(m) + 1 for p, m in zip(self.position, accepted)]
+        self.anchor = [int(t) for t in next_tokens]
+
+    def keep(self, keep):
+        self.state = _take_rows(self.state, keep)
+        idx = keep.tolist()
+        self.context = [self.context[i] for i in idx]
+        self.context_start = [self.context_start[i] for i in idx]
+        self.anchor = [self.anchor[i] for i in idx]
+        self.position = [self.position[i] for i in idx]
+
+    def merge(self, other: "BlockDraftProposer"):
+        self.state = _cat(self.state, other.state)
+        self.context += other.context
+        self.context_start += other.context_start
+        self.anchor += other.anchor
+        self.position += other.position
+
+
+class ParallelDraftProposer:
+    """P-EAGLE: EAGLE-3 rows (token x_{p+1}, target feature g_p, position p) for the tokens verified
+    since the last step, then K-1 placeholder rows; all K drafts come from one forward, each from
+    its own row. Stale slots are overwritten by the next catch-up rows: nothing is rolled back."""
+
+    def __init__(self, draft, prefill_chunk=512):
+        self.draft, self.prefill_chunk = draft, prefill_chunk
+        self.features = ("aux_hidden",)
+        self.module = draft.module
+
+    def start(self, prompts, first_tokens, features, capacity):
+        self.state = self.draft.new_state(len(prompts), capacity)
+        self.rows = [p[1:] + [t] for p, t in zip(prompts, first_tokens)]
+        self.feats = list(features["aux_hidden"])
+        self.start_pos = [0] * len(prompts)
+
+    def propose(self, k, params):
+        m, dev = self.module, self.draft.device
+        while True:
+            take = [min(len(r), self.prefill_chunk) for r in self.rows]
+            last = all(len(r) <= self.prefill_chunk for r in self.rows)
+            placeholders = k if last else 1
+            ids, aux, is_mask, pos, lengths, index = m.step_inputs(
+                [r[:n] for r, n in zip(self.rows, take)], [f[:n] for f, n in zip(self.feats, take)],
+                self.start_pos, placeholders)
+            if not last:  # an early chunk of a long prompt: its logits are not used
+                index = torch.zeros_like(index[:, :1])
+            feeds = {"input_ids": ids.to(dev), "aux": aux.to(dev), "is_mask": is_mask.to(dev), "positions": pos.to(dev),
+                     "lengths": lengths.to(dev), "logit_index": index.to(dev)}
+            logits, self.state = self.draft.logits_and_state(feeds, self.state)
+            self.rows = [r[n:] for r, n in zip(self.rows, take)]
+            self.feats = [f[n:] for f, n in zip(self.feats, take)]
+            self.start_pos = [s + n for s, n in zip(self.start_pos, take)]
+            if last:
+                break
+        tokens, probs = [], []
+        for j in range(k):
+            token, q = draw(self.draft.to_target_vocab(logits[:, j]), params)
+            tokens.append(token)
+            probs.append(q)
+        return torch.stack(tokens, 1), _stack_q(probs, len(params), self.draft.target_vocab)
+
+    def accept(self, accepted, next_tokens, drafts, verify_features):
+        feats = verify_features["aux_hidden"]
+        self.rows = [drafts[b, :int(m)].tolist() + [int(t)] for b, (m, t) in enumerate(zip(accepted, next_tokens))]
+        self.feats = [feats[b, :int(m) + 1] for b, m in enumerate(accepted)]
+        # start_pos already points where the verify chunk began (the last token's position)
+
+    def keep(self, keep):
+        self.state = _take_rows(self.state, keep)
+        idx = keep.tolist()
+        self.rows = [self.rows[i] for i in idx]
+        self.feats = [self.feats[i] for i in idx]
+        self.start_pos = [self.start_pos[i] for i in idx]
+
+    def merge(self, other: "ParallelDraftProposer"):
+        self.state = _cat(self.state, other.state)
+        self.rows += other.rows
+        self.feats += other.feats
+        self.start_pos += other.start_pos

@@ -26,7 +26,8 @@ def reference(pair):
     return generate(target, PROMPTS, 48).output_ids
 
 
-MODES = ["draft_target", "mtp", "eagle", "eagle3"]
+MODES = ["draft_target", "mtp", "eagle", "eagle3", "dflash", "dspark", "peagle", "dflash_nvfp4", "dspark_nvfp4",
+         "peagle_nvfp4"]
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -142,7 +143,7 @@ def _second_token_marginal(target, prompt, temperature):
     return p1 @ torch.softmax(logits[:, 0] / temperature, -1)
 
 
-@pytest.mark.parametrize("mode", ["draft_target", "mtp", "eagle3"])
+@pytest.mark.parametrize("mode", ["draft_target", "mtp", "eagle3", "dspark"])
 def test_speculative_sampling_preserves_the_target_distribution(mode, pair, monkeypatch):
     """The 2nd generated token (the first one a draft proposes) of 3000 seeded speculative samples
     against the exact target marginal: chi-square p > 1e-3; an always-accepting sampler is caught."""
