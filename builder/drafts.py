@@ -102,12 +102,33 @@ def load_draft(mode, target_cfg: NemotronHConfig, target_weights: dict, draft_di
         if quantization == "nvfp4_w4a16":
             from builder.quantization import quantize_tensors
             stored = quantize_tensors(stored, quantizable(stored))
+        stored, kept = _rtx_workaround(stored, mode, dtype, log)
         module = _block_draft(cfg, _bind_quantized(stored, dtype), target_weights, dtype)
         meta = {"mode": mode, "draft": cfg.to_dict(), "draft_sha256": checkpoint_hash(directory),
                 "quantization": quantization or ("nvfp4_w4a16" if any(n.endswith("weight_scale_2") for n in stored)
-                                                 else None)}
+                                                 else None), "kept_high_precision": kept}
         return LoadedDraft(module, stored, {"capture_layers": module.target_layer_ids}, meta)
     raise DraftError(f"--speculative_decoding_mode: unknown mode {mode}")
+
+
+def _rtx_workaround(stored: dict, mode, dtype, log):
+    """tensorrt_rtx 1.7's Myelin fails to build (``CHECK(def_tactic_desc)``) a DFlash/DSpark draft
+    whose k_proj and v_proj are both FP4: each projects the same context rows and block rows. There,
+    v_proj is dequantized to the build dtype (logged, recorded in the engine directory's config)."""
+    from builder.backends.trt_import import FLAVOUR
+    if FLAVOUR != "tensorrt_rtx" or mode not in ("dflash", "dspark"):
+        return stored, []
+    from builder.quantization import dequantize_tensors
+    kept = [n for n in stored if n.endswith("v_proj.weight") and n.replace("v_proj", "k_proj") + "_scale_2" in stored
+            and n + "_scale_2" in stored]
+    if kept:
+        subset = {k: v for k, v in stored.items() if any(k.startswith(n) for n in kept)}
+        plain = dequantize_tensors(subset, None, None, dtype)
+        stored = {k: v for k, v in stored.items() if not any(k.startswith(n) for n in kept)}
+        stored.update(plain)
+        log(f"tensorrt_rtx: keeping {len(kept)} v_proj weight(s) of the {mode} draft in {str(dtype)[6:]} "
+            "(its builder fails on FP4 k_proj + v_proj sharing an input)")
+    return stored, kept
 
 
 def _to_storable(weights: dict, dtype) -> dict:

@@ -155,21 +155,26 @@ def eagle_dirs(checkpoints, tmp_path_factory):
     for mode, draft in FEATURE_DRAFTS.items():
         engines[mode] = root / mode
         build(checkpoints["moe"], engines[mode], BuildOptions(**OPTIONS, speculative_decoding_mode=mode),
-              log=lambda m: None, draft_dir=draft)
+              log=lambda m: None, draft_dir=draft, draft_quantization="nvfp4_w4a16" if mode == "dspark" else None)
     return engines
 
 
-@pytest.mark.parametrize("mode", ["eagle", "eagle3"])
+@pytest.mark.parametrize("mode", ["eagle", "eagle3", "dflash", "dspark", "peagle"])
 def test_eagle_engine_directories_speculate_exactly_on_the_interpreter(mode, eagle_dirs):
     engine_dir = eagle_dirs[mode]
     meta = json.loads((engine_dir / "config.json").read_text())
     assert meta["speculative"]["mode"] == mode and meta["speculative"]["draft"]["kind"] == mode
     target_outputs = meta["engines"]["target"]["outputs"]
-    assert ("features.aux_hidden" if mode == "eagle3" else "features.hidden") in target_outputs
+    assert ("features.hidden" if mode == "eagle" else "features.aux_hidden") in target_outputs
     report = json.loads((engine_dir / "build_report.json").read_text())
-    if mode == "eagle3":
+    if mode != "eagle":
         assert "hidden_capture" in report["engines"]["target"]["lowerings"]
+    if mode == "eagle3":
         assert "from_target" in meta["engines"]["draft"]["inputs"]
+    if mode == "dspark":  # NVFP4 draft: FP4 linears; the Markov step in its own engine (rank 8: W2 stays dense)
+        assert meta["speculative"]["quantization"] == "nvfp4_w4a16"
+        assert "linear_nvfp4" in report["engines"]["draft"]["lowerings"]
+        assert "markov" in report["engines"] and "markov" in meta["engines"]
     eager = open_engine_dir(engine_dir, backend="torch")
     interp = open_engine_dir(engine_dir, backend="interpreter")
     prompts = [[5, 9, 17, 33, 4], [7]]
