@@ -30,7 +30,8 @@ from builder.models.nemotron_h import NemotronH  # noqa: E402
 from builder.random_checkpoint import write_layer_subset_draft, write_random_checkpoint  # noqa: E402
 from runtime.drafts import EagerDraft  # noqa: E402
 from runtime.generation import generate  # noqa: E402
-from runtime.proposers import FeatureDraftProposer, ModelDraftProposer  # noqa: E402
+from runtime.proposers import (BlockDraftProposer, FeatureDraftProposer, ModelDraftProposer,  # noqa: E402
+                               ParallelDraftProposer)
 from runtime.runner import TorchRunner  # noqa: E402
 from runtime.speculative import speculative_generate  # noqa: E402
 
@@ -60,24 +61,31 @@ def main():
     config, weights = load_checkpoint(target_dir)
     dconfig, dweights = load_checkpoint(draft_dir)
     fixtures = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "speculators"
-    eagle = {mode: load_draft(mode, config, weights, fixtures / name, torch.float32, log=lambda m: None)
-             for mode, name in (("eagle", "eagle_speculators"), ("eagle3", "eagle3_llama3"))}
-    target = TorchRunner(NemotronH(config, weights, final_hidden=True,
-                                   capture_layers=eagle["eagle3"].target_features["capture_layers"]))
+    fixture = {"eagle": "eagle_speculators", "eagle3": "eagle3_llama3", "dflash": "dflash_speculators",
+               "dspark": "dspark_speculators", "peagle": "peagle_speculators"}
+    drafts = {mode: load_draft(mode, config, weights, fixtures / name, torch.float32, log=lambda m: None)
+              for mode, name in fixture.items()}
+    drafts["dspark nvfp4"] = load_draft("dspark", config, weights, fixtures / fixture["dspark"], torch.float32,
+                                        log=lambda m: None, quantization="nvfp4_w4a16")
+    # each draft gets a target capturing exactly the layers it reads
+    targets = {mode: TorchRunner(NemotronH(config, weights, **d.target_features)) for mode, d in drafts.items()}
+    kinds = {"dflash": BlockDraftProposer, "dspark": BlockDraftProposer, "peagle": ParallelDraftProposer}
+    target = TorchRunner(NemotronH(config, weights, final_hidden=True))
     proposers = {
-        "draft_target": lambda: ModelDraftProposer(TorchRunner(NemotronH(dconfig, dweights))),
-        "mtp": lambda: FeatureDraftProposer(EagerDraft(MTPDraft(config, weights), config.vocab_size)),
-        "eagle": lambda: FeatureDraftProposer(EagerDraft(eagle["eagle"].module, config.vocab_size)),
-        "eagle3": lambda: FeatureDraftProposer(EagerDraft(eagle["eagle3"].module, config.vocab_size)),
+        "draft_target": (target, lambda: ModelDraftProposer(TorchRunner(NemotronH(dconfig, dweights)))),
+        "mtp": (target, lambda: FeatureDraftProposer(EagerDraft(MTPDraft(config, weights), config.vocab_size))),
     }
+    for mode, d in drafts.items():
+        make = kinds.get(mode.split()[0], FeatureDraftProposer)
+        proposers[mode] = (targets[mode], lambda make=make, d=d: make(EagerDraft(d.module, config.vocab_size)))
     prompt = [[int(t) for t in torch.randint(3, config.vocab_size, (16,), generator=torch.Generator().manual_seed(0))]]
     reference = generate(target, prompt, args.new_tokens).output_ids
     base = _median_seconds(lambda: generate(target, prompt, args.new_tokens), args.runs)
     print(f"target only (nemospec TorchRunner): {args.new_tokens / base:8.1f} tokens/s")
-    for mode, make in proposers.items():
-        result = speculative_generate(target, make(), prompt, args.new_tokens, args.k)
+    for mode, (runner, make) in proposers.items():
+        result = speculative_generate(runner, make(), prompt, args.new_tokens, args.k)
         assert result.output_ids == reference, f"{mode}: speculative output differs from target greedy"
-        spec = _median_seconds(lambda: speculative_generate(target, make(), prompt, args.new_tokens, args.k), args.runs)
+        spec = _median_seconds(lambda: speculative_generate(runner, make(), prompt, args.new_tokens, args.k), args.runs)
         acc = result.extra["acceptance"]["mean_accepted_tokens"]
         print(f"{mode:13s} K={args.k}: {args.new_tokens / spec:8.1f} tokens/s, mean accepted {acc:.2f}, "
               f"speedup over target only {base / spec:.2f}x")
