@@ -21,8 +21,11 @@ def _add_build_args(p):
     p.add_argument("--max_draft_len", type=int, default=0, help="K: draft tokens verified per step")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="auto keeps the checkpoint's dtype")
-    p.add_argument("--speculative_decoding_mode", default=None, choices=["draft_target", "eagle", "eagle3", "mtp"],
+    p.add_argument("--speculative_decoding_mode", default=None,
+                   choices=["draft_target", "eagle", "eagle3", "mtp", "dflash", "dspark", "peagle"],
                    help="build a draft and a verify engine beside the target")
+    p.add_argument("--quantization", default=None, choices=["nvfp4_w4a16"],
+                   help="quantize the draft's linear layers (ModelOpt NVFP4 W4A16) while building")
     p.add_argument("--draft_dir", default=None, help="draft checkpoint (every mode but mtp)")
 
 
@@ -71,7 +74,8 @@ def cmd_build(args):
         def log(message):
             status.update(message)
             err.print(message)
-        report = build(args.checkpoint_dir, args.output_dir, options, log, draft_dir=args.draft_dir)
+        report = build(args.checkpoint_dir, args.output_dir, options, log, draft_dir=args.draft_dir,
+                       draft_quantization=args.quantization)
     from rich.table import Table
     table = Table(title=f"built {args.output_dir}")
     table.add_column("engine")
