@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 from safetensors.torch import save_file
 
+from builder.atomic_dir import atomic_dir
 from builder.checkpoint import checkpoint_hash, load_checkpoint
 from builder.errors import BuildError
 from builder.models.nemotron_h import NemotronH
@@ -241,16 +242,6 @@ def record(component: Component, native_plugins: bool = False):
 
 
 # --- the build ------------------------------------------------------------------------------------
-def _replace_dir(tmp: Path, final: Path):
-    old = None
-    if final.exists():
-        old = final.with_name(f".{final.name}.old-{time.time_ns()}")
-        final.rename(old)
-    tmp.rename(final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def build(checkpoint_dir, output_dir, options: BuildOptions, log=print, draft_dir=None,
           draft_quantization=None) -> dict:
     """Builds ENGINE_DIR from a checkpoint (and a draft); returns the build report.
@@ -306,10 +297,7 @@ def build(checkpoint_dir, output_dir, options: BuildOptions, log=print, draft_di
     weight_files = {"target": quantization.dequantize_weights(weights)}  # the TorchRunner's, in the build dtype
     if draft and draft.weights is not None:
         weight_files["draft"] = draft.weights
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output_dir.with_name(f".{output_dir.name}.tmp-{time.time_ns()}")
-    try:
-        tmp.mkdir()
+    with atomic_dir(output_dir) as tmp:
         for name, blob in blobs.items():
             (tmp / f"{name}.engine").write_bytes(blob)
         (tmp / "weights").mkdir()
@@ -339,8 +327,4 @@ def build(checkpoint_dir, output_dir, options: BuildOptions, log=print, draft_di
             "total_seconds": round(time.perf_counter() - started, 3),
         }
         (tmp / "build_report.json").write_text(json.dumps(report, indent=2))
-        _replace_dir(tmp, output_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return report

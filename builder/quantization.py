@@ -49,7 +49,6 @@ import fnmatch
 import json
 import os
 import shutil
-import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -675,31 +674,17 @@ def quantize_checkpoint(checkpoint_dir: str | os.PathLike, output_dir: str | os.
 
     raw_config = _read_json(src / CONFIG_FILE)
     raw_config["quantization_config"] = qc.quantization_config()
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(f".{dst.name}.tmp-{time.time_ns()}")
-    try:
-        tmp.mkdir()
+    from builder.atomic_dir import atomic_dir
+    with atomic_dir(dst) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_text(json.dumps(raw_config, indent=2) + "\n")
         (tmp / HF_QUANT_CONFIG).write_text(json.dumps(qc.hf_quant_config(), indent=4) + "\n")
         copied = [f for f in _TOKENIZER_FILES if (src / f).is_file()]
         for f in copied:
             shutil.copy2(src / f, tmp / f)
-        _replace_dir(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     before = sum(w.numel() * w.element_size() for w in weights.values())
     after = sum(t.numel() * t.element_size() for t in tensors.values())
     return {"quantized": [_module(n) for n in chosen], "excluded": qc.exclude_modules, "bytes_before": before,
             "bytes_after": after, "copied": copied, "output_dir": str(dst)}
 
 
-def _replace_dir(tmp: Path, final: Path) -> None:
-    old = None
-    if final.exists():
-        old = final.with_name(f".{final.name}.old-{time.time_ns()}")
-        final.rename(old)
-    tmp.rename(final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

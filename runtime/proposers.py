@@ -32,6 +32,29 @@ def _cat(a: dict, b: dict) -> dict:
     return {k: torch.cat([a[k], b[k]]) for k in a}
 
 
+class _PerSequence:
+    """Batched draft state plus per-sequence bookkeeping that follows sequences leaving (``keep``)
+    and joining (``merge``) the in-flight batch."""
+    _lists: tuple = ()      # per-sequence Python lists
+    _tensors: tuple = ()    # per-sequence tensors batched on dim 0
+
+    def keep(self, keep: torch.Tensor):
+        idx = keep.tolist()
+        self.state = _take_rows(self.state, keep)
+        for f in self._lists:
+            setattr(self, f, [getattr(self, f)[i] for i in idx])
+        for f in self._tensors:
+            setattr(self, f, getattr(self, f)[keep])
+
+    def merge(self, other):
+        """Appends another proposer's sequences (started on newcomers) after this one's."""
+        self.state = _cat(self.state, other.state)
+        for f in self._lists:
+            setattr(self, f, getattr(self, f) + getattr(other, f))
+        for f in self._tensors:
+            setattr(self, f, torch.cat([getattr(self, f), getattr(other, f)]))
+
+
 def _stack_q(probs, batch, vocab):
     """Per-step q rows [B, V] (None when every row is greedy) -> [B, K, V] or None."""
     if all(q is None for q in probs):
@@ -39,7 +62,8 @@ def _stack_q(probs, batch, vocab):
     return torch.stack([q if q is not None else torch.zeros(batch, vocab) for q in probs], 1)
 
 
-class ModelDraftProposer:
+class ModelDraftProposer(_PerSequence):
+    _lists = ("consumed", "pending")
     features = ()
 
     def __init__(self, runner, prefill_chunk=512):
@@ -81,20 +105,12 @@ class ModelDraftProposer:
                         for b, (m, t) in enumerate(zip(accepted, next_tokens))]
         self.snapshots = []
 
-    def keep(self, keep):
-        self.state = _take_rows(self.state, keep)
-        self.consumed = [self.consumed[i] for i in keep.tolist()]
-        self.pending = [self.pending[i] for i in keep.tolist()]
 
-    def merge(self, other: "ModelDraftProposer"):
-        """Appends another proposer's sequences (started on newcomers) after this one's."""
-        self.state = _cat(self.state, other.state)
-        self.consumed += other.consumed
-        self.pending += other.pending
-
-
-class FeatureDraftProposer:
+class FeatureDraftProposer(_PerSequence):
     """``draft`` is a runtime.drafts adapter: feature name, new_state, step()."""
+
+    _lists = ("position",)
+    _tensors = ("logits", "hidden")
 
     def __init__(self, draft, prefill_chunk=512):
         self.draft, self.prefill_chunk = draft, prefill_chunk
@@ -157,18 +173,8 @@ class FeatureDraftProposer:
         rows_features = [feats[b, :int(m) + 1] for b, m in enumerate(accepted)]
         self._catch_up(rows, rows_features, list(self.position))  # where the verify chunk began
 
-    def keep(self, keep):
-        self.state = _take_rows(self.state, keep)
-        self.logits, self.hidden = self.logits[keep], self.hidden[keep]
-        self.position = [self.position[i] for i in keep.tolist()]
 
-    def merge(self, other: "FeatureDraftProposer"):
-        self.state = _cat(self.state, other.state)
-        self.logits, self.hidden = torch.cat([self.logits, other.logits]), torch.cat([self.hidden, other.hidden])
-        self.position += other.position
-
-
-class BlockDraftProposer:
+class BlockDraftProposer(_PerSequence):
     """DFlash / DSpark: one draft forward proposes a whole block.
 
     The draft's context is the target's captured features of every accepted token (row p is the
@@ -178,6 +184,8 @@ class BlockDraftProposer:
     Markov bias W2(W1[previous token]) row by row, left to right. Slots past the anchor are
     overwritten by the next step's context, so nothing is rolled back.
     """
+
+    _lists = ("context", "context_start", "anchor", "position")
 
     def __init__(self, draft, prefill_chunk=512):
         self.draft, self.prefill_chunk = draft, prefill_chunk
@@ -241,26 +249,13 @@ class BlockDraftProposer:
         self.position = [p + int(m) + 1 for p, m in zip(self.position, accepted)]
         self.anchor = [int(t) for t in next_tokens]
 
-    def keep(self, keep):
-        self.state = _take_rows(self.state, keep)
-        idx = keep.tolist()
-        self.context = [self.context[i] for i in idx]
-        self.context_start = [self.context_start[i] for i in idx]
-        self.anchor = [self.anchor[i] for i in idx]
-        self.position = [self.position[i] for i in idx]
 
-    def merge(self, other: "BlockDraftProposer"):
-        self.state = _cat(self.state, other.state)
-        self.context += other.context
-        self.context_start += other.context_start
-        self.anchor += other.anchor
-        self.position += other.position
-
-
-class ParallelDraftProposer:
+class ParallelDraftProposer(_PerSequence):
     """P-EAGLE: EAGLE-3 rows (token x_{p+1}, target feature g_p, position p) for the tokens verified
     since the last step, then K-1 placeholder rows; all K drafts come from one forward, each from
     its own row. Stale slots are overwritten by the next catch-up rows: nothing is rolled back."""
+
+    _lists = ("rows", "feats", "start_pos")
 
     def __init__(self, draft, prefill_chunk=512):
         self.draft, self.prefill_chunk = draft, prefill_chunk
@@ -304,16 +299,3 @@ class ParallelDraftProposer:
         self.rows = [drafts[b, :int(m)].tolist() + [int(t)] for b, (m, t) in enumerate(zip(accepted, next_tokens))]
         self.feats = [feats[b, :int(m) + 1] for b, m in enumerate(accepted)]
         # start_pos already points where the verify chunk began (the last token's position)
-
-    def keep(self, keep):
-        self.state = _take_rows(self.state, keep)
-        idx = keep.tolist()
-        self.rows = [self.rows[i] for i in idx]
-        self.feats = [self.feats[i] for i in idx]
-        self.start_pos = [self.start_pos[i] for i in idx]
-
-    def merge(self, other: "ParallelDraftProposer"):
-        self.state = _cat(self.state, other.state)
-        self.rows += other.rows
-        self.feats += other.feats
-        self.start_pos += other.start_pos
