@@ -6,10 +6,12 @@ binary inside the ``nvidia-pytriton`` wheel otherwise, with a python backend dir
 from the wheel's backend and the stub for this Python), starts it, and waits until
 ``/v2/health/ready``. The returned handle stops the server (SIGTERM, then SIGKILL after a grace
 period); ``serving(...)`` is the same as a context manager. The child is also killed if this process
-dies (``PR_SET_PDEATHSIG``) or exits (``atexit``).
+dies (``PR_SET_PDEATHSIG``: call from a thread that outlives the server, e.g. the main thread) or
+exits (``atexit``).
 
-The second half holds the small text helpers the ``preprocessing`` / ``postprocessing`` models use
-(stop/bad word lists, incremental detokenization), kept here so tests can reach them without Triton.
+The rest holds the small helpers the ``model_repo`` Python models share, kept here so tests reach
+them without Triton: stop/bad word lists, incremental detokenization for streaming, and the side
+channel that carries a client's cancellation from ``postprocessing`` to ``speculative``.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import atexit
 import csv
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -36,7 +39,8 @@ from builder.errors import NemospecError
 ROOT = Path(__file__).resolve().parent.parent          # the directory holding runtime/ and model_repo/
 TEMPLATES = ROOT / "model_repo"
 MODELS = ("ensemble", "preprocessing", "speculative", "postprocessing")
-API_KEY_HEADER = "api-key"                              # header (HTTP) / metadata key (gRPC) for --api_key
+API_KEY_HEADER = "api-key"                              # HTTP header for --api_key
+GRPC_API_KEY_HEADER = "triton-grpc-protocol-api-key"    # the same as gRPC metadata (Triton adds the prefix)
 RESTRICTED = "model-repository,shared-memory"           # what --api_key protects
 BACKENDS = ("auto", "torch", "tensorrt")
 
@@ -115,8 +119,14 @@ def read_engine_meta(engine_dir) -> dict:
 
 
 def fill_model_repo(engine_dir, repo_dir, *, backend: str = "auto", max_batch_size: int | None = None,
-                    max_queue: int = 64) -> Path:
-    """Writes the four models of ``model_repo/`` for ``engine_dir`` into ``repo_dir`` (replacing them)."""
+                    max_queue: int = 64, cancel_dir=None) -> Path:
+    """Writes the four models of ``model_repo/`` for ``engine_dir`` into ``repo_dir`` (replacing them).
+
+    ``cancel_dir`` is where the speculative model listens for cancellations the postprocessing model
+    sees (default: a per-user directory under the system temp dir)."""
+    if not (TEMPLATES / "ensemble" / "config.pbtxt").is_file():
+        raise NemospecError(f"model_repo templates missing at {TEMPLATES}: install nemospec from a source checkout "
+                            "(`pip install -e .`)")
     engine_dir = Path(engine_dir).resolve()
     meta = read_engine_meta(engine_dir)
     if backend not in BACKENDS:
@@ -126,7 +136,9 @@ def fill_model_repo(engine_dir, repo_dir, *, backend: str = "auto", max_batch_si
         raise NemospecError(f"--max_batch_size: expected 1..{engine_batch} (the engine's max_batch_size), got {max_batch_size}")
     if max_queue < 0:
         raise NemospecError(f"--max_queue: expected >= 0, got {max_queue}")
-    values = dict(engine_dir=str(engine_dir), backend=backend, nemospec_root=str(ROOT),
+    cancel_dir = Path(cancel_dir) if cancel_dir else Path(tempfile.gettempdir()) / f"nemospec-cancel-{os.getuid()}"
+    cancel_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    values = dict(engine_dir=str(engine_dir), backend=backend, nemospec_root=str(ROOT), cancel_dir=str(cancel_dir.resolve()),
                   max_batch_size=str(max_batch_size or engine_batch), max_queue=str(max_queue))
     repo_dir = Path(repo_dir)
     repo_dir.mkdir(parents=True, exist_ok=True)
@@ -201,6 +213,15 @@ class ServerHandle:
         except OSError:
             return ""
 
+    def errors(self) -> str:
+        """The server log's error lines (glog ``E...``), e.g. why a model failed to load."""
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(line for line in lines if re.match(r"^E\d{4} ", line) and "NVML" not in line
+                         and "DCGM" not in line)
+
     def metrics(self) -> str:
         with urllib.request.urlopen(self.metrics_url, timeout=10) as r:
             return r.read().decode()
@@ -255,7 +276,8 @@ def start_server(engine_dir, *, host: str = "127.0.0.1", http_port: int = 8000, 
     handle = None
     try:
         repo_dir = fill_model_repo(engine_dir, Path(model_repo_dir).resolve() if model_repo_dir else run_dir / "models",
-                                   backend=backend, max_batch_size=max_batch_size, max_queue=max_queue)
+                                   backend=backend, max_batch_size=max_batch_size, max_queue=max_queue,
+                                   cancel_dir=run_dir / "cancel")
         backend_dir = _assemble_backends(server, run_dir)
         cmd = [str(server.binary), "--model-repository", str(repo_dir), "--model-control-mode", "none",
                "--strict-model-config", "true", "--exit-timeout-secs", "15",
@@ -280,8 +302,8 @@ def start_server(engine_dir, *, host: str = "127.0.0.1", http_port: int = 8000, 
         deadline = time.monotonic() + ready_timeout
         while not _ready(handle.http_url):
             if process.poll() is not None:
-                raise NemospecError(f"tritonserver exited with code {process.returncode} before it was ready; "
-                                    f"last log lines:\n{handle.log_tail()}")
+                raise NemospecError(f"tritonserver exited with code {process.returncode} before it was ready:\n"
+                                    f"{handle.errors() or handle.log_tail()}")
             if time.monotonic() > deadline:
                 raise NemospecError(f"tritonserver not ready after {ready_timeout:.0f} s; last log lines:\n"
                                     f"{handle.log_tail()}")
@@ -339,17 +361,17 @@ def add_serve_args(p) -> None:
     p.add_argument("--metrics_port", type=int, default=8002)
     p.add_argument("--model_repo_dir", default=None, help="where to write the filled model repository (default: a temporary directory)")
     p.add_argument("--api_key", default=None,
-                   help=f"require header '{API_KEY_HEADER}: KEY' on the model-repository and shared-memory endpoints")
+                   help=f"require the key on the model-repository and shared-memory endpoints (HTTP header "
+                        f"'{API_KEY_HEADER}: KEY', gRPC metadata '{GRPC_API_KEY_HEADER}: KEY')")
     p.add_argument("--backend", default="auto", choices=list(BACKENDS), help="auto: TensorRT on a GPU, else torch")
     p.add_argument("--max_batch_size", type=int, default=None, help="sequences per step (default: the engine's)")
     p.add_argument("--max_queue", type=int, default=64, help="requests waiting beyond the batch; more are refused")
 
 
 def cmd_serve(args, out=print) -> int:
-    stop = {"signal": None}
-
+    """Runs until SIGINT/SIGTERM (exit 0) or until tritonserver dies (exit 1); bad input raises
+    NemospecError (exit 2 from the CLI). The child is stopped on every path out."""
     def on_signal(signum, frame):
-        stop["signal"] = signum
         raise KeyboardInterrupt
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -399,7 +421,7 @@ def split_words(values) -> list[str]:
     return words
 
 
-def pack_word_ids(lists) -> "numpy.ndarray":  # noqa: F821
+def pack_word_ids(lists):
     """Token-id sequences -> int32 [2, N]: row 0 the ids back to back, row 1 each sequence's end
     offset; padded with 0 / -1 (never empty: N >= 1)."""
     import numpy as np
@@ -430,6 +452,13 @@ def unpack_word_ids(array) -> tuple[tuple[int, ...], ...]:
     return tuple(words)
 
 
+def stream_window(emitted, new) -> tuple[list[int], int]:
+    """What the speculative model sends with ``new`` tokens after ``emitted`` ones were streamed:
+    (the last CONTEXT_TOKENS emitted ids + new ids, how many of them were emitted before)."""
+    context = list(emitted[-CONTEXT_TOKENS:]) if CONTEXT_TOKENS else []
+    return context + list(new), len(context)
+
+
 def stream_text(tokenizer, ids, prefix_len: int, finished: bool) -> str:
     """The text that ``ids[prefix_len:]`` adds after ``ids[:prefix_len]`` was already streamed.
 
@@ -448,3 +477,78 @@ def stream_text(tokenizer, ids, prefix_len: int, finished: bool) -> str:
     # a decoder that is not prefix-stable (rare): fall back to the common prefix
     common = os.path.commonprefix([before, full])
     return full[len(common):]
+
+
+# --- cancellation through the ensemble ------------------------------------------------------------
+# Triton (2.51) propagates a client's cancellation of an ensemble request only to steps scheduled
+# after it: the running decoupled ``speculative`` request never sees ``is_cancelled()``, but the
+# ``postprocessing`` request made for its next response does. Each response therefore carries a
+# request key (the speculative stub's pid and the scheduler's request id), and postprocessing sends
+# the key of a cancelled request as one datagram to that stub's socket in ``cancel_dir``.
+def request_key(pid: int, request_id: int) -> int:
+    return (int(pid) << 32) | (int(request_id) & 0xFFFFFFFF)
+
+
+def split_request_key(key: int) -> tuple[int, int]:
+    return int(key) >> 32, int(key) & 0xFFFFFFFF
+
+
+def cancel_socket_path(cancel_dir, pid: int) -> str:
+    path = str(Path(cancel_dir) / f"speculative-{pid}.sock")
+    if len(path.encode()) < 100:   # sun_path holds 108 bytes
+        return path
+    import hashlib                 # too long: a Linux abstract socket named after the directory
+    return f"\0nemospec-{hashlib.sha256(str(cancel_dir).encode()).hexdigest()[:16]}-{pid}"
+
+
+def notify_cancel(cancel_dir, key: int) -> bool:
+    """Tells the speculative instance that owns ``key`` that its client cancelled (best effort)."""
+    pid, request_id = split_request_key(key)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.sendto(str(request_id).encode(), cancel_socket_path(cancel_dir, pid))
+        return True
+    except OSError:
+        return False
+
+
+def cancel_listener(cancel_dir, on_cancel) -> "callable":
+    """Binds this process's cancel socket and calls ``on_cancel(request_id)`` for each datagram from
+    a daemon thread. Returns a function that closes it."""
+    import threading
+    path = cancel_socket_path(cancel_dir, os.getpid())
+    Path(cancel_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
+    if not path.startswith("\0") and os.path.exists(path):
+        os.unlink(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    sock.settimeout(0.5)
+    state = {"open": True}
+
+    def run():
+        while state["open"]:
+            try:
+                data = sock.recv(64)
+            except socket.timeout:
+                continue
+            except OSError:
+                break
+            try:
+                on_cancel(int(data.decode()))
+            except Exception:  # a malformed datagram or a failing callback must not end the listener
+                pass
+
+    thread = threading.Thread(target=run, name="nemospec-cancel", daemon=True)
+    thread.start()
+
+    def close():
+        state["open"] = False
+        thread.join(timeout=2)
+        sock.close()
+        if not path.startswith("\0"):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+    return close

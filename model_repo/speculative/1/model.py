@@ -1,0 +1,354 @@
+"""nemospec speculative: the speculative loop behind Triton, decoupled, with in-flight batching.
+
+One ``runtime.scheduler.Scheduler`` per model instance runs in a background thread over the engine
+directory (``runtime.loading.open_engine_dir``). ``execute`` validates each request, submits it and
+returns at once; requests that arrive while others run join the next step's batch. The scheduler's
+callback only queues its tokens; a dispatcher thread turns them into responses (one per step with
+``stream: true``, one at the end otherwise), polls ``request.is_cancelled()`` (cancelled or
+disconnected clients free their sequence through ``scheduler.cancel``) and publishes the scheduler's
+metrics as Prometheus metrics (``nemospec_*`` on the metrics port). A client's cancellation of the
+ensemble request reaches this model through postprocessing (see ``runtime.serve.notify_cancel``): each
+response carries ``request_key``, and a listener thread frees the sequences reported cancelled.
+
+Request parameter ``speculative`` (``{"speculative": false}``) runs that request target-only on the
+same engines.
+"""
+import json
+import math
+import os
+import queue
+import sys
+import threading
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+CANCEL_POLL_SECONDS = 0.1        # is_cancelled() per request, at most this often from the token path
+SWEEP_SECONDS = 0.1              # every live request (queued ones too), and the metric gauges
+METRICS_SECONDS = 0.1            # Prometheus updates, at most this often: each is a round trip to the
+                                 # server (~0.1 ms), too dear per step for a small model
+LATENCY_BUCKETS = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0]
+
+
+def _param(config, key, default=None):
+    return config.get("parameters", {}).get(key, {}).get("string_value", default)
+
+
+class BadInput(ValueError):
+    pass
+
+
+class _Live:
+    """One request in flight."""
+
+    def __init__(self, request, sender, stream):
+        self.request, self.sender, self.stream = request, sender, stream
+        self.id = None
+        self.emitted = []          # ids already sent (streaming) or collected (not streaming)
+        self.gained = []           # tokens per step after the first (running acceptance estimate)
+        self.done = False
+        self.checked = time.monotonic()
+
+
+def _flag(value, name):
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+        return value.lower() in ("true", "1")
+    raise BadInput(f"{name}: expected true or false, got {value!r}")
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        self.name = config["name"]
+        root = _param(config, "nemospec_root")
+        if root and root not in sys.path:
+            sys.path.insert(0, root)
+        from runtime.loading import open_engine_dir
+        from runtime.scheduler import Request, Scheduler, SchedulerError
+        from runtime.serve import cancel_listener, request_key, stream_window, unpack_word_ids
+        self.Request, self.SchedulerError = Request, SchedulerError
+        self.stream_window, self.unpack, self.request_key = stream_window, unpack_word_ids, request_key
+        self.pid = os.getpid()
+        self.loaded = open_engine_dir(_param(config, "engine_dir"), _param(config, "backend", "auto"))
+        max_batch = int(_param(config, "max_batch_size", "0") or 0) or None
+        self.scheduler = Scheduler(self.loaded, max_batch_size=max_batch, max_queue=int(_param(config, "max_queue", "64")))
+        self.vocab = self.loaded.config.vocab_size
+        eos = self.loaded.config.eos_token_id
+        self.default_end = frozenset(eos if isinstance(eos, (tuple, list)) else [] if eos is None else [eos])
+        self.events = queue.SimpleQueue()
+        self.lock = threading.Lock()
+        self.live = {}
+        self._stopping = False
+        self._init_metrics()
+        self.scheduler.start()
+        self.dispatcher = threading.Thread(target=self._dispatch, name="nemospec-dispatch", daemon=True)
+        self.dispatcher.start()
+        cancel_dir = _param(config, "cancel_dir")
+        self._close_listener = cancel_listener(cancel_dir, lambda rid: self.events.put(("cancel", rid, True, {}))) if cancel_dir else None
+        pb_utils.Logger.log_info(f"nemospec speculative: {self.loaded.backend} backend, mode "
+                                 f"{(self.loaded.speculative or {}).get('mode', 'none')}, "
+                                 f"max_batch_size {self.scheduler.max_batch_size}, max_queue {self.scheduler.max_queue}")
+
+    # --- metrics -----------------------------------------------------------------------------------
+    def _init_metrics(self):
+        MF = pb_utils.MetricFamily
+        labels = {"model": self.name}
+        k = max(1, int(self.loaded.max_draft_len or 0))
+        self._families = []
+
+        def metric(name, description, kind, buckets=None):
+            family = MF(name=name, description=description, kind=kind)
+            self._families.append(family)
+            return family.Metric(labels=labels, buckets=buckets) if buckets else family.Metric(labels=labels)
+
+        self.m = {
+            "steps": metric("nemospec_steps_total", "Scheduler steps (one speculative round or decode step per group)", MF.COUNTER),
+            "verify_rows": metric("nemospec_verify_rows_total", "Sequence rows verified by the target (one per sequence per speculative step)", MF.COUNTER),
+            "accepted_tokens": metric("nemospec_accepted_tokens_total", "Tokens gained over all verify rows (accepted drafts + bonus)", MF.COUNTER),
+            "generated_tokens": metric("nemospec_generated_tokens_total", "Tokens generated for clients", MF.COUNTER),
+            "draft_seconds": metric("nemospec_draft_seconds_total", "Seconds spent proposing drafts", MF.COUNTER),
+            "verify_seconds": metric("nemospec_verify_seconds_total", "Seconds spent in target verify forwards", MF.COUNTER),
+            "active_sequences": metric("nemospec_active_sequences", "Sequences in the running batch", MF.GAUGE),
+            "queued": metric("nemospec_queued_requests", "Requests waiting for a batch slot", MF.GAUGE),
+            "max_batch_seen": metric("nemospec_max_batch_seen", "Largest batch a step has run", MF.GAUGE),
+            "mean_accepted": metric("nemospec_mean_accepted_tokens", "Tokens gained per verify row since start", MF.GAUGE),
+            # histograms: one observation per metrics update (<= every METRICS_SECONDS), the mean per
+            # step over the steps since the previous one
+            "accepted_per_step": metric("nemospec_accepted_tokens_per_step", "Tokens gained per verify row (mean per step over each update interval)",
+                                        MF.HISTOGRAM, [1.0 + i / 2 for i in range(2 * k + 1)]),
+            "draft_latency": metric("nemospec_draft_latency_seconds", "Draft seconds per speculative step (mean over each update interval)", MF.HISTOGRAM, LATENCY_BUCKETS),
+            "verify_latency": metric("nemospec_verify_latency_seconds", "Verify seconds per speculative step (mean over each update interval)", MF.HISTOGRAM, LATENCY_BUCKETS),
+        }
+        family = MF(name="nemospec_requests_total", description="Requests by outcome", kind=MF.COUNTER)
+        self._families.append(family)
+        self.outcomes = {o: family.Metric(labels={"model": self.name, "outcome": o})
+                         for o in ("completed", "cancelled", "rejected", "failed")}
+        self._last = {"steps": 0, "verify_rows": 0, "accepted_tokens": 0, "generated_tokens": 0,
+                      "draft_seconds": 0.0, "verify_seconds": 0.0}
+        self._gauges = {}
+
+    def _refresh_metrics(self):
+        s = dict(self.scheduler.metrics)
+        last = self._last
+        steps = s.get("steps", 0) - last["steps"]
+        for key in ("steps", "verify_rows", "accepted_tokens", "generated_tokens", "draft_seconds", "verify_seconds"):
+            delta = s.get(key, 0) - last[key]
+            if delta > 0:
+                self.m[key].increment(delta)
+            last[key] = s.get(key, 0)
+        if steps > 0:
+            rows = s.get("verify_rows", 0) - self._rows_before
+            accepted = s.get("accepted_tokens", 0) - self._accepted_before
+            draft = s.get("draft_seconds", 0.0) - self._draft_before
+            verify = s.get("verify_seconds", 0.0) - self._verify_before
+            if rows > 0:
+                self.m["accepted_per_step"].observe(accepted / rows)
+            if draft > 0:
+                self.m["draft_latency"].observe(draft / steps)
+            if verify > 0:
+                self.m["verify_latency"].observe(verify / steps)
+        self._rows_before, self._accepted_before = s.get("verify_rows", 0), s.get("accepted_tokens", 0)
+        self._draft_before, self._verify_before = s.get("draft_seconds", 0.0), s.get("verify_seconds", 0.0)
+        gauges = {"active_sequences": s.get("active_sequences", 0), "queued": s.get("queued", 0),
+                  "max_batch_seen": s.get("max_batch_seen", 0),
+                  "mean_accepted": (s["accepted_tokens"] / s["verify_rows"]) if s.get("verify_rows") else 0.0}
+        for key, value in gauges.items():
+            if self._gauges.get(key) != value:
+                self.m[key].set(value)
+                self._gauges[key] = value
+
+    _rows_before = _accepted_before = 0
+    _draft_before = _verify_before = 0.0
+
+    # --- requests ----------------------------------------------------------------------------------
+    def _scalar(self, request, name, default=None):
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        if tensor is None:
+            return default
+        array = tensor.as_numpy()
+        if array.size != 1:
+            raise BadInput(f"{name}: expected one value, got {array.size}")
+        return array.reshape(-1)[0].item()
+
+    def _words(self, request, name):
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        return () if tensor is None else self.unpack(tensor.as_numpy().reshape(2, -1))
+
+    def _parse(self, request):
+        ids = pb_utils.get_input_tensor_by_name(request, "input_ids").as_numpy()
+        if ids.ndim != 2 or ids.shape[0] != 1:
+            raise BadInput(f"text_input: expected one prompt per request (batch size 1), got shape {list(ids.shape)}")
+        max_tokens = self._scalar(request, "max_tokens")
+        temperature = float(self._scalar(request, "temperature", 0.0))
+        top_p = float(self._scalar(request, "top_p", 1.0))
+        seed = self._scalar(request, "random_seed")
+        end_id = self._scalar(request, "end_id")
+        stream = bool(self._scalar(request, "stream", False))
+        if not math.isfinite(temperature) or temperature < 0:
+            raise BadInput(f"temperature: expected a finite number >= 0, got {temperature}")
+        if not (math.isfinite(top_p) and 0 < top_p <= 1):
+            raise BadInput(f"top_p: expected a value in (0, 1], got {top_p}")
+        if end_id is not None and end_id >= self.vocab:
+            raise BadInput(f"end_id: expected a token id below the vocabulary size {self.vocab} (or -1 for none), got {end_id}")
+        end_ids = self.default_end if end_id is None else frozenset() if end_id < 0 else frozenset([int(end_id)])
+        try:
+            parameters = json.loads(request.parameters() or "{}")
+        except ValueError:
+            parameters = {}
+        speculative = _flag(parameters.get("speculative", True), "speculative")
+        r = self.Request(prompt_ids=[int(t) for t in ids[0]], max_new_tokens=int(max_tokens), temperature=temperature,
+                         top_p=top_p, seed=None if seed is None else int(seed), end_ids=end_ids,
+                         stop_words=self._words(request, "stop_words_ids"),
+                         bad_words=self._words(request, "bad_words_ids"), speculative=speculative)
+        return r, stream
+
+    def _refuse(self, sender, message, outcome="rejected"):
+        try:
+            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), flags=FINAL)
+        except Exception:
+            pass
+        self.outcomes[outcome].increment(1)
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                r, stream = self._parse(request)
+                entry = _Live(request, sender, stream)
+                with self.lock:
+                    entry.id = self.scheduler.submit(
+                        r, lambda new, finished, info, e=entry: self.events.put((e, list(new), bool(finished), dict(info))))
+                    self.live[entry.id] = entry
+            except (BadInput, self.SchedulerError) as e:
+                self._refuse(sender, str(e))
+            except Exception as e:  # never take the server down for one request
+                self._refuse(sender, f"speculative: {type(e).__name__}: {e}", "failed")
+        return None
+
+    # --- the dispatcher: tokens -> responses ---------------------------------------------------------
+    def _tensors(self, entry, new, context, prefix_len, finished, mean):
+        return [pb_utils.Tensor("request_key", np.array([[self.request_key(self.pid, entry.id)]], dtype=np.int64)),
+                pb_utils.Tensor("output_ids", np.asarray(new, dtype=np.int32).reshape(1, -1)),
+                pb_utils.Tensor("context_ids", np.asarray(context, dtype=np.int32).reshape(1, -1)),
+                pb_utils.Tensor("prefix_len", np.array([[prefix_len]], dtype=np.int32)),
+                pb_utils.Tensor("finished", np.array([[finished]], dtype=np.bool_)),
+                pb_utils.Tensor("mean_accepted_tokens", np.array([[mean]], dtype=np.float32))]
+
+    def _finish(self, entry, outcome):
+        entry.done = True
+        with self.lock:
+            self.live.pop(entry.id, None)
+        self.outcomes[outcome].increment(1)
+
+    def _cancel(self, entry):
+        with self.lock:
+            request_id = entry.id
+        if request_id is not None:
+            self.scheduler.cancel(request_id)
+        try:
+            entry.sender.send(flags=FINAL)
+        except Exception:
+            pass
+        self._finish(entry, "cancelled")
+
+    def _cancelled(self, entry, now):
+        entry.checked = now
+        try:
+            return entry.request.is_cancelled()
+        except Exception:
+            return True
+
+    def _deliver(self, entry, new, finished, info):
+        if isinstance(entry, str):  # ("cancel", request id) from the cancel listener
+            with self.lock:
+                entry = self.live.get(new)
+            if entry is not None and not entry.done:
+                self._cancel(entry)
+            return
+        if entry.done:
+            return
+        if entry.id is None:
+            with self.lock:  # execute assigns the id under the lock
+                pass
+        if "error" in info:
+            self._refuse(entry.sender, f"speculative: generation failed: {info['error']}", "failed")
+            entry.done = True
+            with self.lock:
+                self.live.pop(entry.id, None)
+            return
+        now = time.monotonic()
+        if now - entry.checked >= CANCEL_POLL_SECONDS and self._cancelled(entry, now):
+            self._cancel(entry)
+            return
+        if new and entry.emitted:
+            entry.gained.append(len(new))
+        mean = float(info["mean_accepted_tokens"]) if "mean_accepted_tokens" in info else (
+            sum(entry.gained) / len(entry.gained) if entry.gained else 0.0)
+        try:
+            if entry.stream:
+                if new or finished:
+                    context, prefix_len = self.stream_window(entry.emitted, new)
+                    response = pb_utils.InferenceResponse(self._tensors(entry, new, context, prefix_len, finished, mean))
+                    entry.emitted.extend(new)
+                    entry.sender.send(response, flags=FINAL if finished else 0)
+            else:
+                entry.emitted.extend(new)
+                if finished:
+                    response = pb_utils.InferenceResponse(
+                        self._tensors(entry, entry.emitted, entry.emitted, 0, True, mean))
+                    entry.sender.send(response, flags=FINAL)
+        except Exception:  # the client went away: free its sequence
+            self._cancel(entry)
+            return
+        if finished:
+            self._finish(entry, "completed")
+
+    def _sweep(self):
+        now = time.monotonic()
+        with self.lock:
+            entries = list(self.live.values())
+        for entry in entries:
+            if not entry.done and now - entry.checked >= SWEEP_SECONDS and self._cancelled(entry, now):
+                self._cancel(entry)
+
+    def _dispatch(self):
+        last_sweep = last_metrics = time.monotonic()
+        while not self._stopping:
+            try:
+                item = self.events.get(timeout=SWEEP_SECONDS)
+            except queue.Empty:
+                item = None
+            try:
+                while item is not None:
+                    self._deliver(*item)
+                    try:
+                        item = self.events.get_nowait()
+                    except queue.Empty:
+                        item = None
+                now = time.monotonic()
+                if now - last_metrics >= METRICS_SECONDS:  # no round trips when nothing changed
+                    last_metrics = now
+                    self._refresh_metrics()
+                if now - last_sweep >= SWEEP_SECONDS:
+                    last_sweep = now
+                    self._sweep()
+            except Exception as e:  # keep dispatching whatever one response did
+                pb_utils.Logger.log_error(f"nemospec dispatcher: {type(e).__name__}: {e}")
+
+    def finalize(self):
+        self._stopping = True
+        if self._close_listener is not None:
+            self._close_listener()
+        self.scheduler.stop()
+        self.dispatcher.join(timeout=5)
+        with self.lock:
+            entries = list(self.live.values())
+            self.live.clear()
+        for entry in entries:
+            self._refuse(entry.sender, "speculative: the server is shutting down", "failed")

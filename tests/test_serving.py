@@ -1,0 +1,478 @@
+"""`nemospec serve`: a REAL Triton Inference Server (the nvidia-pytriton wheel's tritonserver on this
+CPU-only machine) serving a small MTP speculative engine directory through the model_repo ensemble.
+
+One server for the module, on loopback ports chosen free at run time, always torn down (the
+``serving`` context manager stops it on any exit). The engine directory is built here from a random
+checkpoint with a tokenizer. Greedy results are compared with `nemospec generate` run offline.
+"""
+import contextlib
+import io
+import json
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+from builder.engine import BuildOptions, build
+from builder.random_checkpoint import add_mtp_layers, write_random_checkpoint
+from runtime import cli, serve
+
+OPTIONS = dict(max_batch_size=4, max_input_len=40, max_seq_len=160, max_draft_len=3)
+API_KEY = "test-secret"
+MAX_QUEUE = 16
+PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "naïve café — 世界 🙂", "class Parser(object):"]
+
+try:
+    serve.find_tritonserver()
+    HAVE_TRITON = True
+except Exception:  # pragma: no cover - depends on the environment
+    HAVE_TRITON = False
+pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="no tritonserver (install nvidia-pytriton==0.7.0)")
+
+
+# --- fixtures ----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def engine_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serving")
+    checkpoint = write_random_checkpoint(root / "checkpoint", "M*-", seed=0, tokenizer=True)
+    add_mtp_layers(checkpoint, "*-", seed=1)
+    build(checkpoint, root / "engine", BuildOptions(**OPTIONS, speculative_decoding_mode="mtp"), log=lambda m: None)
+    return root / "engine"
+
+
+@pytest.fixture(scope="module")
+def draft_target_engine_dir(engine_dir):
+    """The same target with a draft_target draft (a noisy copy of its layers, same tokenizer)."""
+    from builder.random_checkpoint import write_layer_subset_draft
+    root = engine_dir.parent
+    draft = write_layer_subset_draft(root / "checkpoint", root / "draft", [0, 1, 2], noise=0.05, seed=3)
+    build(root / "checkpoint", root / "engine_dt", BuildOptions(**OPTIONS, speculative_decoding_mode="draft_target"),
+          log=lambda m: None, draft_dir=draft)
+    return root / "engine_dt"
+
+
+@pytest.fixture(scope="module")
+def server(engine_dir):
+    ports = dict(http_port=serve.free_port(), grpc_port=serve.free_port(), metrics_port=serve.free_port())
+    handle = serve.start_server(engine_dir, **ports, api_key=API_KEY, max_queue=MAX_QUEUE, ready_timeout=300)
+    try:
+        yield handle
+    finally:
+        start = time.monotonic()
+        handle.stop()
+        stopped = time.monotonic() - start
+    assert not handle.alive()
+    # Triton waits up to its exit timeout (15 s) for requests still in flight: none may be left
+    # behind by cancellations, errors or refusals
+    assert stopped < 12, f"tritonserver took {stopped:.1f} s to stop: a request was left in flight"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(engine_dir):
+    from tokenizers import Tokenizer
+    return Tokenizer.from_file(str(engine_dir / "tokenizer.json"))
+
+
+_OFFLINE = {}
+
+
+def offline(engine_dir, prompt, max_tokens, *extra):
+    """`nemospec generate --json` in this process (cached)."""
+    key = (str(engine_dir), prompt, max_tokens, extra)
+    if key not in _OFFLINE:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+            code = cli.main(["generate", "--engine_dir", str(engine_dir), "--prompt", prompt,
+                             "--max_new_tokens", str(max_tokens), "--json", *extra])
+        assert code == 0
+        _OFFLINE[key] = json.loads(out.getvalue().strip().splitlines()[-1])
+    return _OFFLINE[key]
+
+
+# --- clients -----------------------------------------------------------------------------------------
+def http_post(server, path, body, headers=None):
+    request = urllib.request.Request(f"http://{server.http_url}{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json", **(headers or {})}, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=120) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def generate(server, **body):
+    status, text = http_post(server, "/v2/models/ensemble/generate", body)
+    return status, json.loads(text)
+
+
+def _grpc_inputs(text, max_tokens, stream=True, **fields):
+    import tritonclient.grpc as grpcclient
+    values = {"text_input": (np.array([[text.encode()]], dtype=object), "BYTES"),
+              "max_tokens": (np.array([[max_tokens]], dtype=np.int32), "INT32"),
+              "stream": (np.array([[stream]], dtype=bool), "BOOL")}
+    kinds = {"temperature": (np.float32, "FP32"), "top_p": (np.float32, "FP32"), "end_id": (np.int32, "INT32"),
+             "random_seed": (np.uint64, "UINT64")}
+    for name, value in fields.items():
+        values[name] = value if isinstance(value, tuple) else (np.array([[value]], dtype=kinds[name][0]), kinds[name][1])
+    inputs = []
+    for name, (array, dtype) in values.items():
+        t = grpcclient.InferInput(name, list(array.shape), dtype)
+        t.set_data_from_numpy(array)
+        inputs.append(t)
+    return inputs
+
+
+def grpc_stream(server, text, max_tokens, parameters=None, **fields):
+    """One request over a gRPC stream: (text chunks, ids, mean accepted tokens, error or None)."""
+    import tritonclient.grpc as grpcclient
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    results = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        client.async_stream_infer("ensemble", _grpc_inputs(text, max_tokens, **fields), parameters=parameters,
+                                  enable_empty_final_response=True)
+        chunks, ids, mean = [], [], None
+        while True:
+            result, error = results.get(timeout=120)
+            if error is not None:
+                return chunks, ids, mean, str(error)
+            response = result.get_response()
+            if result.as_numpy("text_output") is not None:
+                chunks.append(result.as_numpy("text_output").reshape(-1)[0].decode())
+                ids += result.as_numpy("output_ids").reshape(-1).tolist()
+                mean = float(result.as_numpy("mean_accepted_tokens").reshape(-1)[0])
+            if response.parameters["triton_final_response"].bool_param:
+                return chunks, ids, mean, None
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def metrics(server) -> dict:
+    values = {}
+    for line in server.metrics().splitlines():
+        m = re.match(r"^(nemospec_[a-z_]+)(\{[^}]*\})? ([0-9.eE+-]+)$", line)
+        if m:
+            values[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    return values
+
+
+def metric(server, name, **labels):
+    want = {"model": "speculative", **labels}
+    for key, value in metrics(server).items():
+        base, _, rest = key.partition("{")
+        found = dict(re.findall(r'(\w+)="([^"]*)"', rest))
+        if base == name and found == want:
+            return value
+    raise KeyError(name)
+
+
+# --- pure helpers ------------------------------------------------------------------------------------
+def test_streamed_chunks_never_split_a_utf8_character(tokenizer):
+    text = "naïve café — 世界 🙂 done"
+    ids = tokenizer.encode(text).ids
+    assert len(ids) > len(text.encode()) // 2, "multi-byte characters span several tokens here"
+    for step in (1, 2, 3):
+        emitted, chunks = [], []
+        for i in range(0, len(ids), step):
+            new = ids[i:i + step]
+            context, prefix = serve.stream_window(emitted, new)
+            chunks.append(serve.stream_text(tokenizer, context, prefix, finished=i + step >= len(ids)))
+            emitted += new
+        assert "".join(chunks) == text
+        assert all("\ufffd" not in c for c in chunks), chunks
+
+
+def test_word_lists_round_trip():
+    words = serve.split_words([b"foo,bar", '"a,b"', b""])
+    assert words == ["foo", "bar", "a,b"]
+    packed = serve.pack_word_ids([[1, 2], [3], [4, 5, 6]])
+    assert packed.shape == (2, 6) and packed.dtype == np.int32
+    assert serve.unpack_word_ids(packed) == ((1, 2), (3,), (4, 5, 6))
+    assert serve.unpack_word_ids(serve.pack_word_ids([])) == ()
+
+
+def test_cancel_channel(tmp_path):
+    """postprocessing -> speculative: a datagram with the request id to the owning process's socket."""
+    import os
+    got = []
+    for directory in (tmp_path / "c", tmp_path / ("x" * 120)):  # a path too long for sun_path: abstract socket
+        close = serve.cancel_listener(directory, got.append)
+        try:
+            assert serve.notify_cancel(directory, serve.request_key(os.getpid(), 41))
+            deadline = time.monotonic() + 5
+            while len(got) < 1 + (directory.name != "c") and time.monotonic() < deadline:
+                time.sleep(0.01)
+        finally:
+            close()
+    assert got == [41, 41]
+    assert serve.split_request_key(serve.request_key(123456, 2**32 + 5)) == (123456, 5)
+    assert not serve.notify_cancel(tmp_path / "c", serve.request_key(os.getpid(), 1)), "listener closed"
+
+
+def test_fill_model_repo(engine_dir, tmp_path):
+    repo = serve.fill_model_repo(engine_dir, tmp_path / "repo", max_batch_size=2, max_queue=5,
+                                 cancel_dir=tmp_path / "c")
+    assert sorted(p.name for p in repo.iterdir()) == sorted(serve.MODELS)
+    for name in serve.MODELS:
+        text = (repo / name / "config.pbtxt").read_text()
+        assert "${" not in text and (repo / name / "1").is_dir()
+    spec = (repo / "speculative" / "config.pbtxt").read_text()
+    assert "decoupled: true" in spec and str(engine_dir.resolve()) in spec and '"5"' in spec
+    with pytest.raises(Exception, match="--max_batch_size"):
+        serve.fill_model_repo(engine_dir, tmp_path / "r2", max_batch_size=99)
+    (tmp_path / "no_tok").mkdir()
+    meta = json.loads((engine_dir / "config.json").read_text())
+    meta["tokenizer"] = None
+    (tmp_path / "no_tok" / "config.json").write_text(json.dumps(meta))
+    with pytest.raises(Exception, match="tokenizer"):
+        serve.fill_model_repo(tmp_path / "no_tok", tmp_path / "r3")
+
+
+# --- the server --------------------------------------------------------------------------------------
+def test_http_generate_matches_offline(server, engine_dir):
+    for prompt in PROMPTS[:2]:
+        want = offline(engine_dir, prompt, 24)
+        status, got = generate(server, text_input=prompt, max_tokens=24)
+        assert status == 200, got
+        assert got["output_ids"] == want["output_ids"]
+        assert got["text_output"] == want["text"]
+        assert got["mean_accepted_tokens"] >= 1.0
+
+
+def test_grpc_streaming_matches_offline(server, engine_dir):
+    for prompt in PROMPTS[1:]:
+        want = offline(engine_dir, prompt, 32)
+        chunks, ids, mean, error = grpc_stream(server, prompt, 32)
+        assert error is None
+        assert ids == want["output_ids"] and "".join(chunks) == want["text"]
+        assert len(chunks) > 1, "streamed in several responses"
+        assert mean == pytest.approx(want["acceptance"]["mean_accepted_tokens"])
+
+
+def test_http_generate_stream_sse(server, engine_dir):
+    want = offline(engine_dir, PROMPTS[0], 24)
+    status, body = http_post(server, "/v2/models/ensemble/generate_stream",
+                             {"text_input": PROMPTS[0], "max_tokens": 24, "stream": True})
+    assert status == 200
+    events = [json.loads(line[len("data:"):]) for line in body.splitlines() if line.startswith("data:")]
+    assert len(events) > 1
+    assert "".join(e["text_output"] for e in events) == want["text"]
+
+
+def test_speculative_false_gives_the_same_greedy_text(server, engine_dir):
+    want = offline(engine_dir, PROMPTS[0], 24)
+    status, got = generate(server, text_input=PROMPTS[0], max_tokens=24, parameters={"speculative": False})
+    assert status == 200 and got["text_output"] == want["text"] and got["output_ids"] == want["output_ids"]
+    assert got["mean_accepted_tokens"] == 0.0, "target only: no verify steps"
+    _, ids, _, error = grpc_stream(server, PROMPTS[0], 24, parameters={"speculative": False})
+    assert error is None and ids == want["output_ids"]
+
+
+def test_concurrent_streams_are_batched_and_equal_sequential(server):
+    prompts = [f"def f{i}(x, y):" if i % 2 else f"# note {i}\nimport re" for i in range(16)]
+    sequential = [grpc_stream(server, p, 20)[:2] for p in prompts]
+    before = metric(server, "nemospec_steps_total")
+    results = [None] * len(prompts)
+
+    def run(i):
+        results[i] = grpc_stream(server, prompts[i], 20)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=180)
+    elapsed = time.perf_counter() - start
+    assert all(r is not None and r[3] is None for r in results), [r and r[3] for r in results]
+    assert [r[:2] for r in results] == sequential
+    assert metric(server, "nemospec_max_batch_seen") > 1
+    steps = metric(server, "nemospec_steps_total") - before
+    tokens = sum(len(r[1]) for r in results)
+    assert steps < tokens, f"{steps} steps for {tokens} tokens: requests were served together ({elapsed:.1f} s)"
+
+
+def test_cancel_mid_stream_frees_the_sequence(server):
+    import tritonclient.grpc as grpcclient
+    cancelled = metric(server, "nemospec_requests_total", outcome="cancelled")
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    results = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    client.async_stream_infer("ensemble", _grpc_inputs(PROMPTS[0], 140, end_id=-1))
+    for _ in range(3):
+        result, error = results.get(timeout=60)
+        assert error is None
+    deadline = time.monotonic() + 5  # the gauge follows the scheduler within ~0.1 s
+    while metric(server, "nemospec_active_sequences") != 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert metric(server, "nemospec_active_sequences") == 1
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if (metric(server, "nemospec_active_sequences") == 0
+                and metric(server, "nemospec_requests_total", outcome="cancelled") == cancelled + 1):
+            break
+        time.sleep(0.1)
+    assert metric(server, "nemospec_active_sequences") == 0
+    assert metric(server, "nemospec_requests_total", outcome="cancelled") == cancelled + 1
+
+
+BAD = [
+    ({"text_input": "", "max_tokens": 8}, "text_input"),
+    ({"text_input": "x = 1", "max_tokens": 0}, "max_tokens"),
+    ({"text_input": "x = 1", "max_tokens": -4}, "max_tokens"),
+    ({"text_input": "x = 1", "max_tokens": 1000}, "max_seq_len"),
+    ({"text_input": "import os\n" * 40, "max_tokens": 8}, "max_input_len"),
+    ({"text_input": "x = 1", "max_tokens": 8, "temperature": -0.5}, "temperature"),
+    ({"text_input": "x = 1", "max_tokens": 8, "top_p": 0.0}, "top_p"),
+    ({"text_input": "x = 1", "max_tokens": 8, "top_p": 1.5}, "top_p"),
+    ({"text_input": "x = 1", "max_tokens": 8, "end_id": 100000}, "end_id"),
+    ({"text_input": "x = 1", "max_tokens": 8, "parameters": {"speculative": "maybe"}}, "speculative"),
+    ({"text_input": "x = 1", "max_tokens": "eight"}, ""),      # JSON of the wrong type: Triton refuses it
+]
+
+
+@pytest.mark.parametrize("body,field", BAD, ids=[f"{i}-{f or 'json_type'}" for i, (_, f) in enumerate(BAD)])
+def test_bad_input_gets_an_error_and_the_server_keeps_serving(server, engine_dir, body, field):
+    status, got = generate(server, **body)
+    assert status >= 400 and "error" in got, got
+    assert field in got["error"]
+    status, good = generate(server, text_input=PROMPTS[0], max_tokens=6)
+    assert status == 200 and good["output_ids"] == offline(engine_dir, PROMPTS[0], 6)["output_ids"]
+
+
+def test_wrong_datatype_names_the_field(server):
+    chunks, ids, _, error = grpc_stream(server, "x = 1", 4, temperature=(np.array([[0.5]], dtype=np.float64), "FP64"))
+    assert error is not None and "temperature" in error and "FP" in error
+    chunks, ids, _, error = grpc_stream(server, "x = 1", 4)
+    assert error is None and len(ids) == 4
+
+
+def test_stop_and_bad_words(server, engine_dir, tokenizer):
+    want = offline(engine_dir, PROMPTS[0], 24, "--ignore_eos")["output_ids"]
+    # a token whose text encodes back to itself, as a stop word: output ends right after it
+    index = next(i for i, t in enumerate(want[2:], 2) if tokenizer.decode([t]).strip(" ,\"") == tokenizer.decode([t])
+                 and tokenizer.encode(tokenizer.decode([t]), add_special_tokens=False).ids == [t]
+                 and t not in want[:i])
+    word = tokenizer.decode([want[index]])
+    status, got = generate(server, text_input=PROMPTS[0], max_tokens=24, end_id=-1, stop_words=[word])
+    assert status == 200 and got["output_ids"] == want[:index + 1], (word, got)
+    first = tokenizer.decode([want[0]])
+    if tokenizer.encode(first, add_special_tokens=False).ids == [want[0]] and "," not in first:
+        status, got = generate(server, text_input=PROMPTS[0], max_tokens=4, end_id=-1, bad_words=[first])
+        assert status == 200 and got["output_ids"][0] != want[0]
+
+
+def test_queue_full_is_refused_clearly(server, engine_dir):
+    """More requests than batch + queue at once: the extra ones get a clear error, the rest finish."""
+    import tritonclient.grpc as grpcclient
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    results = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    n = OPTIONS["max_batch_size"] + MAX_QUEUE + 8
+    for i in range(n):
+        client.async_stream_infer("ensemble", _grpc_inputs(f"x{i} = 1", 60, stream=False, end_id=-1),
+                                  request_id=str(i))
+    errors, done = [], 0
+    for _ in range(n):
+        result, error = results.get(timeout=180)
+        if error is not None:
+            errors.append(str(error))
+        else:
+            done += 1
+    client.stop_stream()
+    client.close()
+    assert errors and all("max_queue" in e for e in errors), errors[:3]
+    # the scheduler admits queued requests between steps, so how many ran at once varies; at least
+    # a full queue's worth was served
+    assert done >= MAX_QUEUE and done + len(errors) == n
+    status, good = generate(server, text_input=PROMPTS[0], max_tokens=6)
+    assert status == 200 and good["output_ids"] == offline(engine_dir, PROMPTS[0], 6)["output_ids"]
+
+
+def test_metrics_exported(server):
+    m = metrics(server)
+    for name in ("nemospec_steps_total", "nemospec_accepted_tokens_total", "nemospec_verify_rows_total",
+                 "nemospec_generated_tokens_total", "nemospec_active_sequences", "nemospec_draft_seconds_total",
+                 "nemospec_verify_seconds_total", "nemospec_draft_latency_seconds_count",
+                 "nemospec_verify_latency_seconds_count", "nemospec_accepted_tokens_per_step_count"):
+        assert any(k.startswith(name + "{") for k in m), name
+    assert metric(server, "nemospec_generated_tokens_total") > 0
+    assert metric(server, "nemospec_accepted_tokens_total") >= metric(server, "nemospec_verify_rows_total") > 0
+
+
+def test_api_key_guards_model_repository_only(server):
+    status, body = http_post(server, "/v2/repository/index", {})
+    assert status == 403 and "restricted" in body, (status, body)
+    status, body = http_post(server, "/v2/repository/index", {}, headers={serve.API_KEY_HEADER: "wrong"})
+    assert status == 403
+    status, body = http_post(server, "/v2/repository/index", {}, headers={serve.API_KEY_HEADER: API_KEY})
+    assert status == 200 and "ensemble" in body
+    status, body = http_post(server, "/v2/repository/models/ensemble/unload", {}, headers={serve.API_KEY_HEADER: API_KEY})
+    assert status != 200, "model control mode none: no remote unload"
+    with urllib.request.urlopen(f"http://{server.http_url}/v2/health/ready", timeout=10) as r:
+        assert r.status == 200
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    with pytest.raises(InferenceServerException, match="restricted"):
+        client.get_model_repository_index()
+    index = client.get_model_repository_index(headers={serve.GRPC_API_KEY_HEADER: API_KEY})
+    assert {m.name for m in index.models} == set(serve.MODELS)
+    assert client.is_server_ready()
+
+
+def test_cli_serve_draft_target_engine_and_sigint(draft_target_engine_dir, tmp_path):
+    """`nemospec serve` as a user runs it, on a draft_target engine directory: the served greedy
+    output equals offline generation; SIGINT stops the server and exits 0."""
+    engine_dir = draft_target_engine_dir
+    ports = [serve.free_port() for _ in range(3)]
+    cmd = [sys.executable, "-m", "runtime.cli", "serve", "--engine_dir", str(engine_dir), "--http_port", str(ports[0]),
+           "--grpc_port", str(ports[1]), "--metrics_port", str(ports[2]), "--max_batch_size", "2",
+           "--model_repo_dir", str(tmp_path / "repo")]
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        for line in process.stdout:
+            lines.append(line)
+            if line.startswith("generate_stream"):
+                break
+        assert any(f"127.0.0.1:{ports[0]}" in line for line in lines), lines
+        with urllib.request.urlopen(f"http://127.0.0.1:{ports[0]}/v2/health/ready", timeout=10) as r:
+            assert r.status == 200
+        assert (tmp_path / "repo" / "speculative" / "config.pbtxt").is_file()
+        want = offline(engine_dir, PROMPTS[0], 24)
+        assert want["acceptance"]["mean_accepted_tokens"] > 1.0, "the noisy-copy draft agrees often"
+        request = urllib.request.Request(f"http://127.0.0.1:{ports[0]}/v2/models/ensemble/generate", method="POST",
+                                         data=json.dumps({"text_input": PROMPTS[0], "max_tokens": 24}).encode())
+        with urllib.request.urlopen(request, timeout=120) as r:
+            got = json.loads(r.read())
+        assert got["output_ids"] == want["output_ids"] and got["text_output"] == want["text"]
+        assert got["mean_accepted_tokens"] == pytest.approx(want["acceptance"]["mean_accepted_tokens"])
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == 0
+        with pytest.raises(OSError):
+            urllib.request.urlopen(f"http://127.0.0.1:{ports[0]}/v2/health/ready", timeout=2)
+    finally:
+        if process.poll() is None:  # a failed assertion: stop it the clean way first
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def test_cli_serve_bad_engine_dir(tmp_path, capsys):
+    assert cli.main(["serve", "--engine_dir", str(tmp_path)]) == 2
+    assert "--engine_dir" in capsys.readouterr().err
