@@ -81,3 +81,20 @@ def test_bad_nvfp4_draft_and_quantization_flags_exit_2(checkpoints, tmp_path, ca
                             "--quantization", "nvfp4_w4a16"]) == 2
     assert "--quantization" in capsys.readouterr().err
     assert not (tmp_path / "e").exists()
+
+
+@pytest.mark.parametrize("mode", ["dflash", "dspark", "peagle"])
+def test_bfloat16_target_and_draft_speculate_exactly(mode, checkpoints):
+    """A bf16 build: target and draft in bf16; speculative greedy == the bf16 target's greedy."""
+    from builder.models.nemotron_h import NemotronH
+    from runtime.drafts import EagerDraft
+    from runtime.runner import TorchRunner
+    from speculative_fixtures import PROPOSERS
+    config, weights = load_checkpoint(checkpoints["moe"])
+    bf16 = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in weights.items()}
+    draft = load_draft(mode, config, bf16, FEATURE_DRAFTS[mode], torch.bfloat16, log=lambda m: None)
+    target = TorchRunner(NemotronH(config, bf16, torch.bfloat16, **draft.target_features))
+    prompts = [[5, 9, 17, 33, 4], [7], [12, 13, 14]]
+    want = generate(target, prompts, 24).output_ids
+    proposer = PROPOSERS[mode](EagerDraft(draft.module, config.vocab_size))
+    assert speculative_generate(target, proposer, prompts, 24, 3).output_ids == want
