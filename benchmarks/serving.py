@@ -121,7 +121,12 @@ def main():
     import torch
     torch.set_num_threads(args.threads)
     streams = [int(s) for s in args.streams.split(",")]
-    engine_dir = Path(args.engine_dir) if args.engine_dir else build_engine(Path(tempfile.mkdtemp()))
+    with tempfile.TemporaryDirectory(prefix="nemospec-bench-") as scratch:
+        engine_dir = Path(args.engine_dir) if args.engine_dir else build_engine(Path(scratch))
+        run(args, engine_dir, streams)
+
+
+def run(args, engine_dir, streams):
     prompt = PROMPTS[0]
     reference = offline(engine_dir, prompt, args.new_tokens)            # warm-up and the expected ids
     ports = dict(http_port=serve.free_port(), grpc_port=serve.free_port(), metrics_port=serve.free_port())

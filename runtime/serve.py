@@ -219,8 +219,8 @@ class ServerHandle:
             lines = self.log_path.read_text(errors="replace").splitlines()
         except OSError:
             return ""
-        return "\n".join(line for line in lines if re.match(r"^E\d{4} ", line) and "NVML" not in line
-                         and "DCGM" not in line)
+        noise = ("NVML", "DCGM", "insufficient for CUDA runtime")   # a machine without a GPU says so
+        return "\n".join(line for line in lines if re.match(r"^E\d{4} ", line) and not any(n in line for n in noise))
 
     def metrics(self) -> str:
         with urllib.request.urlopen(self.metrics_url, timeout=10) as r:

@@ -6,6 +6,7 @@ One server for the module, on loopback ports chosen free at run time, always tor
 checkpoint with a tokenizer. Greedy results are compared with `nemospec generate` run offline.
 """
 import contextlib
+import importlib.util
 import io
 import json
 import queue
@@ -32,10 +33,11 @@ PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "naïve café — 世
 
 try:
     serve.find_tritonserver()
-    HAVE_TRITON = True
+    HAVE_TRITON = importlib.util.find_spec("tritonclient") is not None
 except Exception:  # pragma: no cover - depends on the environment
     HAVE_TRITON = False
-pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="no tritonserver (install nvidia-pytriton==0.7.0)")
+pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="needs tritonserver and tritonclient "
+                                "(pip install -e '.[dev]': nvidia-pytriton==0.7.0, tritonclient[all]==2.73.0)")
 
 
 # --- fixtures ----------------------------------------------------------------------------------------
@@ -59,10 +61,20 @@ def draft_target_engine_dir(engine_dir):
     return root / "engine_dt"
 
 
+def free_ports():
+    return dict(http_port=serve.free_port(), grpc_port=serve.free_port(), metrics_port=serve.free_port())
+
+
 @pytest.fixture(scope="module")
 def server(engine_dir):
-    ports = dict(http_port=serve.free_port(), grpc_port=serve.free_port(), metrics_port=serve.free_port())
-    handle = serve.start_server(engine_dir, **ports, api_key=API_KEY, max_queue=MAX_QUEUE, ready_timeout=300)
+    for attempt in range(3):  # a port picked free may be taken by another process before the server binds it
+        try:
+            handle = serve.start_server(engine_dir, **free_ports(), api_key=API_KEY, max_queue=MAX_QUEUE,
+                                        ready_timeout=300)
+            break
+        except Exception as e:
+            if "already in use" not in str(e) or attempt == 2:
+                raise
     try:
         yield handle
     finally:
@@ -279,7 +291,10 @@ def test_speculative_false_gives_the_same_greedy_text(server, engine_dir):
 
 def test_concurrent_streams_are_batched_and_equal_sequential(server):
     prompts = [f"def f{i}(x, y):" if i % 2 else f"# note {i}\nimport re" for i in range(16)]
-    sequential = [grpc_stream(server, p, 20)[:2] for p in prompts]
+    def text_and_ids(result):  # streamed chunk boundaries may differ: a busy server joins steps
+        return "".join(result[0]), result[1]
+
+    sequential = [text_and_ids(grpc_stream(server, p, 20)) for p in prompts]
     before = metric(server, "nemospec_steps_total")
     results = [None] * len(prompts)
 
@@ -294,7 +309,7 @@ def test_concurrent_streams_are_batched_and_equal_sequential(server):
         t.join(timeout=180)
     elapsed = time.perf_counter() - start
     assert all(r is not None and r[3] is None for r in results), [r and r[3] for r in results]
-    assert [r[:2] for r in results] == sequential
+    assert [text_and_ids(r) for r in results] == sequential
     assert metric(server, "nemospec_max_batch_seen") > 1
     steps = metric(server, "nemospec_steps_total") - before
     tokens = sum(len(r[1]) for r in results)
@@ -436,18 +451,23 @@ def test_cli_serve_draft_target_engine_and_sigint(draft_target_engine_dir, tmp_p
     """`nemospec serve` as a user runs it, on a draft_target engine directory: the served greedy
     output equals offline generation; SIGINT stops the server and exits 0."""
     engine_dir = draft_target_engine_dir
-    ports = [serve.free_port() for _ in range(3)]
-    cmd = [sys.executable, "-m", "runtime.cli", "serve", "--engine_dir", str(engine_dir), "--http_port", str(ports[0]),
-           "--grpc_port", str(ports[1]), "--metrics_port", str(ports[2]), "--max_batch_size", "2",
-           "--model_repo_dir", str(tmp_path / "repo")]
-    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    for attempt in range(3):  # retried only if a port picked free was taken before the server bound it
+        ports = [serve.free_port() for _ in range(3)]
+        cmd = [sys.executable, "-m", "runtime.cli", "serve", "--engine_dir", str(engine_dir),
+               "--http_port", str(ports[0]), "--grpc_port", str(ports[1]), "--metrics_port", str(ports[2]),
+               "--max_batch_size", "2", "--model_repo_dir", str(tmp_path / "repo")]
+        process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         lines = []
         for line in process.stdout:
             lines.append(line)
             if line.startswith("generate_stream"):
                 break
-        assert any(f"127.0.0.1:{ports[0]}" in line for line in lines), lines
+        if lines or attempt == 2:
+            break
+        stderr = process.communicate(timeout=60)[1]
+        assert "already in use" in " ".join(stderr.split()), stderr  # (rich wraps long lines)
+    try:
+        assert any(f"127.0.0.1:{ports[0]}" in line for line in lines), (lines, process.poll())
         with urllib.request.urlopen(f"http://127.0.0.1:{ports[0]}/v2/health/ready", timeout=10) as r:
             assert r.status == 200
         assert (tmp_path / "repo" / "speculative" / "config.pbtxt").is_file()

@@ -47,7 +47,8 @@ class _Live:
         self.request, self.sender, self.stream = request, sender, stream
         self.id = None
         self.emitted = []          # ids already sent (streaming) or collected (not streaming)
-        self.gained = []           # tokens per step after the first (running acceptance estimate)
+        self.steps = 0             # scheduler callbacks so far (the first one is the prefill's token)
+        self.gained = 0            # tokens from the later ones: gained / (steps - 1) estimates acceptance
         self.done = False
         self.checked = time.monotonic()
 
@@ -222,8 +223,7 @@ class TritonPythonModel:
                 r, stream = self._parse(request)
                 entry = _Live(request, sender, stream)
                 with self.lock:
-                    entry.id = self.scheduler.submit(
-                        r, lambda new, finished, info, e=entry: self.events.put((e, list(new), bool(finished), dict(info))))
+                    entry.id = self.scheduler.submit(r, lambda new, finished, info, e=entry: self._on_tokens(e, new, finished, info))
                     self.live[entry.id] = entry
             except (BadInput, self.SchedulerError) as e:
                 self._refuse(sender, str(e))
@@ -232,6 +232,34 @@ class TritonPythonModel:
         return None
 
     # --- the dispatcher: tokens -> responses ---------------------------------------------------------
+    def _on_tokens(self, entry, new, finished, info):
+        """The scheduler's callback (its thread): count the step, hand the tokens to the dispatcher."""
+        if entry.steps:
+            entry.gained += len(new)
+        entry.steps += 1
+        self.events.put((entry, list(new), bool(finished), dict(info)))
+
+    @staticmethod
+    def _coalesce(items):
+        """Events that queued up while the dispatcher was sending: one per request, tokens joined in
+        order, so a busy server sends fewer, larger responses instead of falling behind."""
+        out, open_ = [], {}
+        for item in items:
+            entry, new, finished, info = item
+            if isinstance(entry, str):
+                out.append(item)
+                continue
+            index = open_.get(id(entry))
+            if index is None:
+                out.append((entry, list(new), finished, info))
+                if not finished and "error" not in info:
+                    open_[id(entry)] = len(out) - 1
+            else:
+                _, tokens, _, merged = out[index]
+                out[index] = (entry, tokens + list(new), finished, {**merged, **info})
+                if finished or "error" in info:
+                    del open_[id(entry)]
+        return out
     def _tensors(self, entry, new, context, prefix_len, finished, mean):
         return [pb_utils.Tensor("request_key", np.array([[self.request_key(self.pid, entry.id)]], dtype=np.int64)),
                 pb_utils.Tensor("output_ids", np.asarray(new, dtype=np.int32).reshape(1, -1)),
@@ -286,10 +314,8 @@ class TritonPythonModel:
         if now - entry.checked >= CANCEL_POLL_SECONDS and self._cancelled(entry, now):
             self._cancel(entry)
             return
-        if new and entry.emitted:
-            entry.gained.append(len(new))
         mean = float(info["mean_accepted_tokens"]) if "mean_accepted_tokens" in info else (
-            sum(entry.gained) / len(entry.gained) if entry.gained else 0.0)
+            entry.gained / (entry.steps - 1) if entry.steps > 1 else 0.0)
         try:
             if entry.stream:
                 if new or finished:
@@ -325,12 +351,15 @@ class TritonPythonModel:
             except queue.Empty:
                 item = None
             try:
+                items = []
                 while item is not None:
-                    self._deliver(*item)
+                    items.append(item)
                     try:
                         item = self.events.get_nowait()
                     except queue.Empty:
                         item = None
+                for item in self._coalesce(items) if len(items) > 1 else items:
+                    self._deliver(*item)
                 now = time.monotonic()
                 if now - last_metrics >= METRICS_SECONDS:  # no round trips when nothing changed
                     last_metrics = now
