@@ -161,3 +161,25 @@ def test_background_thread_serves_concurrent_submitters(loaded):
         assert [c.tokens for c in outs] == want
     finally:
         scheduler.stop()
+
+
+@pytest.mark.parametrize("mode", ["mtp", "eagle", "eagle3", "dflash", "dspark", "peagle", "dspark_nvfp4"])
+def test_every_draft_mode_runs_in_flight_batches(mode, checkpoints, tmp_path_factory):
+    """The server's scheduler is mode-agnostic: every draft kind, joining a running batch, gives
+    exactly the target's greedy output."""
+    from runtime.loading import Loaded
+    from speculative_fixtures import runners, target_with_mtp
+    target_dir = target_with_mtp(checkpoints["moe"], tmp_path_factory.mktemp(mode) / "target")
+    target, proposer = runners(target_dir)
+    loaded_ = Loaded(target, target.config, None, 64, 16, "torch", {"mode": mode}, 3, 4, lambda: proposer(mode))
+    want = generate(target, PROMPTS, 12).output_ids
+    scheduler = Scheduler(loaded_)
+    outs = [Collector() for _ in PROMPTS]
+    for p, c in zip(PROMPTS[:3], outs[:3]):
+        scheduler.submit(Request(p, 12), c)
+    scheduler.step()
+    for p, c in zip(PROMPTS[3:], outs[3:]):
+        scheduler.submit(Request(p, 12), c)
+    _drain(scheduler)
+    assert [c.tokens for c in outs] == want
+    assert scheduler.metrics["verify_rows"] > 0
