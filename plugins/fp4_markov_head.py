@@ -32,11 +32,11 @@ TensorRT module as arguments (duck typed). Annotations must stay real objects (n
 import annotations``): ``tensorrt.plugin`` inspects them.
 """
 import dataclasses
-import importlib.util
 import os
 from typing import Sequence
 
 import torch
+from plugins.plugin_layers import NATIVE_ENV, native_requested, plugin_layers_available  # noqa: F401
 
 try:  # the kernel's language module; Triton itself is only needed to launch the kernel
     import triton.language as tl
@@ -54,7 +54,6 @@ BLOCK_SIZE = 16  # NVFP4: one FP8 scale per 16 elements along the rank
 ATTRIBUTES = ("vocab_size", "rank", "prev_vocab_size", "scale_2")
 
 #: set to 1 to lower to native layers even where plugin layers exist (e.g. to interpret the network)
-NATIVE_ENV = "NEMOSPEC_NATIVE_PLUGINS"
 
 PLUGIN_LOWERING = (f"plugin: {PLUGIN_NAME} v{PLUGIN_VERSION} (Triton kernel: gather + in-kernel FP4 dequantize + "
                    "GEMM + add)")
@@ -265,23 +264,6 @@ def fp4_markov_head_triton(logits: torch.Tensor, prev_ids: torch.Tensor, w1: tor
 
 
 # --- TensorRT lowering ------------------------------------------------------------------------------------
-def plugin_layers_available(network) -> bool:
-    """Whether ``network`` accepts our plugin layer: full TensorRT with ``add_plugin`` and its Python
-    plugin package ``tensorrt.plugin``; not tensorrt_rtx."""
-    if not (hasattr(network, "add_plugin_v3") and hasattr(network, "add_plugin")):
-        return False
-    try:
-        return importlib.util.find_spec("tensorrt.plugin") is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def _native_requested(recorder) -> bool:
-    if getattr(recorder, "native_plugins", False):
-        return True
-    return os.environ.get(NATIVE_ENV, "").lower() in ("1", "true", "yes", "on")
-
-
 def _torch_type(trt, dtype):
     names = {"FLOAT": torch.float32, "HALF": torch.float16, "BF16": torch.bfloat16, "INT32": torch.int32,
              "INT64": torch.int64}
@@ -304,7 +286,7 @@ def lower(recorder, trt, logits, prev_ids, w1: torch.Tensor, w2_packed: torch.Te
                      tuple(w2_scale.shape), _scale_2(w2_scale_2))
     flavour = getattr(recorder, "flavour", getattr(trt, "__name__", "tensorrt"))
     has_plugins = plugin_layers_available(recorder.network)
-    if has_plugins and not _native_requested(recorder):
+    if has_plugins and not native_requested(recorder):
         return _lower_plugin(recorder, logits, prev_ids, w1, w2_packed, w2_scale, spec)
     reason = "plugin layers disabled" if has_plugins else f"{flavour} has no plugin layers"
     return _lower_native(recorder, trt, logits, prev_ids, w1, w2_packed, w2_scale, w2_scale_2, spec, reason)

@@ -28,11 +28,11 @@ TensorRT module as arguments (duck typed). Annotations here must stay real objec
 ``from __future__ import annotations``): ``tensorrt.plugin`` inspects them.
 """
 import dataclasses
-import importlib.util
 import os
 from typing import Optional, Sequence, Tuple
 
 import torch
+from plugins.plugin_layers import NATIVE_ENV, native_requested, plugin_layers_available  # noqa: F401
 
 try:  # the kernel's language module; Triton itself is only needed to launch the kernel
     import triton.language as tl
@@ -49,7 +49,6 @@ OP_NAME = "hidden_capture"
 ATTRIBUTES = ("slot", "n_slots", "hidden_size", "has_delta")
 
 #: set to 1 to lower to native layers even where plugin layers exist (e.g. to interpret the network)
-NATIVE_ENV = "NEMOSPEC_NATIVE_PLUGINS"
 
 PLUGIN_LOWERING = f"plugin: {PLUGIN_NAME} v{PLUGIN_VERSION} (Triton kernel)"
 NATIVE_LOWERING = "native: elementwise add + slice/concat write into the slot"
@@ -242,23 +241,6 @@ def hidden_capture_triton(residual: torch.Tensor, delta: Optional[torch.Tensor],
 
 
 # --- TensorRT lowering ------------------------------------------------------------------------------------
-def plugin_layers_available(network) -> bool:
-    """Whether ``network`` (an INetworkDefinition) accepts our plugin layer: full TensorRT with the
-    V3 plugin layer API and its Python plugin package ``tensorrt.plugin``; not tensorrt_rtx."""
-    if not (hasattr(network, "add_plugin_v3") and hasattr(network, "add_plugin")):
-        return False
-    try:
-        return importlib.util.find_spec("tensorrt.plugin") is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def _native_requested(recorder) -> bool:
-    if getattr(recorder, "native_plugins", False):
-        return True
-    return os.environ.get(NATIVE_ENV, "").lower() in ("1", "true", "yes", "on")
-
-
 def lower(recorder, trt, residual, delta, buffer, slot: int):
     """Record the op into ``recorder.network``; returns (x_new, buffer_new) ITensors.
 
@@ -273,7 +255,7 @@ def lower(recorder, trt, residual, delta, buffer, slot: int):
                      tuple(buffer.shape), slot)
     flavour = getattr(recorder, "flavour", getattr(trt, "__name__", "tensorrt"))
     has_plugins = plugin_layers_available(recorder.network)
-    if has_plugins and not _native_requested(recorder):
+    if has_plugins and not native_requested(recorder):
         return _lower_plugin(recorder, residual, delta, buffer, spec)
     reason = "plugin layers disabled" if has_plugins else f"{flavour} has no plugin layers"
     return _lower_native(recorder, trt, residual, delta, buffer, spec, reason)

@@ -2,6 +2,7 @@
 reference (TRITON_INTERPRET=1 on the CPU), the functional op eager vs its interpreted TensorRT network,
 the network building with tensorrt_rtx, and the plugin-layer path's wiring against a stand-in for
 ``tensorrt.plugin`` (full TensorRT is not installable here)."""
+import importlib.util
 import contextlib
 import inspect
 import sys
@@ -278,7 +279,7 @@ def test_plugin_layer_path_wiring(monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorrt", trt)
     monkeypatch.setitem(sys.modules, "tensorrt.plugin", trtp)
     monkeypatch.setattr(mh, "_REGISTERED", False)
-    monkeypatch.setattr(mh.importlib.util, "find_spec", lambda name: object() if name == "tensorrt.plugin" else None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "tensorrt.plugin" else None)
     monkeypatch.delenv(mh.NATIVE_ENV, raising=False)
 
     w1, packed, scale, scale_2 = head()
@@ -307,4 +308,4 @@ def test_plugin_layer_path_wiring(monkeypatch):
     # TensorRT calls impl(*inputs, *attrs, outputs, stream=stream)
     assert list(inspect.signature(impl).parameters) == inputs + list(mh.ATTRIBUTES) + ["outputs", "stream"]
     monkeypatch.setenv(mh.NATIVE_ENV, "1")
-    assert mh._native_requested(rec)
+    assert mh.native_requested(rec)

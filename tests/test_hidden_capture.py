@@ -2,6 +2,7 @@
 CPU), the functional op, its TensorRT lowering (interpreted == eager, builds with tensorrt_rtx), and the
 plugin-layer path's wiring against a stand-in for ``tensorrt.plugin`` (full TensorRT is not installable
 here)."""
+import importlib.util
 import contextlib
 import inspect
 import sys
@@ -282,7 +283,7 @@ def test_plugin_layer_path_wiring(monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorrt", trt)
     monkeypatch.setitem(sys.modules, "tensorrt.plugin", trtp)
     monkeypatch.setattr(hc, "_REGISTERED", False)
-    monkeypatch.setattr(hc.importlib.util, "find_spec", lambda name: object() if name == "tensorrt.plugin" else None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "tensorrt.plugin" else None)
     monkeypatch.delenv(hc.NATIVE_ENV, raising=False)
 
     rec = _FakeRecorder()
@@ -311,4 +312,4 @@ def test_plugin_layer_path_wiring(monkeypatch):
                                                          "outputs", "stream"]
     # native layers are still available on request
     monkeypatch.setenv(hc.NATIVE_ENV, "1")
-    assert hc._native_requested(rec)
+    assert hc.native_requested(rec)
