@@ -106,17 +106,8 @@ def _ints(t: torch.Tensor) -> list[int]:
 
 # --- constants -------------------------------------------------------------------------------------
 def _weights_bytes(weights, dtype, count: int) -> bytes:
-    """Raw bytes of a ``trt.Weights`` numpy cannot view (bf16): read its C++ struct through the
-    pybind11 instance. ``nvinfer1::Weights`` is {DataType type; const void* values; int64_t count}."""
-    holder = ctypes.c_void_p.from_address(id(weights) + object.__basicsize__).value
-    if not holder:
-        raise InterpreterError("cannot locate the data of a constant's weights")
-    kind = ctypes.c_int32.from_address(holder).value
-    values = ctypes.c_void_p.from_address(holder + 8).value
-    n = ctypes.c_int64.from_address(holder + 16).value
-    if kind != int(dtype) or n != count or not values:
-        raise InterpreterError(f"unexpected weights layout (type {kind} vs {int(dtype)}, count {n} vs {count})")
-    return ctypes.string_at(values, n * _ITEM_BYTES[dtype])
+    """Raw bytes of a ``trt.Weights`` numpy cannot view (bf16): see ``_raw_weights``."""
+    return _raw_weights(weights, dtype, count, count * _ITEM_BYTES[dtype])
 
 
 def _constant(ctx, layer, ins):
@@ -628,7 +619,9 @@ if _FP4 is not None:
 
 
 def _raw_weights(weights, dtype, count: int, nbytes: int) -> bytes:
-    """The bytes behind a constant's ``trt.Weights`` (same struct reading as ``_weights_bytes``)."""
+    """The bytes behind a constant's ``trt.Weights``, read from its C++ struct through the pybind11
+    instance (numpy cannot view bf16/FP8/FP4). ``nvinfer1::Weights`` is {DataType type; const void*
+    values; int64_t count}."""
     holder = ctypes.c_void_p.from_address(id(weights) + object.__basicsize__).value
     if not holder:
         raise InterpreterError("cannot locate the data of a constant's weights")
