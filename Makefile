@@ -4,6 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 DEMO   := build/demo
+MODE   ?= eagle3
 
 .PHONY: setup test demo clean
 
@@ -21,7 +22,7 @@ test: setup
 	$(BIN)/python -m pytest -q
 
 demo: setup
-	$(BIN)/python -m runtime.demo --workdir $(DEMO)
+	MODE=$(MODE) $(BIN)/python -m runtime.demo --workdir $(DEMO)
 
 clean:
 	rm -rf $(VENV) build .pytest_cache

@@ -13,12 +13,14 @@ err = Console(stderr=True, highlight=False)
 
 
 def _add_build_args(p):
-    p.add_argument("--checkpoint_dir", required=True, help="Hugging Face NemotronH checkpoint (safetensors)")
+    p.add_argument("--checkpoint_dir", default=None,
+                   help="Hugging Face NemotronH checkpoint (safetensors); default: the embedded trained model")
     p.add_argument("--output_dir", required=True, help="engine directory to write")
     p.add_argument("--max_batch_size", type=int, default=8)
     p.add_argument("--max_input_len", type=int, default=512, help="longest prefill chunk")
     p.add_argument("--max_seq_len", type=int, default=1024, help="prompt + generated tokens")
-    p.add_argument("--max_draft_len", type=int, default=0, help="K: draft tokens verified per step")
+    p.add_argument("--max_draft_len", type=int, default=None,
+                   help="K: draft tokens verified per step (default: 4 with a speculative mode, else 0)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="auto keeps the checkpoint's dtype")
     p.add_argument("--speculative_decoding_mode", default=None,
@@ -26,7 +28,8 @@ def _add_build_args(p):
                    help="build a draft and a verify engine beside the target")
     p.add_argument("--quantization", default=None, choices=["nvfp4_w4a16"],
                    help="quantize the draft's linear layers (ModelOpt NVFP4 W4A16) while building")
-    p.add_argument("--draft_dir", default=None, help="draft checkpoint (every mode but mtp)")
+    p.add_argument("--draft_dir", default=None,
+                   help="draft checkpoint (every mode but mtp); default with the embedded model: its trained draft")
 
 
 def _parser():
@@ -35,8 +38,8 @@ def _parser():
     _add_build_args(sub.add_parser("build", help="build an engine directory from a checkpoint"))
 
     g = sub.add_parser("generate", help="generate from a checkpoint or an engine directory")
-    src = g.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint_dir")
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--checkpoint_dir", help="default (neither given): the embedded trained model")
     src.add_argument("--engine_dir")
     inp = g.add_mutually_exclusive_group(required=True)
     inp.add_argument("--prompt", action="append", help="text prompt (repeat for a batch); needs tokenizer.json")
@@ -55,10 +58,23 @@ def _parser():
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="with --checkpoint_dir: the eager dtype")
     g.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    g.add_argument("--speculative_decoding_mode", default=None,
+                   choices=["draft_target", "eagle", "eagle3", "mtp", "dflash", "dspark", "peagle"],
+                   help="with a checkpoint: speculate eagerly with this draft (no engines needed)")
+    g.add_argument("--draft_dir", default=None, help="with a checkpoint: the draft (default with the embedded model: "
+                                                     "its trained draft)")
+    g.add_argument("--max_draft_len", type=int, default=4, help="with a checkpoint: K")
     from runtime.serve import add_serve_args
     add_serve_args(sub.add_parser("serve", help="serve an engine directory with Triton Inference Server"))
     _add_quantize_args(sub.add_parser("quantize", help="write an NVFP4 (ModelOpt W4A16) checkpoint"))
+    from runtime.bench import add_bench_args
+    add_bench_args(sub.add_parser("bench", help="perf report: acceptance, tokens/s, peers, serving, build"))
     return parser
+
+
+def cmd_bench(args):
+    from runtime.bench import cmd_bench as bench
+    return bench(args)
 
 
 def cmd_serve(args):
@@ -66,8 +82,23 @@ def cmd_serve(args):
     return serve(args)
 
 
+def resolve_sources(checkpoint_dir, mode=None, draft_dir=None, quantization=None):
+    """(checkpoint_dir, draft_dir) with the embedded default filled in where neither was given."""
+    if checkpoint_dir is not None:
+        return checkpoint_dir, draft_dir
+    from builder import embedded
+    target = embedded.target_dir()
+    if mode is not None and draft_dir is None:
+        draft_dir = embedded.draft_dir(mode, quantization)
+    return target, draft_dir
+
+
 def cmd_build(args):
     from builder.engine import BuildOptions, build
+    args.checkpoint_dir, args.draft_dir = resolve_sources(args.checkpoint_dir, args.speculative_decoding_mode,
+                                                          args.draft_dir, args.quantization)
+    if args.max_draft_len is None:
+        args.max_draft_len = 4 if args.speculative_decoding_mode else 0
     options = BuildOptions(args.max_batch_size, args.max_input_len, args.max_seq_len, args.max_draft_len, args.dtype,
                            args.speculative_decoding_mode)
     with err.status("building ...") as status:
@@ -117,10 +148,17 @@ def _prompts(args, tokenizer):
 def cmd_generate(args):
     from runtime.generation import generate
     from runtime.loading import open_checkpoint, open_engine_dir
+    if args.engine_dir is None:
+        args.checkpoint_dir, args.draft_dir = resolve_sources(args.checkpoint_dir, args.speculative_decoding_mode,
+                                                              args.draft_dir)
+    elif args.speculative_decoding_mode or args.draft_dir:
+        raise NemospecError("--speculative_decoding_mode/--draft_dir: an engine directory already holds its draft; "
+                            "these go with --checkpoint_dir")
     if args.checkpoint_dir:
         if args.backend in ("tensorrt", "interpreter"):
             raise NemospecError(f"--backend {args.backend} needs --engine_dir (build one with `nemospec build`)")
-        loaded = open_checkpoint(args.checkpoint_dir, args.dtype)
+        loaded = open_checkpoint(args.checkpoint_dir, args.dtype, mode=args.speculative_decoding_mode,
+                                 draft_dir=args.draft_dir, max_draft_len=args.max_draft_len)
     else:
         loaded = open_engine_dir(args.engine_dir, args.backend)
     tokenizer = None
@@ -205,7 +243,7 @@ def main(argv=None):
     args = _parser().parse_args(argv)
     try:
         return {"build": cmd_build, "generate": cmd_generate, "serve": cmd_serve,
-                "quantize": cmd_quantize}[args.command](args)
+                "quantize": cmd_quantize, "bench": cmd_bench}[args.command](args)
     except NemospecError as e:
         err.print(f"error: {e}", markup=False)
         return 2

@@ -1,17 +1,22 @@
-"""`make demo`: make a small checkpoint, build its engine directory, generate from it.
+"""`make demo`: the embedded trained NemotronH and one of its drafts, built, served and streamed.
 
-Until the embedded trained model ships, the checkpoint is random (written by our own
-``builder.random_checkpoint``) with a tokenizer trained on the local Python standard library, so
-the text is gibberish; what the demo shows is the path: checkpoint -> engine -> generation.
+1. build the target, verify and draft engines for MODE (eagle3 by default);
+2. start the Triton server on them (model_repo ensemble, real tritonserver);
+3. stream a code completion through gRPC, printing the text as it arrives;
+4. measure through the same server: tokens/s and acceptance with speculation, and target-only
+   (the per-request ``speculative: false``) on the same engines;
+5. stop the server.
 """
 from __future__ import annotations
 
 import argparse
+import os
+import time
 from pathlib import Path
 
 from rich.console import Console
 
-from runtime import cli
+from runtime.bench import MODES, PROMPTS, build_mode_engines
 
 console = Console(highlight=False)
 
@@ -19,31 +24,39 @@ console = Console(highlight=False)
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workdir", default="build/demo")
-    p.add_argument("--prompt", default="def fibonacci(n):")
-    p.add_argument("--max_new_tokens", type=int, default=48)
+    p.add_argument("--mode", default=os.environ.get("MODE") or "eagle3", choices=MODES)
+    p.add_argument("--prompt", default=PROMPTS[1])
+    p.add_argument("--max_new_tokens", type=int, default=96)
     args = p.parse_args(argv)
-    work = Path(args.workdir)
-    checkpoint, engine = work / "checkpoint", work / "engine"
-    if not (checkpoint / "config.json").is_file():
-        from builder.random_checkpoint import write_random_checkpoint
-        console.rule("1. a small random NemotronH checkpoint (Mamba-2 + attention + MoE + MLP)")
-        write_random_checkpoint(checkpoint, "M*ME-M*E", seed=0, tokenizer=True, mtp_pattern="*E")
-        console.print(f"wrote {checkpoint}")
-    console.rule("2. nemospec build (target + MTP draft: target, verify and draft engines)")
-    code = cli.main(["build", "--checkpoint_dir", str(checkpoint), "--output_dir", str(engine),
-                     "--max_batch_size", "4", "--max_input_len", "128", "--max_seq_len", "256",
-                     "--speculative_decoding_mode", "mtp", "--max_draft_len", "3"])
-    if code:
-        return code
-    generate = ["generate", "--engine_dir", str(engine), "--prompt", args.prompt,
-                "--max_new_tokens", str(args.max_new_tokens), "--ignore_eos"]
-    console.rule("3. nemospec generate, speculative (random weights: the MTP draft is rarely accepted)")
-    console.print(f"prompt: {args.prompt!r}")
-    code = cli.main(generate)
-    if code:
-        return code
-    console.rule("4. nemospec generate --no_speculation (the same text, target only)")
-    return cli.main(generate + ["--no_speculation"])
+    from runtime import serve
+    from runtime.client import stream_generate
+
+    console.rule(f"1. nemospec build: embedded target + {args.mode} draft (target, verify and draft engines)")
+    start = time.perf_counter()
+    engine_dir, report = build_mode_engines(None, args.mode, Path(args.workdir), 4)
+    sizes = ", ".join(f"{n} {e['engine_bytes'] / 2**20:.1f} MiB" for n, e in report["engines"].items())
+    console.print(f"built {engine_dir} in {time.perf_counter() - start:.0f} s: {sizes}")
+
+    console.rule("2. nemospec serve (tritonserver + model_repo ensemble)")
+    ports = dict(http_port=serve.free_port(), grpc_port=serve.free_port(), metrics_port=serve.free_port())
+    with serve.serving(engine_dir, **ports) as server:
+        console.print(f"serving: gRPC {server.grpc_url}, HTTP {server.http_url}, metrics {server.metrics_url}")
+        console.rule("3. a code completion streamed over gRPC (greedy)")
+        console.print(args.prompt, end="", style="bold")
+        spec = stream_generate(server.grpc_url, args.prompt, args.max_new_tokens, end_id=None,
+                               on_text=lambda chunk: console.print(chunk, end="", style="green"))
+        console.print()
+        console.rule("4. the same request with and without speculation, through the server")
+        plain = stream_generate(server.grpc_url, args.prompt, args.max_new_tokens, end_id=None, speculative=False)
+        spec = stream_generate(server.grpc_url, args.prompt, args.max_new_tokens, end_id=None)
+        same = "identical" if spec.ids == plain.ids else "DIFFERENT (a bug)"
+        console.print(f"{args.mode}: {len(spec.ids)} tokens, {spec.tokens_per_second:.1f} tokens/s, mean accepted "
+                      f"tokens per target forward {spec.mean_accepted_tokens:.2f} (K=4)")
+        console.print(f"target only: {len(plain.ids)} tokens, {plain.tokens_per_second:.1f} tokens/s")
+        console.print(f"speedup {spec.tokens_per_second / plain.tokens_per_second:.2f}x; outputs {same}")
+        console.rule("5. stopping the server")
+    console.print("done")
+    return 0 if spec.ids == plain.ids else 1
 
 
 if __name__ == "__main__":

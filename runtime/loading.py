@@ -48,14 +48,49 @@ def _device(device):
     return "cuda" if device == "cuda" or (device is None and torch.cuda.is_available()) else "cpu"
 
 
-def open_checkpoint(checkpoint_dir, dtype="auto", device=None) -> Loaded:
+PROPOSERS = {"dflash": BlockDraftProposer, "dspark": BlockDraftProposer, "peagle": ParallelDraftProposer}
+
+
+def _draft_kind(draft) -> str:
+    return getattr(draft, "kind", "draft_target")
+
+
+def _target_features(draft) -> dict:
+    kind = _draft_kind(draft)
+    if kind in ("eagle", "mtp"):
+        return {"final_hidden": True}
+    if kind == "draft_target":
+        return {}
+    return {"capture_layers": draft.target_layer_ids if hasattr(draft, "target_layer_ids") else draft.aux_layer_ids}
+
+
+def _eager_proposer(draft, vocab_size: int, device, chunk: int):
+    if _draft_kind(draft) == "draft_target":
+        runner = TorchRunner(draft, device)
+        return lambda: ModelDraftProposer(runner, chunk)
+    stepper = EagerDraft(draft, vocab_size, device)
+    make = PROPOSERS.get(_draft_kind(draft), FeatureDraftProposer)
+    return lambda: make(stepper, chunk)
+
+
+def open_checkpoint(checkpoint_dir, dtype="auto", device=None, mode=None, draft_dir=None, quantization=None,
+                    max_draft_len: int = 4, prefill_chunk: int = 512) -> Loaded:
+    """Eager (torch) runner of a checkpoint; with ``mode`` also its draft, read from ``draft_dir``
+    (speculative decoding without building engines)."""
     from builder.checkpoint import load_checkpoint
+    from builder.drafts import load_draft
     config, weights = load_checkpoint(checkpoint_dir)
-    name = config.dtype if dtype == "auto" else dtype
-    module = NemotronH(config, weights, TORCH_DTYPES[name])
+    torch_dtype = TORCH_DTYPES[config.dtype if dtype == "auto" else dtype]
+    device = _device(device)
+    draft = spec = proposer = None
+    if mode is not None:
+        draft = load_draft(mode, config, weights, draft_dir, torch_dtype, log=lambda m: None, quantization=quantization)
+        spec = draft.meta
+        proposer = _eager_proposer(draft.module, config.vocab_size, device, prefill_chunk)
+    module = NemotronH(config, weights, torch_dtype, **(draft.target_features if draft else {}))
     tok = Path(checkpoint_dir) / "tokenizer.json"
-    return Loaded(TorchRunner(module, _device(device)), config, tok if tok.is_file() else None,
-                  1 << 30, 1 << 30, "torch")
+    return Loaded(TorchRunner(module, device), config, tok if tok.is_file() else None,
+                  1 << 30, 1 << 30, "torch", spec, max_draft_len if mode else 0, 8, proposer)
 
 
 def open_engine_dir(engine_dir, backend="auto", device=None) -> Loaded:
@@ -80,13 +115,7 @@ def open_engine_dir(engine_dir, backend="auto", device=None) -> Loaded:
         draft_file = engine_dir / "weights" / "draft.safetensors"
         draft_weights = load_file(str(draft_file)) if draft_file.is_file() else None
         draft = draft_from_engine_dir(spec, config, weights, draft_weights, dtype)
-    features = {}
-    if draft is not None:
-        kind = getattr(draft, "kind", "draft_target")
-        features = ({"final_hidden": True} if kind in ("eagle", "mtp")
-                    else {} if kind == "draft_target" else {"capture_layers": draft.target_layer_ids
-                                                            if hasattr(draft, "target_layer_ids") else draft.aux_layer_ids})
-    target = NemotronH(config, weights, dtype, **features)
+    target = NemotronH(config, weights, dtype, **(_target_features(draft) if draft is not None else {}))
     options = BuildOptions(**{k: v for k, v in build.items() if k != "dtype"})
     engines = meta["engines"]
 
@@ -101,24 +130,18 @@ def open_engine_dir(engine_dir, backend="auto", device=None) -> Loaded:
                               executor(target_component(target, options, verify=True)) if spec else None)
     proposer = None
     if draft is not None:
-        kind = getattr(draft, "kind", "draft_target")
         chunk = build["max_input_len"]
-        if kind == "draft_target":
-            if backend == "torch":
-                draft_runner = TorchRunner(draft, device)
-            else:
-                component = draft_component(draft, options)
-                draft_runner = EngineRunner(draft.cfg, dtype, device, executor(component), engines["draft"])
+        if backend == "torch":
+            proposer = _eager_proposer(draft, config.vocab_size, device, chunk)
+        elif _draft_kind(draft) == "draft_target":
+            draft_runner = EngineRunner(draft.cfg, dtype, device, executor(draft_component(draft, options)),
+                                        engines["draft"])
             proposer = lambda: ModelDraftProposer(draft_runner, chunk)  # noqa: E731
         else:
-            if backend == "torch":
-                stepper = EagerDraft(draft, config.vocab_size, device)
-            else:
-                stepper = EngineDraft(draft, config.vocab_size,
-                                      {c.name: executor(c) for c in draft_components(draft, options)},
-                                      engines["draft"], device)
-            kinds = {"dflash": BlockDraftProposer, "dspark": BlockDraftProposer, "peagle": ParallelDraftProposer}
-            make = kinds.get(kind, FeatureDraftProposer)
+            stepper = EngineDraft(draft, config.vocab_size,
+                                  {c.name: executor(c) for c in draft_components(draft, options)},
+                                  engines["draft"], device)
+            make = PROPOSERS.get(_draft_kind(draft), FeatureDraftProposer)
             proposer = lambda: make(stepper, chunk)  # noqa: E731
     tok = engine_dir / meta["tokenizer"] if meta.get("tokenizer") else None
     return Loaded(runner, config, tok, build["max_seq_len"], build["max_input_len"], backend, spec,

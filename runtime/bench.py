@@ -1,0 +1,230 @@
+"""`nemospec bench`: the perf report of the embedded model (or a given checkpoint) for every mode.
+
+For each speculative mode: build its engine directory (timed, sized), then greedy code completions
+with and without speculation on the same engines, prompts interleaved so machine noise hits both
+(accepted tokens per target forward: mean and histogram; tokens/s; speedup). Peers on the same
+model: transformers ``generate`` and transformers assisted generation with the draft_target draft.
+Serving: the best mode's engines behind the real Triton server, gRPC streaming with and without
+speculation (the per-request ``speculative: false``), and the overhead against offline generation.
+
+Writes ``report.json``, ``report.md`` and PNG plots into ``--output_dir``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+MODES = ("draft_target", "eagle", "eagle3", "mtp", "dflash", "dspark", "dspark_nvfp4", "peagle")
+QUICK_MODES = ("eagle3", "dflash")
+# code to complete (written for this benchmark; the model was trained on the stdlib's style)
+PROMPTS = (
+    "import os\nimport sys\n\n\ndef main(argv=None):\n    ",
+    "class Error(Exception):\n    \"\"\"Base class for exceptions in this module.\"\"\"\n\n    def __init__(self, msg):\n",
+    "    def __repr__(self):\n        return ",
+    "def _check_arg(name, value):\n    if not isinstance(value, str):\n        raise TypeError(",
+    "        for key, value in self.items():\n            if ",
+    "    @property\n    def name(self):\n        ",
+)
+
+
+def add_bench_args(p) -> None:
+    p.add_argument("--output_dir", default="build/bench", help="report directory to write")
+    p.add_argument("--checkpoint_dir", default=None, help="target checkpoint (default: the embedded model)")
+    p.add_argument("--modes", default=None, help=f"comma-separated (default: {','.join(MODES)})")
+    p.add_argument("--num_draft_tokens", type=int, default=4, help="K (block drafts: K drafted tokens per block)")
+    p.add_argument("--max_new_tokens", type=int, default=128)
+    p.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many of the built-in prompts")
+    p.add_argument("--runs", type=int, default=2, help="timed runs per prompt (median)")
+    p.add_argument("--no_serving", action="store_true", help="skip the Triton measurement")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"small: modes {','.join(QUICK_MODES)}, 2 prompts x 24 tokens, 1 run (for tests)")
+
+
+def _log(message: str) -> None:
+    from runtime.cli import err
+    err.print(message, markup=False)
+
+
+def build_mode_engines(checkpoint, mode: str, root: Path, k: int) -> tuple[Path, dict]:
+    from builder import embedded
+    from builder.engine import BuildOptions, build
+    from runtime.cli import resolve_sources
+    quant = "nvfp4_w4a16" if mode.endswith("_nvfp4") else None
+    base = mode.removesuffix("_nvfp4")
+    target, draft = resolve_sources(checkpoint, base, None, quant)
+    if checkpoint is not None and base not in ("mtp",):
+        draft = embedded.draft_dir(base, quant)
+    out = root / "engines" / mode
+    options = BuildOptions(max_batch_size=4, max_input_len=256, max_seq_len=512, max_draft_len=k, dtype="auto",
+                           speculative_decoding_mode=base)
+    report = build(target, out, options, log=lambda m: None, draft_dir=draft,
+                   draft_quantization=quant if draft is None or not (Path(draft) / "hf_quant_config.json").is_file()
+                   else None)
+    return out, report
+
+
+def _timed(fn, runs: int):
+    results = [fn() for _ in range(runs)]
+    return results[-1], statistics.median(r.seconds for r in results)
+
+
+def _offline(engine_dir: Path, prompts: list[list[int]], new_tokens: int, k: int, runs: int) -> dict:
+    """Per prompt (batch 1): speculative then target-only on the same engines, interleaved."""
+    from runtime.generation import generate
+    from runtime.loading import open_engine_dir
+    from runtime.speculative import speculative_generate
+    loaded = open_engine_dir(engine_dir, "torch")
+    spec_s = plain_s = 0.0
+    tokens = forwards = 0
+    hist: dict[str, int] = {}
+    for ids in prompts:
+        spec, s = _timed(lambda: speculative_generate(loaded.runner, loaded.proposer(), [ids], new_tokens, k), runs)
+        plain, t = _timed(lambda: generate(loaded.runner, [ids], new_tokens), runs)
+        if spec.output_ids != plain.output_ids:
+            raise RuntimeError(f"{engine_dir}: speculative output differs from target-only greedy")
+        spec_s, plain_s, tokens = spec_s + s, plain_s + t, tokens + spec.num_tokens
+        a = spec.extra["acceptance"]
+        forwards += a["num_verify_forwards"]
+        for n, c in a["histogram"].items():
+            hist[n] = hist.get(n, 0) + c
+    total = sum(hist.values())
+    mean = sum(int(n) * c for n, c in hist.items()) / total if total else 0.0
+    return {"mean_accepted_tokens": round(mean, 3), "histogram": hist, "verify_forwards": forwards,
+            "tokens": tokens, "tokens_per_second": round(tokens / spec_s, 1),
+            "target_only_tokens_per_second": round(tokens / plain_s, 1), "speedup": round(plain_s / spec_s, 3),
+            "exact": True}
+
+
+def _peers(target_dir: Path, draft_dir: Path | None, prompts: list[list[int]], new_tokens: int, runs: int) -> dict:
+    """transformers generate (greedy) and assisted generation with the draft_target draft."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    out: dict = {}
+    seconds, tokens = 0.0, 0
+    with torch.inference_mode():
+        for ids in prompts:
+            x = torch.tensor([ids])
+            times = []
+            for _ in range(runs):
+                start = time.perf_counter()
+                y = model.generate(x, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+                times.append(time.perf_counter() - start)
+            seconds += statistics.median(times)
+            tokens += y.shape[1] - x.shape[1]
+    out["transformers_generate"] = {"tokens_per_second": round(tokens / seconds, 1), "tokens": tokens}
+    if draft_dir is None:
+        out["transformers_assisted"] = {"error": "no draft_target draft"}
+        return out
+    assistant = AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=torch.float32).eval()
+    try:
+        with torch.inference_mode():
+            start = time.perf_counter()
+            y = model.generate(torch.tensor([prompts[0]]), max_new_tokens=new_tokens, do_sample=False,
+                               assistant_model=assistant)
+            out["transformers_assisted"] = {"tokens_per_second": round((y.shape[1] - len(prompts[0])) /
+                                                                       (time.perf_counter() - start), 1)}
+    except Exception as e:  # transformers refuses assisted generation for stateful (Mamba) models
+        out["transformers_assisted"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
+    return out
+
+
+def _serving(engine_dir: Path, texts: list[str], new_tokens: int, runs: int, offline_tps: float) -> dict:
+    from runtime import serve
+    from runtime.client import stream_generate
+    ports = dict(http_port=serve.free_port(), grpc_port=serve.free_port(), metrics_port=serve.free_port())
+    spec_s = plain_s = 0.0
+    tokens = 0
+    means = []
+    with serve.serving(engine_dir, **ports) as server:
+        stream_generate(server.grpc_url, texts[0], 8)                     # warm-up
+        for text in texts:
+            for _ in range(runs):
+                a = stream_generate(server.grpc_url, text, new_tokens)
+                b = stream_generate(server.grpc_url, text, new_tokens, speculative=False)
+                if a.ids != b.ids:
+                    raise RuntimeError("served speculative output differs from served target-only output")
+                spec_s, plain_s, tokens = spec_s + a.seconds, plain_s + b.seconds, tokens + len(a.ids)
+                means.append(a.mean_accepted_tokens)
+    tps = tokens / spec_s
+    return {"mode": json.loads((engine_dir / "config.json").read_text())["speculative"]["mode"],
+            "engine_dir": str(engine_dir), "tokens_per_second": round(tps, 1),
+            "target_only_tokens_per_second": round(tokens / plain_s, 1), "speedup": round(plain_s / spec_s, 3),
+            "mean_accepted_tokens": round(statistics.mean(means), 3),
+            "offline_tokens_per_second": offline_tps, "served_over_offline": round(tps / offline_tps, 3)}
+
+
+def run_bench(args) -> dict:
+    from tokenizers import Tokenizer
+
+    from builder import embedded
+    from runtime.bench_report import write_report
+    from runtime.cli import resolve_sources
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    quick = args.quick
+    modes = tuple(args.modes.split(",")) if args.modes else (QUICK_MODES if quick else MODES)
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        from builder.errors import NemospecError
+        raise NemospecError(f"--modes: unknown mode(s) {', '.join(unknown)}; expected some of {', '.join(MODES)}")
+    new_tokens = 24 if quick else args.max_new_tokens
+    runs = 1 if quick else args.runs
+    k = args.num_draft_tokens
+    root = Path(args.output_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    target_dir, _ = resolve_sources(args.checkpoint_dir)
+    tokenizer = Tokenizer.from_file(str(Path(target_dir) / "tokenizer.json"))
+    texts = list(PROMPTS[:2 if quick else args.prompts])
+    prompts = [tokenizer.encode(t).ids for t in texts]
+    report: dict = {"created": time.strftime("%Y-%m-%d %H:%M:%S"), "quick": quick, "num_draft_tokens": k,
+                    "max_new_tokens": new_tokens, "prompts": len(prompts), "runs": runs,
+                    "machine": {"cpu_threads": torch.get_num_threads(), "platform": platform.platform(),
+                                "python": platform.python_version(), "torch": torch.__version__,
+                                "cuda": torch.cuda.is_available()},
+                    "model": str(target_dir), "modes": {}}
+    for mode in modes:
+        _log(f"bench: {mode}: building engines")
+        engine_dir, build = build_mode_engines(args.checkpoint_dir, mode, root, k)
+        engines = {n: {"bytes": e["engine_bytes"], "layers": e["layers"], "build_seconds": round(e["build_seconds"], 1)}
+                   for n, e in build["engines"].items()}
+        _log(f"bench: {mode}: generating ({len(prompts)} prompts x {new_tokens} tokens, with and without speculation)")
+        entry = _offline(engine_dir, prompts, new_tokens, k, runs)
+        entry.update(engine_dir=str(engine_dir), build_seconds=round(build["total_seconds"], 1),
+                     engine_bytes=sum(e["bytes"] for e in engines.values()), engines=engines)
+        report["modes"][mode] = entry
+        _log(f"bench: {mode}: mean accepted {entry['mean_accepted_tokens']:.2f}, {entry['tokens_per_second']} vs "
+             f"{entry['target_only_tokens_per_second']} tokens/s ({entry['speedup']:.2f}x)")
+    _log("bench: peers (transformers generate, assisted generation)")
+    draft_target = embedded.draft_dir("draft_target") if args.checkpoint_dir is None else None
+    report["peers"] = _peers(Path(target_dir), draft_target, prompts, new_tokens, runs)
+    best = max(report["modes"], key=lambda m: report["modes"][m]["speedup"])
+    report["best_mode"] = best
+    if not args.no_serving:
+        _log(f"bench: serving the best mode ({best}) through Triton")
+        report["serving"] = _serving(Path(report["modes"][best]["engine_dir"]), texts, new_tokens, runs,
+                                     report["modes"][best]["tokens_per_second"])
+    write_report(report, root)
+    _log(f"bench: wrote {root / 'report.json'}, {root / 'report.md'} and plots")
+    return report
+
+
+def cmd_bench(args) -> int:
+    run_bench(args)
+    return 0
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="nemospec bench", description=__doc__.splitlines()[0])
+    add_bench_args(p)
+    return cmd_bench(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,109 @@
+"""Writing a `nemospec bench` report: report.json, report.md and PNG plots (matplotlib, no display)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+PLOTS = ("acceptance.png", "histogram.png", "throughput.png")
+
+
+def _table(report: dict) -> list[str]:
+    rows = ["| mode | mean accepted / target forward | tokens/s speculative | tokens/s target-only | speedup | "
+            "engine build s | engines MiB |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for mode, m in report["modes"].items():
+        rows.append(f"| {mode} | {m['mean_accepted_tokens']:.2f} | {m['tokens_per_second']:.1f} | "
+                    f"{m['target_only_tokens_per_second']:.1f} | {m['speedup']:.2f}x | {m['build_seconds']:.1f} | "
+                    f"{m['engine_bytes'] / 2**20:.1f} |")
+    return rows
+
+
+def markdown(report: dict) -> str:
+    k = report["num_draft_tokens"]
+    lines = [f"# nemospec bench ({report['created']}{', quick' if report['quick'] else ''})", "",
+             f"Model: `{report['model']}`. Greedy code completion, {report['prompts']} prompts x "
+             f"{report['max_new_tokens']} new tokens, batch 1, K = {k} draft tokens per step, median of "
+             f"{report['runs']} run(s); CPU torch threads {report['machine']['cpu_threads']}, CUDA "
+             f"{report['machine']['cuda']}. Speculative output equals target-only greedy output in every mode "
+             "(checked).", ""]
+    lines += _table(report)
+    lines += ["", "Acceptance histogram (tokens emitted per target forward: count):", ""]
+    for mode, m in report["modes"].items():
+        lines.append(f"- {mode}: " + ", ".join(f"{n}: {c}" for n, c in m["histogram"].items()))
+    peers = report.get("peers", {})
+    if peers:
+        lines += ["", "## Peers on the same model", ""]
+        g = peers.get("transformers_generate", {})
+        if "tokens_per_second" in g:
+            lines.append(f"- transformers `generate` (greedy, fp32): {g['tokens_per_second']:.1f} tokens/s")
+        a = peers.get("transformers_assisted", {})
+        lines.append("- transformers assisted generation with the draft_target draft: " +
+                     (f"{a['tokens_per_second']:.1f} tokens/s" if "tokens_per_second" in a else f"not run ({a.get('error')})"))
+    s = report.get("serving")
+    if s:
+        lines += ["", "## Through the Triton server (gRPC streaming, one stream)", "",
+                  f"- mode {s['mode']}: {s['tokens_per_second']:.1f} tokens/s speculative vs "
+                  f"{s['target_only_tokens_per_second']:.1f} target-only (`speculative: false`, same server): "
+                  f"**{s['speedup']:.2f}x**; mean accepted {s['mean_accepted_tokens']:.2f}",
+                  f"- serving overhead: served {s['tokens_per_second']:.1f} vs offline {s['offline_tokens_per_second']:.1f} "
+                  f"tokens/s = {s['served_over_offline']:.2f}"]
+    lines += ["", *[f"![{p}]({p})" for p in PLOTS], ""]
+    return "\n".join(lines)
+
+
+def plots(report: dict, root: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = list(report["modes"])
+    m = report["modes"]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.bar(modes, [m[x]["mean_accepted_tokens"] for x in modes], color="#76b900")
+    ax.axhline(report["num_draft_tokens"] + 1, color="grey", linestyle="--", linewidth=1, label="maximum (K + 1)")
+    ax.set_ylabel("tokens per target forward")
+    ax.set_title("Mean accepted tokens per target forward")
+    ax.legend()
+    plt.setp(ax.get_xticklabels(), rotation=30, ha="right")
+    fig.tight_layout()
+    fig.savefig(root / "acceptance.png", dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    width = 0.8 / max(1, len(modes))
+    for i, x in enumerate(modes):
+        hist = m[x]["histogram"]
+        total = sum(hist.values()) or 1
+        ax.bar([int(n) + (i - len(modes) / 2) * width for n in hist], [c / total for c in hist.values()],
+               width=width, label=x)
+    ax.set_xlabel("tokens emitted by one target forward")
+    ax.set_ylabel("fraction of forwards")
+    ax.set_title("Acceptance histogram")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(root / "histogram.png", dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    xs = range(len(modes))
+    ax.bar([x - 0.2 for x in xs], [m[x]["tokens_per_second"] for x in modes], width=0.4, label="speculative")
+    ax.bar([x + 0.2 for x in xs], [m[x]["target_only_tokens_per_second"] for x in modes], width=0.4,
+           label="target only")
+    g = report.get("peers", {}).get("transformers_generate", {})
+    if "tokens_per_second" in g:
+        ax.axhline(g["tokens_per_second"], color="grey", linestyle="--", linewidth=1, label="transformers generate")
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels(modes, rotation=30, ha="right")
+    ax.set_ylabel("tokens/s (batch 1, CPU)")
+    ax.set_title("Offline throughput on the same engines")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(root / "throughput.png", dpi=100)
+    plt.close(fig)
+
+
+def write_report(report: dict, root: Path) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    plots(report, root)
+    report = {**report, "plots": list(PLOTS)}
+    (root / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    (root / "report.md").write_text(markdown(report))

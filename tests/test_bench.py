@@ -1,0 +1,51 @@
+"""`nemospec bench --quick`: runs end to end (engines, offline, peers, Triton) and its report files
+hold every field the perf report promises, with values that agree with each other."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from runtime import cli
+
+
+@pytest.fixture(scope="module")
+def report_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    assert cli.main(["bench", "--quick", "--output_dir", str(out)]) == 0
+    return out
+
+
+def test_report_json_holds_every_field(report_dir):
+    r = json.loads((report_dir / "report.json").read_text())
+    assert r["quick"] and set(r["modes"]) == {"eagle3", "dflash"}
+    for mode, m in r["modes"].items():
+        hist = {int(n): c for n, c in m["histogram"].items()}
+        assert set(hist) == set(range(1, r["num_draft_tokens"] + 2))
+        assert sum(hist.values()) == m["verify_forwards"] > 0
+        assert m["mean_accepted_tokens"] == pytest.approx(sum(n * c for n, c in hist.items()) / sum(hist.values()),
+                                                          abs=1e-3)
+        assert m["mean_accepted_tokens"] > 1.0
+        assert m["tokens_per_second"] > 0 and m["target_only_tokens_per_second"] > 0
+        assert m["speedup"] == pytest.approx(m["tokens_per_second"] / m["target_only_tokens_per_second"], rel=0.02)
+        assert m["exact"] is True
+        assert m["build_seconds"] > 0 and m["engine_bytes"] == sum(e["bytes"] for e in m["engines"].values())
+        assert set(m["engines"]) >= {"target", "verify", "draft"}
+    peers = r["peers"]
+    assert peers["transformers_generate"]["tokens_per_second"] > 0
+    assert "tokens_per_second" in peers["transformers_assisted"] or peers["transformers_assisted"]["error"]
+    s = r["serving"]
+    assert s["mode"] == r["best_mode"] and s["tokens_per_second"] > 0 and s["target_only_tokens_per_second"] > 0
+    assert s["served_over_offline"] == pytest.approx(s["tokens_per_second"] / s["offline_tokens_per_second"], rel=0.02)
+
+
+def test_report_md_and_plots(report_dir):
+    r = json.loads((report_dir / "report.json").read_text())
+    md = (report_dir / "report.md").read_text()
+    for mode, m in r["modes"].items():
+        assert f"| {mode} | {m['mean_accepted_tokens']:.2f} |" in md
+    assert "transformers `generate`" in md and "Through the Triton server" in md
+    for name in r["plots"]:
+        data = (report_dir / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+        assert f"![{name}]({name})" in md
