@@ -12,8 +12,8 @@ request to its final response (what a client sees), medians over --runs.
 Offline and served single-stream runs alternate, so load from other work on the machine hits both
 alike; --threads sets torch's threads here and (OMP_NUM_THREADS) in the server's model process.
 
-Without --engine_dir a random MTP engine directory is built first (acceptance is ~1 token per
-verify: nothing was trained), with max_batch_size 16 so that 16 streams can share one batch.
+Without --engine_dir the embedded trained model's engines for --mode (eagle3) are built first, with
+max_batch_size 16 so that 16 streams can share one batch.
 """
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ import contextlib
 import io
 import json
 import os
-import queue
 import statistics
 import sys
 import tempfile
@@ -30,22 +29,22 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from runtime import cli, serve  # noqa: E402
+from runtime.client import stream_generate  # noqa: E402
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Parser(object):", "# utilities\nfrom re import"]
 
 
-def build_engine(root: Path) -> Path:
+def build_engine(root: Path, mode: str) -> Path:
+    """The embedded trained target + its ``mode`` draft, max_batch_size 16 (so 16 streams share a batch)."""
     from builder.engine import BuildOptions, build
-    from builder.random_checkpoint import add_mtp_layers, write_random_checkpoint
-    checkpoint = write_random_checkpoint(root / "checkpoint", "M*M-M*-", seed=0, tokenizer=True)
-    add_mtp_layers(checkpoint, "*-", seed=1)
-    options = BuildOptions(max_batch_size=16, max_input_len=64, max_seq_len=512, max_draft_len=3,
-                           speculative_decoding_mode="mtp")
-    build(checkpoint, root / "engine", options, log=lambda m: None)
+    from runtime.cli import resolve_sources
+    target, draft = resolve_sources(None, mode)
+    options = BuildOptions(max_batch_size=16, max_input_len=64, max_seq_len=512, max_draft_len=4,
+                           speculative_decoding_mode=mode)
+    build(target, root / "engine", options, log=lambda m: None, draft_dir=draft)
     return root / "engine"
 
 
@@ -61,33 +60,8 @@ def offline(engine_dir, prompt, new_tokens):
 
 def stream(url, prompt, new_tokens):
     """One gRPC streaming request: (ids, seconds from send to the final response)."""
-    import tritonclient.grpc as grpcclient
-    client = grpcclient.InferenceServerClient(url)
-    results = queue.Queue()
-    client.start_stream(callback=lambda result, error: results.put((result, error)))
-    inputs = []
-    for name, array, dtype in (("text_input", np.array([[prompt.encode()]], dtype=object), "BYTES"),
-                               ("max_tokens", np.array([[new_tokens]], dtype=np.int32), "INT32"),
-                               ("stream", np.array([[True]], dtype=bool), "BOOL"),
-                               ("end_id", np.array([[-1]], dtype=np.int32), "INT32")):
-        t = grpcclient.InferInput(name, list(array.shape), dtype)
-        t.set_data_from_numpy(array)
-        inputs.append(t)
-    ids = []
-    try:
-        start = time.perf_counter()
-        client.async_stream_infer("ensemble", inputs, enable_empty_final_response=True)
-        while True:
-            result, error = results.get(timeout=600)
-            if error is not None:
-                raise RuntimeError(str(error))
-            if result.as_numpy("output_ids") is not None:
-                ids += result.as_numpy("output_ids").reshape(-1).tolist()
-            if result.get_response().parameters["triton_final_response"].bool_param:
-                return ids, time.perf_counter() - start
-    finally:
-        client.stop_stream()
-        client.close()
+    result = stream_generate(url, prompt, new_tokens)
+    return result.ids, result.seconds
 
 
 def concurrent(url, n, new_tokens):
@@ -111,7 +85,8 @@ def concurrent(url, n, new_tokens):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--engine_dir", default=None, help="default: build a random MTP engine directory first")
+    p.add_argument("--engine_dir", default=None, help="default: build the embedded model's engines for --mode first")
+    p.add_argument("--mode", default="eagle3", help="speculative mode of the default engine directory")
     p.add_argument("--new_tokens", type=int, default=64)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--streams", default="1,4,16")
@@ -122,7 +97,7 @@ def main():
     torch.set_num_threads(args.threads)
     streams = [int(s) for s in args.streams.split(",")]
     with tempfile.TemporaryDirectory(prefix="nemospec-bench-") as scratch:
-        engine_dir = Path(args.engine_dir) if args.engine_dir else build_engine(Path(scratch))
+        engine_dir = Path(args.engine_dir) if args.engine_dir else build_engine(Path(scratch), args.mode)
         run(args, engine_dir, streams)
 
 

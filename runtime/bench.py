@@ -81,6 +81,8 @@ def _offline(engine_dir: Path, prompts: list[list[int]], new_tokens: int, k: int
     from runtime.loading import open_engine_dir
     from runtime.speculative import speculative_generate
     loaded = open_engine_dir(engine_dir, "torch")
+    speculative_generate(loaded.runner, loaded.proposer(), prompts[:1], 8, k)      # warm-up (allocations, caches)
+    generate(loaded.runner, prompts[:1], 8)
     spec_s = plain_s = 0.0
     tokens = forwards = 0
     hist: dict[str, int] = {}

@@ -56,7 +56,7 @@ def _full(batch: int, value: int):
     return torch.full((batch,), value, dtype=torch.int32)
 
 
-def chain_loss(module, kind: str, tokens, labels, features, steps: int = 3):
+def chain_loss(module, kind: str, tokens, labels, features, steps: int = 4):
     """Training-time-test loss of a chain draft over sequences [B, T] and their features [B, T, F]."""
     batch, length = tokens.shape
     state = allocate(module.state_spec(batch, length))

@@ -25,8 +25,8 @@ from runtime.state import allocate
 class DistillData:
     tokens: torch.Tensor   # [N, T] int64
     labels: torch.Tensor   # [N, T] int64
-    aux: torch.Tensor      # [N, T, len(capture_layers) * H] fp32
-    hidden: torch.Tensor   # [N, T, H] fp32
+    aux: torch.Tensor      # [N, T, len(capture_layers) * H] bf16 (kept small; cast per batch)
+    hidden: torch.Tensor   # [N, T, H] bf16
     capture_layers: tuple[int, ...]
     prompt_len: int
 
@@ -68,8 +68,8 @@ def target_features(target_dir, tokens: torch.Tensor, capture_layers, batch: int
             logits, _, feats = module.forward(ids, positions, torch.full((b,), length, dtype=torch.int32),
                                               positions.clone(), state)
             labels.append(logits.argmax(-1))
-            aux.append(feats["aux_hidden"].float())
-            hidden.append(feats["hidden"].float())
+            aux.append(feats["aux_hidden"].to(torch.bfloat16))
+            hidden.append(feats["hidden"].to(torch.bfloat16))
     return torch.cat(labels), torch.cat(aux), torch.cat(hidden)
 
 

@@ -19,6 +19,7 @@ from training.draft_configs import (DFLASH_LAYERS, EAGLE3_LAYERS, NUM_SPECULATIV
 
 FEATURE_KINDS = ("eagle", "eagle3")
 BLOCK_KINDS = ("dflash", "dspark", "peagle")
+ALL_KINDS = ("draft_target", "eagle", "eagle3", "mtp", "dflash", "dspark", "peagle")
 VALID_SEQUENCES = 64
 DRAFT_TARGET_CONFIG = dict(hidden_size=128, num_hidden_layers=4, hybrid_override_pattern="M*M-",
                            num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=512,
@@ -42,7 +43,7 @@ def _loss_and_eval(kind, module, data: DistillData, feats, batch: int, g: torch.
     valid = slice(limit, None)
 
     def run(idx, gen):
-        t, lab, f = data.tokens[idx], data.labels[idx], feats[idx]
+        t, lab, f = data.tokens[idx], data.labels[idx], feats[idx].float()
         if kind in ("eagle", "eagle3", "mtp"):
             return distill.chain_loss(module, kind, t, lab, f)
         if kind == "peagle":
@@ -57,13 +58,21 @@ def _loss_and_eval(kind, module, data: DistillData, feats, batch: int, g: torch.
     return loss, evaluate
 
 
+def _resumed(kind: str, directory: Path, shapes: dict) -> dict:
+    """Trainable fp32 copies of a draft written earlier (canonical names), to continue training it."""
+    from builder.draft_checkpoint import load_draft_checkpoint
+    from builder.draft_checkpoint_block import load_block_draft_checkpoint
+    _, stored = (load_draft_checkpoint if kind in FEATURE_KINDS else load_block_draft_checkpoint)(directory)
+    return {n: stored[n].float().clone().requires_grad_(True) for n in shapes}
+
+
 def train_speculators_draft(kind: str, target_dir: Path, data: DistillData, out: Path, steps: int, batch: int,
-                            lr: float, seed: int, log=print) -> list[dict]:
+                            lr: float, seed: int, log=print, resume: bool = False) -> list[dict]:
     tcfg, tweights = load_checkpoint(target_dir)
     config = draft_config(kind, tcfg)
     cfg, shapes = draft_shapes(kind, config)
     cfg = validate_against_target(cfg, tcfg) if kind in FEATURE_KINDS else validate_block_draft(cfg, tcfg)
-    weights = distill.init_weights(shapes, tweights, seed)
+    weights = _resumed(kind, out, shapes) if resume else distill.init_weights(shapes, tweights, seed)
     module = (_feature_draft if kind in FEATURE_KINDS else _block_draft)(cfg, weights, tweights, torch.float32)
     params = [w for w in weights.values() if w.requires_grad]
     log(f"{kind}: {sum(p.numel() for p in params) / 1e6:.2f} M trainable parameters")

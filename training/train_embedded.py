@@ -86,26 +86,35 @@ def stage_data(work: Path, target: Path, tokenizer, sequences: int, prompt_len: 
     return data
 
 
-def stage_drafts(work: Path, target: Path, data, kinds: list[str], steps_by_kind: dict, batch: int, lr: float):
+def stage_drafts(work: Path, target: Path, data, kinds: list[str], steps_by_kind: dict, batch: int, lr: float,
+                 resume: bool = False):
+    """Each kind writes its checkpoint directory and ``curves/<kind>.json`` (so several processes can
+    train different kinds at once)."""
     from training import draft_training as dt
 
-    record = work / "drafts.json"
-    curves = json.loads(record.read_text()) if record.is_file() else {}
-    for i, kind in enumerate(kinds):
-        out = work / kind
-        if (out / "config.json").is_file() and kind in curves:
+    (work / "curves").mkdir(exist_ok=True)
+    for kind in kinds:
+        out, record = work / kind, work / "curves" / f"{kind}.json"
+        done = (out / "config.json").is_file() and record.is_file()
+        if done != resume:  # resume: continue the drafts already trained; else: train the missing ones
             continue
         start = time.time()
-        seed, steps = SEED + 10 + i, steps_by_kind[kind]
+        seed, steps = SEED + 10 + sorted(dt.ALL_KINDS).index(kind), steps_by_kind[kind]
         if kind == "mtp":
             curve = dt.train_mtp(target, data, out, steps, batch, lr, seed, log)
         elif kind == "draft_target":
             curve = dt.train_draft_target(target, data, out, steps, batch, lr, seed, log)
         else:
-            curve = dt.train_speculators_draft(kind, target, data, out, steps, batch, lr, seed, log)
-        curves[kind] = {"steps": steps, "batch": batch, "lr": lr, "seed": seed,
-                        "seconds": round(time.time() - start, 1), "curve": curve}
-        record.write_text(json.dumps(curves, indent=1))
+            curve = dt.train_speculators_draft(kind, target, data, out, steps, batch, lr, seed, log, resume)
+        entry = {"steps": steps, "batch": batch, "lr": lr, "seed": seed, "torch_threads": torch.get_num_threads(),
+                 "seconds": round(time.time() - start, 1), "curve": curve}
+        if resume:  # a second round continues the first: one curve, steps counted on
+            first = json.loads(record.read_text())
+            offset = first["steps"]
+            entry = {**first, "steps": offset + steps, "seconds": first["seconds"] + entry["seconds"],
+                     "rounds": first.get("rounds", [{k: first[k] for k in ("steps", "lr")}]) + [{"steps": steps, "lr": lr}],
+                     "curve": first["curve"] + [{**c, "step": c["step"] + offset} for c in curve]}
+        record.write_text(json.dumps(entry, indent=1))
 
 
 def _quantized_copy(src: Path, dst: Path) -> None:
@@ -146,7 +155,7 @@ def stage_package(work: Path, kinds: list[str]) -> dict:
         _quantized_copy(work / "dspark", embedded.ROOT / "dspark_nvfp4")
         names.append("dspark_nvfp4")
     target_training = json.loads((work / "target_fp32" / "training.json").read_text())
-    drafts = json.loads((work / "drafts.json").read_text()) if (work / "drafts.json").is_file() else {}
+    drafts = {p.stem: json.loads(p.read_text()) for p in sorted((work / "curves").glob("*.json"))}
     (embedded.ROOT / "TRAINING.json").write_text(json.dumps({"target": target_training, "drafts": drafts}, indent=1))
     data = embedded.write_manifest(names, {"licence": corpus.LICENCE, "seed": SEED,
                                            "python": target_training["corpus"]["python"]})
@@ -163,7 +172,7 @@ def main(argv=None):
     ap.add_argument("--length", type=int, default=256)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--target_dir", help="skip target training: distill drafts for this checkpoint")
-    ap.add_argument("--sequences", type=int, default=1024)
+    ap.add_argument("--sequences", type=int, default=3072)
     ap.add_argument("--prompt_len", type=int, default=32)
     ap.add_argument("--new_tokens", type=int, default=96)
     ap.add_argument("--drafts", default="eagle3,dflash,dspark,peagle,eagle,mtp,draft_target")
@@ -171,7 +180,11 @@ def main(argv=None):
     ap.add_argument("--other_draft_steps", type=int, default=500, help="steps for the other drafts")
     ap.add_argument("--draft_batch", type=int, default=32)
     ap.add_argument("--draft_lr", type=float, default=2e-3)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--resume", action="store_true", help="drafts: continue training the drafts already written")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     stages = args.stages.split(",")
@@ -187,7 +200,7 @@ def main(argv=None):
     if "drafts" in stages:
         kinds = args.drafts.split(",")
         steps = {k: args.draft_steps if k in ("eagle3", "dflash") else args.other_draft_steps for k in kinds}
-        stage_drafts(work, target, data, kinds, steps, args.draft_batch, args.draft_lr)
+        stage_drafts(work, target, data, kinds, steps, args.draft_batch, args.draft_lr, args.resume)
     if "package" in stages:
         stage_package(work, args.drafts.split(","))
 
