@@ -18,10 +18,11 @@ from runtime.speculative import speculative_generate
 MODES = ("draft_target", "eagle", "eagle3", "mtp", "dflash", "dspark", "peagle")
 PROMPTS = ["import os\nimport sys\n\n\ndef main(argv=None):\n    ", "class Error(Exception):\n    def __init__(self",
            "    def __repr__(self):\n        return ", "x"]
-# measured on the shipped drafts (greedy, K=4, these prompts x 48 tokens); the floors keep a margin
-# so a broken draft or a broken loop fails while the numbers stay honest
-MIN_MEAN_ACCEPTED = {"eagle3": 2.0, "dflash": 2.0, "dspark": 2.0, "peagle": 1.6, "eagle": 1.6, "mtp": 1.6,
-                     "draft_target": 1.6}
+# measured on the shipped drafts (greedy, K=4, these prompts x 48 tokens): eagle3 2.70, draft_target
+# 2.46, mtp 2.31, eagle 2.24, dspark 2.08, dflash 2.05, peagle 1.97; an untrained draft gets ~1.05.
+# The floors keep a margin for other CPUs' rounding while a broken draft or loop still fails.
+MIN_MEAN_ACCEPTED = {"eagle3": 2.2, "draft_target": 2.0, "mtp": 1.9, "eagle": 1.8, "dspark": 1.7, "dflash": 1.7,
+                     "peagle": 1.6}
 
 
 @pytest.fixture(scope="module")

@@ -111,10 +111,16 @@ def train_mtp(target_dir: Path, data: DistillData, out: Path, steps: int, batch:
         else:
             value = torch.randn(shape, generator=g) * 0.02
         weights[name] = value.requires_grad_(True)
-    module = MTPDraft(cfg, weights, torch.float32)
     params = [w for n, w in weights.items() if n.startswith("mtp.")]
     log(f"mtp: {sum(p.numel() for p in params) / 1e6:.2f} M trainable parameters")
-    loss, evaluate = _loss_and_eval("mtp", module, data, data.hidden, batch, torch.Generator().manual_seed(seed))
+
+    class Rebuilt:
+        """MTPDraft built anew for every forward: its MoE stacks the expert weights when it is
+        constructed, and that stack must see (and pass gradients to) the current leaves."""
+        def __getattr__(self, name):
+            return getattr(MTPDraft(cfg, weights, torch.float32), name)
+
+    loss, evaluate = _loss_and_eval("mtp", Rebuilt(), data, data.hidden, batch, torch.Generator().manual_seed(seed))
     curve = distill.train_draft(loss, params, steps, lr, "mtp", log, evaluate)
     save_file({n: w.detach().contiguous() for n, w in weights.items()}, str(tmp / "model.safetensors"),
               metadata={"format": "pt"})
