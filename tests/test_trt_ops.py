@@ -283,6 +283,15 @@ def test_static_shapes():
     check(lambda c, n, p: F.kv_cache_update(c, n, p), [(n, v.dtype, tuple(v.shape)) for n, v in zip("cnp", kv)], [kv])
 
 
+def _ssm_recurrence(x, dt, A, B, C, h):
+    """The token-by-token SSM recurrence (the oracle): (y, last state)."""
+    ys = []
+    for t in range(x.shape[1]):
+        h = h * torch.exp(dt[:, t] * A)[..., None, None] + (dt[:, t, :, None] * x[:, t])[..., None] * B[:, t, :, None, :]
+        ys.append(torch.einsum("bhpn,bhn->bhp", h, C[:, t]))
+    return torch.stack(ys, 1), h
+
+
 def test_ssm_scan_long_prefill_matches_sequential():
     """A prefill of several hundred tokens (many chunks) against the token-by-token recurrence."""
     from builder.backends import torch_backend as tb
@@ -295,9 +304,23 @@ def test_ssm_scan_long_prefill_matches_sequential():
     rec.mark_output("h", h)
     got = run_network(rec.network, dict(zip(["x", "dt", "B", "C", "state"], case)))
     x, dt, B, C, s = case
-    ys, hs, _ = tb._ssm_sequential(x, dt, A, tb._heads(B, 4), tb._heads(C, 4), s)
+    ys, hs = _ssm_recurrence(x, dt, A, tb._heads(B, 4), tb._heads(C, 4), s)
     torch.testing.assert_close(got["y"], ys + x * D_SKIP[:, None], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got["h"], hs, rtol=1e-4, atol=1e-4)
+
+
+def test_ssm_all_states_match_the_recurrence():
+    """The verify chunk's per-position states (quadratic form, no loop) equal the recurrence's."""
+    from builder.backends import torch_backend as tb
+    A = -torch.exp(A_LOG)
+    x, dt, B, C, s = _ssm_case(2, 7, seed=5)
+    Bh, Ch = tb._heads(B, 4), tb._heads(C, 4)
+    y, last, states = tb._ssm_all_states(x, dt, A, Bh, Ch, s)
+    for t in range(1, 8):
+        yt, ht = _ssm_recurrence(x[:, :t], dt[:, :t], A, Bh[:, :t], Ch[:, :t], s)
+        torch.testing.assert_close(states[:, t - 1], ht, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(y[:, :t], yt, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(last, states[:, -1])
 
 
 def test_ssm_scan_bf16():

@@ -123,16 +123,17 @@ def _segment_sums(a):
     return sums.masked_fill(~causal, float("-inf"))
 
 
-def _ssm_sequential(x, dt, A, B, C, state):
-    """Token-by-token recurrence: exact per-position states for short verify chunks."""
-    states, ys = [], []
-    h = state
-    for t in range(x.shape[1]):
-        decay = torch.exp(dt[:, t] * A)[..., None, None]
-        h = h * decay + (dt[:, t, :, None] * x[:, t])[..., None] * B[:, t, :, None, :]
-        ys.append(torch.einsum("bhpn,bhn->bhp", h, C[:, t]))
-        states.append(h)
-    return torch.stack(ys, 1), h, torch.stack(states, 1)
+def _ssm_all_states(x, dt, A, B, C, state):
+    """The state after every position of a short (verify) chunk, in one shot: h_i = sum_{j<=i}
+    exp(a_i - a_j) dt_j x_j B_j^T + exp(a_i) h_0 with a the cumulative dt*A (the quadratic form,
+    no per-token loop). Returns (y, last state, states [B, T, H, P, N])."""
+    a_cum = torch.cumsum(dt * A, dim=1).permute(0, 2, 1)                    # [b, h, t]
+    decay = torch.exp(_segment_sums((dt * A).permute(0, 2, 1)))             # [b, h, i, j]
+    inputs = (dt[..., None] * x)[..., None] * B[..., None, :]               # [b, j, h, p, n]
+    states = torch.einsum("bhij,bjhpn->bihpn", decay, inputs)
+    states = states + torch.exp(a_cum).permute(0, 2, 1)[..., None, None] * state[:, None]
+    y = torch.einsum("bihpn,bihn->bihp", states, C)
+    return y, states[:, -1], states
 
 
 def _ssm_chunked(x, dt, A, B, C, state, chunk_size):
@@ -174,7 +175,7 @@ def ssm_scan(x, dt, A, B, C, D, state, chunk_size, return_all_states=False):
         y = torch.einsum("bhpn,bhn->bhp", h, Cf[:, 0])[:, None]
         return (y + xf * D.float()[:, None]).to(dtype), h
     if return_all_states:
-        y, new_state, all_states = _ssm_sequential(xf, dtf, Af, Bf, Cf, state.float())
+        y, new_state, all_states = _ssm_all_states(xf, dtf, Af, Bf, Cf, state.float())
     else:
         y, new_state = _ssm_chunked(xf, dtf, Af, Bf, Cf, state.float(), chunk_size)
     y = (y + xf * D.float()[:, None]).to(dtype)
@@ -229,7 +230,8 @@ def moe(router_input, x, router_weight, router_bias, up, down, top_k, n_group, t
     router_input, x = router_input.reshape(-1, router_input.shape[-1]), x.reshape(-1, shape[-1])
     index, weights = route(router_input, router_weight, router_bias, top_k, n_group, topk_group,
                            norm_topk_prob, routed_scaling_factor)
-    if index.numel() <= 16:  # a few tokens (decode, verify): gather the chosen experts' weights
+    if index.numel() <= 16 and x.is_cuda:  # a few tokens on a GPU: gather the chosen experts' weights
+        # (on the CPU the per-expert loop below is 2-3x faster: the gather copies whole weight matrices)
         h = _ACTIVATIONS[act](torch.einsum("nkih,nh->nki", up[index], x))
         h = torch.einsum("nkhi,nki->nkh", down[index], h)
         return (h.float() * weights[..., None]).sum(1).to(x.dtype).reshape(shape)
