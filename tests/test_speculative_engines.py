@@ -133,7 +133,7 @@ def test_build_errors_name_the_field(dirs, checkpoints, tmp_path, capsys):
                      "--max_draft_len", "2", "--speculative_decoding_mode", "mtp"])
     assert code == 2 and "num_nextn_predict_layers" in capsys.readouterr().err
     code2 = cli.main(["build", "--checkpoint_dir", str(target), "--output_dir", str(tmp_path / "e"),
-                      "--speculative_decoding_mode", "mtp"])
+                      "--speculative_decoding_mode", "mtp", "--max_draft_len", "0"])
     assert code2 == 2 and "--max_draft_len" in capsys.readouterr().err
     assert not (tmp_path / "e").exists()
     broken = tmp_path / "broken"
