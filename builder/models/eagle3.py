@@ -110,16 +110,23 @@ class Eagle3Draft:
 
         Returns (logits [B, G, draft_vocab] fp32, hidden_out [B, T, H] (zero at padding), new state).
         """
-        c = self.cfg
-        eps = self.eps
-        a = aux
+        h = F.where(F.reshape(from_target, [0, 0, 1]), self.fused_features(aux), hidden)
+        logits, x, new_state = self.decode(input_ids, h, positions, logit_index, state)
+        return logits, F.mask_padding(x, lengths), new_state
+
+    def fused_features(self, aux):
+        """fc over the (optionally normed) concatenated target features: [.., k*Ht] -> [.., H]."""
+        c, eps, a = self.cfg, self.eps, aux
         if self.input_norm is not None:
             a = F.rms_norm(a, self.input_norm, eps)
         if self.fc_norms is not None:
             parts = F.split(a, [c.target_hidden_size] * len(self.fc_norms))
             a = F.concat([F.rms_norm(x, w, eps) for x, w in zip(parts, self.fc_norms)])
-        h = F.where(F.reshape(from_target, [0, 0, 1]), F.linear(a, self.fc), hidden)
+        return F.linear(a, self.fc)
 
+    def decode(self, input_ids, h, positions, logit_index, state: dict):
+        """The decoder over rows (token, hidden h): (logits at logit_index fp32, hidden_out, new state)."""
+        c, eps = self.cfg, self.eps
         new_state = {}
         e = F.rms_norm(F.embedding(input_ids, self.embedding), self.embed_norm, eps)
         hn = F.rms_norm(h, self.hidden_norm, eps)
@@ -132,11 +139,9 @@ class Eagle3Draft:
             p = f"layers.{i}."
             x, new_state[p + "key_cache"], new_state[p + "value_cache"] = layer(
                 x, state[p + "key_cache"], state[p + "value_cache"], positions)
-
         if c.norm_output:
             x = F.rms_norm(x, self.norm, eps)
             rows = F.gather_rows(x, logit_index)
         else:
             rows = F.rms_norm(F.gather_rows(x, logit_index), self.norm, eps)
-        logits = F.to_float32(F.linear(rows, self.lm_head))
-        return logits, F.mask_padding(x, lengths), new_state
+        return F.to_float32(F.linear(rows, self.lm_head)), x, new_state

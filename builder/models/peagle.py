@@ -85,32 +85,7 @@ class PEagleDraft(Eagle3Draft):
 
     def forward(self, input_ids, aux, is_mask, positions, lengths, logit_index, state: dict):
         """Returns (logits [B, G, draft_vocab] fp32, new state)."""
-        c = self.cfg
-        eps = self.eps
         ids = F.where(is_mask, self.mask_token_id, input_ids)
         a = F.where(F.reshape(is_mask, [0, 0, 1]), self.mask_hidden, aux)
-        if self.input_norm is not None:
-            a = F.rms_norm(a, self.input_norm, eps)
-        if self.fc_norms is not None:
-            parts = F.split(a, [c.target_hidden_size] * len(self.fc_norms))
-            a = F.concat([F.rms_norm(x, w, eps) for x, w in zip(parts, self.fc_norms)])
-        h = F.linear(a, self.fc)
-
-        new_state = {}
-        e = F.rms_norm(F.embedding(ids, self.embedding), self.embed_norm, eps)
-        hn = F.rms_norm(h, self.hidden_norm, eps)
-        residual = hn if c.norm_before_residual else h
-        y, new_state["layers.0.key_cache"], new_state["layers.0.value_cache"] = self.attn(
-            F.concat([e, hn]), state["layers.0.key_cache"], state["layers.0.value_cache"], positions)
-        x = residual + y
-        x = x + self.mlp(F.rms_norm(x, self.post_norm, eps))
-        for i, layer in enumerate(self.layers, start=1):
-            p = f"layers.{i}."
-            x, new_state[p + "key_cache"], new_state[p + "value_cache"] = layer(
-                x, state[p + "key_cache"], state[p + "value_cache"], positions)
-        if c.norm_output:
-            x = F.rms_norm(x, self.norm, eps)
-            rows = F.gather_rows(x, logit_index)
-        else:
-            rows = F.rms_norm(F.gather_rows(x, logit_index), self.norm, eps)
-        return F.to_float32(F.linear(rows, self.lm_head)), new_state
+        logits, _, new_state = self.decode(ids, self.fused_features(a), positions, logit_index, state)
+        return logits, new_state
