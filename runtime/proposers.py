@@ -174,7 +174,16 @@ class FeatureDraftProposer(_PerSequence):
         self._catch_up(rows, rows_features, list(self.position))  # where the verify chunk began
 
 
-class BlockDraftProposer(_PerSequence):
+class _AuxProposer(_PerSequence):
+    """A proposer whose draft reads the target's captured layers (``aux_hidden``) as context."""
+
+    def __init__(self, draft, prefill_chunk=512):
+        self.draft, self.prefill_chunk = draft, prefill_chunk
+        self.features = ("aux_hidden",)
+        self.module = draft.module
+
+
+class BlockDraftProposer(_AuxProposer):
     """DFlash / DSpark: one draft forward proposes a whole block.
 
     The draft's context is the target's captured features of every accepted token (row p is the
@@ -186,11 +195,6 @@ class BlockDraftProposer(_PerSequence):
     """
 
     _lists = ("context", "context_start", "anchor", "position")
-
-    def __init__(self, draft, prefill_chunk=512):
-        self.draft, self.prefill_chunk = draft, prefill_chunk
-        self.features = ("aux_hidden",)
-        self.module = draft.module
 
     def start(self, prompts, first_tokens, features, capacity):
         self.state = self.draft.new_state(len(prompts), capacity)
@@ -250,17 +254,12 @@ class BlockDraftProposer(_PerSequence):
         self.anchor = [int(t) for t in next_tokens]
 
 
-class ParallelDraftProposer(_PerSequence):
+class ParallelDraftProposer(_AuxProposer):
     """P-EAGLE: EAGLE-3 rows (token x_{p+1}, target feature g_p, position p) for the tokens verified
     since the last step, then K-1 placeholder rows; all K drafts come from one forward, each from
     its own row. Stale slots are overwritten by the next catch-up rows: nothing is rolled back."""
 
     _lists = ("rows", "feats", "start_pos")
-
-    def __init__(self, draft, prefill_chunk=512):
-        self.draft, self.prefill_chunk = draft, prefill_chunk
-        self.features = ("aux_hidden",)
-        self.module = draft.module
 
     def start(self, prompts, first_tokens, features, capacity):
         self.state = self.draft.new_state(len(prompts), capacity)
