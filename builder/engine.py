@@ -49,6 +49,11 @@ class BuildOptions:
     max_draft_len: int = 0
     dtype: str = "auto"
     speculative_decoding_mode: str | None = None
+    # adaptive draft length defaults (runtime.draft_policy; generate/serve may override them)
+    draft_len_schedule: str = ""
+    draft_confidence_threshold: float = 0.0
+    acceptance_rate_threshold: float = 0.0
+    acceptance_rate_window_size: int = 8
 
     def validate(self):
         for name in ("max_batch_size", "max_input_len", "max_seq_len"):
@@ -146,7 +151,7 @@ def target_component(module: NemotronH, options: BuildOptions, verify=False) -> 
     """The target engine (prefill + decode chunks) or, with ``verify``, the K+1-token verify engine."""
     def call(f):
         logits, new_state, features = module.forward(f["input_ids"], f["positions"], f["lengths"], f["logit_index"],
-                                                     _state_feeds(f), all_states=verify)
+                                                     _state_feeds(f), verify=verify)
         return _outputs(logits, new_state, {"features." + n: v for n, v in features.items()})
     profiles = ([{"name": "verify", "max_tokens": options.max_draft_len + 1}] if verify
                 else _chunk_profiles(options, options.max_draft_len + 1))

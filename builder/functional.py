@@ -94,28 +94,40 @@ def mask_padding(x, lengths):
 
 
 # --- sequence mixers ------------------------------------------------------------------------------
-def causal_conv1d(x, conv_state, weight, bias, lengths, return_all_states=False):
+def causal_conv1d(x, conv_state, weight, bias, lengths):
     """Depthwise causal conv over time.
 
     x [B, T, C]; conv_state [B, K-1, C] holds the K-1 inputs before this chunk; weight [C, K];
     bias [C] or None. Returns (y [B, T, C], new_state [B, K-1, C]) where new_state holds the K-1
-    inputs ending at the last valid token (t = lengths[b] - 1). With return_all_states, a third
-    output [B, T, K-1, C] holds the state after every position (for speculative rollback).
+    inputs ending at the last valid token (t = lengths[b] - 1), as :func:`conv_window` gives.
     """
-    return _backend(x, conv_state, lengths).causal_conv1d(x, conv_state, weight, bias, lengths,
-                                                          return_all_states)
+    return _backend(x, conv_state, lengths).causal_conv1d(x, conv_state, weight, bias, lengths)
 
 
-def ssm_scan(x, dt, A, B, C, D, state, chunk_size, return_all_states=False):
+def conv_window(conv_state, x, lengths):
+    """The conv state after the first lengths[b] rows of x [B, T, C]: the K-1 rows of
+    concat(conv_state [B, K-1, C], x) that end at row lengths[b] - 1 of x. A speculative rollback
+    keeps the verify chunk's conv inputs and takes this window at the accepted length."""
+    return _backend(conv_state, x, lengths).conv_window(conv_state, x, lengths)
+
+
+def ssm_scan(x, dt, A, B, C, D, state, chunk_size):
     """Mamba-2 selective scan (SSD) over a chunk of T tokens.
 
     x [B, T, H, P]; dt [B, T, H] (after softplus/limits; 0 at padding so state does not move);
     A [H] (negative); B, C [B, T, G, N]; D [H]; state [B, H, P, N] fp32. Returns
-    (y [B, T, H, P] in x's dtype, new_state fp32) and, with return_all_states, the state after
-    every position [B, T, H, P, N].
+    (y [B, T, H, P] in x's dtype, new_state fp32). ``chunk_size`` is the SSD chunk (the math does
+    not depend on it; a chunk shorter than it is one chunk).
     """
-    return _backend(x, dt, B, C, state).ssm_scan(x, dt, A, B, C, D, state, chunk_size,
-                                                 return_all_states)
+    return _backend(x, dt, B, C, state).ssm_scan(x, dt, A, B, C, D, state, chunk_size)
+
+
+def ssm_state(x, dt, A, B, state):
+    """The SSM state after a chunk, without its outputs: h = exp(sum_t dt_t A) h0 +
+    sum_t exp(sum_{s>t} dt_s A) dt_t x_t B_t^T (fp32 [B, H, P, N]); rows with dt = 0 leave it
+    unchanged. A speculative rollback keeps the verify chunk's x, dt and B and computes only the
+    accepted position's state (dt masked past it) once acceptance is known."""
+    return _backend(x, dt, B, state).ssm_state(x, dt, A, B, state)
 
 
 def kv_cache_update(cache, new, positions):

@@ -42,13 +42,21 @@ def rejection(draft_tokens, draft_probs, target_logits, temperature, top_p, gene
     return m.to(draft_tokens.device), token.to(draft_tokens.device)
 
 
-def accept(draft_tokens, draft_probs, target_logits, params: list[SamplingParams]):
-    """Per row: greedy acceptance, or rejection sampling with the row's own settings and generator."""
+def accept(draft_tokens, draft_probs, target_logits, params: list[SamplingParams], lengths=None):
+    """Per row: greedy acceptance, or rejection sampling with the row's own settings and generator.
+
+    ``lengths`` [B] (optional): row b proposed only its first lengths[b] drafts (the rest of its
+    chunk is padding): it accepts at most those, and if it keeps them all its bonus token comes from
+    the target at row lengths[b], exactly as if the step had drafted lengths[b] tokens."""
     m, nxt = greedy(draft_tokens, target_logits)
+    if lengths is not None:
+        m = torch.minimum(m, lengths.to(m.device))
+        nxt = target_logits.argmax(-1).gather(1, m[:, None])[:, 0]
     for row, prm in enumerate(params):
         if prm.temperature:
+            n = draft_tokens.shape[1] if lengths is None else int(lengths[row])
             r = slice(row, row + 1)
-            m_r, t_r = rejection(draft_tokens[r], draft_probs[r], target_logits[r], prm.temperature, prm.top_p,
-                                 prm.generator)
+            m_r, t_r = rejection(draft_tokens[r, :n], draft_probs[r, :n], target_logits[r, :n + 1], prm.temperature,
+                                 prm.top_p, prm.generator)
             m[row], nxt[row] = m_r[0], t_r[0]
     return m, nxt

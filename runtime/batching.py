@@ -15,8 +15,9 @@ import torch
 
 from runtime import acceptance
 from runtime.generation import prefill
-from runtime.rollback import select_verified
+from runtime.draft_policy import AcceptanceTracker, DraftPolicy
 from runtime.sampling import SamplingParams, ban, draw
+from runtime.step_costs import StepCosts, Stopwatch
 
 
 @dataclass
@@ -34,6 +35,7 @@ class Sequence:
     gained: Counter = field(default_factory=Counter)   # verify steps by tokens gained
     request_id: int = -1
     on_tokens: object = None                            # the scheduler's callback for this request
+    acceptance: AcceptanceTracker | None = None         # set by a speculative group
 
     def emit(self, tokens) -> list[int]:
         kept = []
@@ -71,6 +73,7 @@ class PlainGroup:
         self.seqs: list[Sequence] = []
         self.state = None
         self.forwards = 0
+        self.costs = StepCosts()
 
     def _prefill(self, seqs):
         state = self.target.new_state(len(seqs), self.capacity)
@@ -96,18 +99,31 @@ class PlainGroup:
 
     def step(self) -> list[list[int]]:
         """One decode step for every sequence; returns the tokens each one gained."""
+        return self._decode_step(Stopwatch())
+
+    def _decode_step(self, watch, on_features=None):
+        """Decodes one token per sequence; ``on_features(tokens, features)`` runs (timed as draft
+        work) before the tokens are emitted."""
         dev = self.target.device
         n = len(self.seqs)
         ids = torch.tensor([[s.last] for s in self.seqs], dtype=torch.int32, device=dev)
         pos = torch.tensor([[s.position] for s in self.seqs], dtype=torch.int32, device=dev)
-        logits, self.state, _ = self.target.forward(ids, pos, torch.ones(n, dtype=torch.int32, device=dev),
-                                                    torch.zeros(n, 1, dtype=torch.int32, device=dev), self.state)
+        watch.lap()
+        logits, self.state, features = self.target.forward(ids, pos, torch.ones(n, dtype=torch.int32, device=dev),
+                                                            torch.zeros(n, 1, dtype=torch.int32, device=dev), self.state)
+        decode = watch.lap()
         self.forwards += 1
         tokens, _ = draw(logits[:, 0], [s.params for s in self.seqs])
+        draft = 0.0
+        if on_features is not None:
+            watch.lap()
+            on_features(tokens, features)
+            draft = watch.lap()
         out = []
         for s, t in zip(self.seqs, tokens.tolist()):
             s.position, s.last = s.position + 1, t
             out.append(s.emit([t]))
+        self.costs.add(watch.total(), tokens=n, rows=n, draft=draft, verify=decode)
         return out
 
     def drop(self, keep: list[int]):
@@ -119,18 +135,31 @@ class PlainGroup:
 class SpeculativeGroup(PlainGroup):
     """Sequences decoded with a draft: one verify per step, K proposals per sequence."""
 
-    def __init__(self, target, make_proposer, draft_len: int, capacity: int, prefill_chunk: int = 512):
+    def __init__(self, target, make_proposer, draft_len: int, capacity: int, prefill_chunk: int = 512,
+                 policy: DraftPolicy | None = None):
         super().__init__(target, capacity, prefill_chunk)
         self.make_proposer, self.draft_len = make_proposer, draft_len
+        self.policy = policy or DraftPolicy(draft_len)
+        self.target_only_steps = 0
+        self.draft_lens = Counter()          # steps by the K they verified (0: a target-only step)
         self.proposer = None
         self.verifies = 0
-        self.draft_seconds = self.verify_seconds = 0.0
         self.histogram = Counter()
+
+    @property
+    def draft_seconds(self) -> float:
+        return self.costs.draft
+
+    @property
+    def verify_seconds(self) -> float:
+        return self.costs.verify
 
     def add(self, seqs):
         proposer = self.make_proposer()
         self.features = proposer.features
         state, features, emitted = self._prefill(seqs)
+        for s in seqs:
+            s.acceptance = AcceptanceTracker(self.policy)
         proposer.start([s.prompt for s in seqs], [s.last for s in seqs], features, self.capacity)
         if self.proposer is None or not self.seqs:
             self.proposer = proposer
@@ -139,35 +168,63 @@ class SpeculativeGroup(PlainGroup):
         self._merge(seqs, state)
         return emitted
 
+    def _draft_len(self) -> int:
+        n = len(self.seqs)
+        k = min(self.draft_len, self.policy.k_for_batch(n), self.capacity - 1 - max(s.position for s in self.seqs))
+        return k if any(s.acceptance.speculating for s in self.seqs) else 0
+
+    def _target_only_step(self, watch):
+        """K = 0 (the batch-size schedule, or no sequence speculating): a plain decode step whose
+        token and features the draft queues for its next proposal."""
+        n = len(self.seqs)
+        self.target_only_steps += 1
+        self.draft_lens[0] += 1
+        return self._decode_step(watch, lambda tokens, features: self.proposer.accept(
+            torch.zeros(n, dtype=torch.long), tokens, torch.zeros(n, 0, dtype=torch.long), features))
+
     def step(self):
+        watch = Stopwatch()
+        k = self._draft_len()
+        if k == 0:
+            return self._target_only_step(watch)
         dev = self.target.device
         n = len(self.seqs)
         params = [s.params for s in self.seqs]
-        k = min(self.draft_len, self.capacity - 1 - max(s.position for s in self.seqs))
-        t0 = time.perf_counter()
-        drafts, q = self.proposer.propose(k, params)
-        t1 = time.perf_counter()
-        ids = torch.cat([torch.tensor([[s.last] for s in self.seqs], dtype=torch.int32, device=dev),
-                         drafts.to(torch.int32).to(dev)], 1)
-        pos = (torch.tensor([[s.position] for s in self.seqs], dtype=torch.int32, device=dev)
-               + torch.arange(k + 1, dtype=torch.int32, device=dev))
-        rows = torch.arange(k + 1, dtype=torch.int32, device=dev).repeat(n, 1)
-        logits, new_state, features = self.target.forward(ids, pos, torch.full((n,), k + 1, dtype=torch.int32, device=dev),
-                                                          rows, self.state, all_states=True)
-        m, nxt = acceptance.accept(drafts.to(logits.device), q, ban(logits, params), params)
-        self.state = select_verified(new_state, m.to(dev))
+        drafts, q, conf = self.proposer.propose(k, params, self.policy.confidence_threshold)
+        proposed = self.policy.confident_lengths(conf) if conf is not None else torch.full((n,), drafts.shape[1])
+        proposed = torch.where(torch.tensor([s.acceptance.speculating for s in self.seqs]), proposed, 0)
+        k = int(proposed.max())
+        drafts, q = drafts[:, :k], None if q is None else q[:, :k]
+        draft = watch.lap()
+        rows = torch.arange(k + 1, dtype=torch.int32, device=dev)
+        last = torch.tensor([s.last for s in self.seqs], dtype=torch.int32, device=dev)
+        ids = torch.cat([last[:, None], drafts.to(device=dev, dtype=torch.int32)], 1)
+        pos = torch.tensor([s.position for s in self.seqs], dtype=torch.int32, device=dev)[:, None] + rows
+        lengths = torch.full((n,), k + 1, dtype=torch.int32, device=dev)
+        watch.lap()
+        logits, new_state, features = self.target.forward(ids, pos, lengths, rows.expand(n, -1), self.state,
+                                                          verify=True)
+        verify = watch.lap()
+        limit = None if bool((proposed == k).all()) else proposed
+        m, nxt = acceptance.accept(drafts.to(logits.device), q, ban(logits, params), params, limit)
+        self.state = self.target.rollback(self.state, new_state, m.to(dev))
+        accept = watch.lap()
         self.proposer.accept(m, nxt, drafts, features)
-        self.verify_seconds += time.perf_counter() - t1
-        self.draft_seconds += t1 - t0
+        draft += watch.lap()
         self.verifies += 1
         self.forwards += 1
-        out = []
-        for i, s in enumerate(self.seqs):
-            gained = drafts[i, :int(m[i])].tolist() + [int(nxt[i])]
+        self.draft_lens[k] += 1
+        out, tokens = [], 0
+        for s, d, kept, t, made in zip(self.seqs, drafts.tolist(), m.tolist(), nxt.tolist(), proposed.tolist()):
+            gained = d[:kept] + [t]                                      # one host copy of each tensor
+            tokens += len(gained)
             s.gained[len(gained)] += 1
             self.histogram[len(gained)] += 1
-            s.position, s.last = s.position + len(gained), int(nxt[i])
+            s.acceptance.record(kept, made)
+            s.position, s.last = s.position + len(gained), t
             out.append(s.emit(gained))
+        self.costs.add(watch.total(), tokens=tokens, rows=n, proposals=int(proposed.sum()), draft=draft,
+                       verify=verify, accept=accept)
         return out
 
     def drop(self, keep):

@@ -70,6 +70,17 @@ def build_mode_engines(checkpoint, mode: str, root: Path, k: int) -> tuple[Path,
     return out, report
 
 
+def portable_path(path, root: Path) -> str:
+    """A path as a report may print it: relative to the report directory or the package (the
+    embedded model), else just its name; never the absolute path of the machine it ran on."""
+    from builder import embedded
+    path = Path(path).resolve()
+    for base in (Path(root).resolve(), embedded.ROOT.parent.parent):
+        if path.is_relative_to(base):
+            return str(path.relative_to(base))
+    return path.name
+
+
 def _timed(fn, runs: int):
     results = [fn() for _ in range(runs)]
     return results[-1], statistics.median(r.seconds for r in results)
@@ -80,28 +91,34 @@ def _offline(engine_dir: Path, prompts: list[list[int]], new_tokens: int, k: int
     from runtime.generation import generate
     from runtime.loading import open_engine_dir
     from runtime.speculative import speculative_generate
+    from runtime.step_costs import StepCosts, cost_model
     loaded = open_engine_dir(engine_dir, "torch")
     speculative_generate(loaded.runner, loaded.proposer(), prompts[:1], 8, k)      # warm-up (allocations, caches)
     generate(loaded.runner, prompts[:1], 8)
     spec_s = plain_s = 0.0
     tokens = forwards = 0
     hist: dict[str, int] = {}
+    spec_costs, plain_costs = StepCosts(), StepCosts()
     for ids in prompts:
         spec, s = _timed(lambda: speculative_generate(loaded.runner, loaded.proposer(), [ids], new_tokens, k), runs)
         plain, t = _timed(lambda: generate(loaded.runner, [ids], new_tokens), runs)
         if spec.output_ids != plain.output_ids:
             raise RuntimeError(f"{engine_dir}: speculative output differs from target-only greedy")
         spec_s, plain_s, tokens = spec_s + s, plain_s + t, tokens + spec.num_tokens
+        spec_costs.merge(spec.extra["cost"])
+        plain_costs.merge(plain.extra["cost"])
         a = spec.extra["acceptance"]
         forwards += a["num_verify_forwards"]
         for n, c in a["histogram"].items():
             hist[n] = hist.get(n, 0) + c
     total = sum(hist.values())
     mean = sum(int(n) * c for n, c in hist.items()) / total if total else 0.0
+    spec_cost, plain_cost = spec_costs.summary(), plain_costs.summary()
     return {"mean_accepted_tokens": round(mean, 3), "histogram": hist, "verify_forwards": forwards,
             "tokens": tokens, "tokens_per_second": round(tokens / spec_s, 1),
             "target_only_tokens_per_second": round(tokens / plain_s, 1), "speedup": round(plain_s / spec_s, 3),
-            "exact": True}
+            "exact": True, "cost": {"speculative": spec_cost, "target_only": plain_cost,
+                                    **cost_model(spec_cost, plain_cost)}}
 
 
 def _peers(target_dir: Path, draft_dir: Path | None, prompts: list[list[int]], new_tokens: int, runs: int) -> dict:
@@ -156,7 +173,7 @@ def _serving(engine_dir: Path, texts: list[str], new_tokens: int, runs: int, off
                 means.append(a.mean_accepted_tokens)
     tps = tokens / spec_s
     return {"mode": json.loads((engine_dir / "config.json").read_text())["speculative"]["mode"],
-            "engine_dir": str(engine_dir), "tokens_per_second": round(tps, 1),
+            "engine_dir": portable_path(engine_dir, engine_dir.parent.parent), "tokens_per_second": round(tps, 1),
             "target_only_tokens_per_second": round(tokens / plain_s, 1), "speedup": round(plain_s / spec_s, 3),
             "mean_accepted_tokens": round(statistics.mean(means), 3),
             "offline_tokens_per_second": offline_tps, "served_over_offline": round(tps / offline_tps, 3)}
@@ -190,7 +207,7 @@ def run_bench(args) -> dict:
                     "machine": {"cpu_threads": torch.get_num_threads(), "platform": platform.platform(),
                                 "python": platform.python_version(), "torch": torch.__version__,
                                 "cuda": torch.cuda.is_available()},
-                    "model": str(target_dir), "modes": {}}
+                    "model": portable_path(target_dir, root), "modes": {}}
     for mode in modes:
         _log(f"bench: {mode}: building engines")
         engine_dir, build = build_mode_engines(args.checkpoint_dir, mode, root, k)
@@ -198,7 +215,7 @@ def run_bench(args) -> dict:
                    for n, e in build["engines"].items()}
         _log(f"bench: {mode}: generating ({len(prompts)} prompts x {new_tokens} tokens, with and without speculation)")
         entry = _offline(engine_dir, prompts, new_tokens, k, runs)
-        entry.update(engine_dir=str(engine_dir), build_seconds=round(build["total_seconds"], 1),
+        entry.update(engine_dir=portable_path(engine_dir, root), build_seconds=round(build["total_seconds"], 1),
                      engine_bytes=sum(e["bytes"] for e in engines.values()), engines=engines)
         report["modes"][mode] = entry
         _log(f"bench: {mode}: mean accepted {entry['mean_accepted_tokens']:.2f}, {entry['tokens_per_second']} vs "
@@ -210,7 +227,7 @@ def run_bench(args) -> dict:
     report["best_mode"] = best
     if not args.no_serving:
         _log(f"bench: serving the best mode ({best}) through Triton")
-        report["serving"] = _serving(Path(report["modes"][best]["engine_dir"]), texts, new_tokens, runs,
+        report["serving"] = _serving(root / report["modes"][best]["engine_dir"], texts, new_tokens, runs,
                                      report["modes"][best]["tokens_per_second"])
     write_report(report, root)
     _log(f"bench: wrote {root / 'report.json'}, {root / 'report.md'} and plots")

@@ -4,7 +4,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-PLOTS = ("acceptance.png", "histogram.png", "throughput.png")
+PLOTS = ("acceptance.png", "histogram.png", "throughput.png", "costs.png")
+PART_LABELS = {"draft": "draft", "verify": "verify (K+1 rows)", "accept": "accept + rollback", "host": "host"}
 
 
 def _table(report: dict) -> list[str]:
@@ -17,6 +18,24 @@ def _table(report: dict) -> list[str]:
     return rows
 
 
+def cost_table(report: dict) -> list[str]:
+    """Per speculative step: where the milliseconds go, beside one target-only step; the speedup the
+    costs predict next to the measured one."""
+    rows = ["| mode | draft ms (per proposal) | verify ms (/ decode) | accept + rollback ms | host ms | step ms | "
+            "tokens / step | target-only step ms (decode) | predicted speedup | measured speedup |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for mode, m in report["modes"].items():
+        c = m.get("cost")
+        if not c:
+            continue
+        s = c["speculative"]
+        rows.append(f"| {mode} | {s['draft_ms']:.3f} ({s['draft_ms_per_proposal']:.3f}) | {s['verify_ms']:.3f} "
+                    f"({c['verify_over_decode']:.2f}x) | {s['accept_ms']:.3f} | {s['host_ms']:.3f} | {s['step_ms']:.3f} | "
+                    f"{s['tokens_per_step']:.2f} | {c['target_only_step_ms']:.3f} ({c['target_decode_ms']:.3f}) | "
+                    f"{c['model_speedup']:.2f}x | {m['speedup']:.2f}x |")
+    return rows
+
+
 def markdown(report: dict) -> str:
     k = report["num_draft_tokens"]
     lines = [f"# nemospec bench ({report['created']}{', quick' if report['quick'] else ''})", "",
@@ -26,6 +45,10 @@ def markdown(report: dict) -> str:
              f"{report['machine']['cuda']}. Speculative output equals target-only greedy output in every mode "
              "(checked).", ""]
     lines += _table(report)
+    lines += ["", "## Where a step's time goes", "",
+              "Milliseconds per decode step (prefill excluded), speculative vs target-only on the same engines; "
+              "predicted speedup = tokens per step x target-only step / speculative step.", ""]
+    lines += cost_table(report)
     lines += ["", "Acceptance histogram (tokens emitted per target forward: count):", ""]
     for mode, m in report["modes"].items():
         lines.append(f"- {mode}: " + ", ".join(f"{n}: {c}" for n, c in m["histogram"].items()))
@@ -98,6 +121,25 @@ def plots(report: dict, root: Path) -> None:
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(root / "throughput.png", dpi=100)
+    plt.close(fig)
+
+    costed = [x for x in modes if m[x].get("cost")]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    bottom = [0.0] * len(costed)
+    for part, label in PART_LABELS.items():  # per token: a step's parts / tokens per step
+        values = [m[x]["cost"]["speculative"][f"{part}_ms"] / max(1e-9, m[x]["cost"]["speculative"]["tokens_per_step"])
+                  for x in costed]
+        ax.bar(costed, values, bottom=bottom, label=label)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    if costed:
+        ax.axhline(m[costed[0]]["cost"]["target_only_step_ms"], color="black", linestyle="--", linewidth=1,
+                   label="target-only ms / token")
+    ax.set_ylabel("ms per generated token")
+    ax.set_title("Cost of a token: speculative step parts vs target-only")
+    ax.legend(fontsize=7)
+    plt.setp(ax.get_xticklabels(), rotation=30, ha="right")
+    fig.tight_layout()
+    fig.savefig(root / "costs.png", dpi=100)
     plt.close(fig)
 
 

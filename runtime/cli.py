@@ -8,6 +8,7 @@ import sys
 from rich.console import Console
 
 from builder.errors import NemospecError
+from runtime.draft_policy import POLICY_FLAGS, add_policy_args, policy_from
 
 err = Console(stderr=True, highlight=False)
 
@@ -30,6 +31,7 @@ def _add_build_args(p):
                    help="quantize the draft's linear layers (ModelOpt NVFP4 W4A16) while building")
     p.add_argument("--draft_dir", default=None,
                    help="draft checkpoint (every mode but mtp); default with the embedded model: its trained draft")
+    add_policy_args(p, build=True)
 
 
 def _parser():
@@ -53,11 +55,15 @@ def _parser():
     g.add_argument("--no_speculation", action="store_true", help="run the target alone (same engine directory)")
     g.add_argument("--num_draft_tokens", type=int, default=None,
                    help="draft tokens per step, at most the engine's --max_draft_len (default: that)")
-    g.add_argument("--backend", default="auto", choices=["auto", "torch", "tensorrt", "interpreter"],
-                   help="auto: TensorRT on a GPU, else torch; interpreter: the engine's network on the CPU (slow, a check)")
+    g.add_argument("--backend", default="auto", choices=["auto", "torch", "compiled", "tensorrt", "interpreter"],
+                   help="auto: TensorRT on a GPU, else compiled (torch for fewer than 2048 generated tokens, where "
+                        "loading compiled steps costs more than it saves); torch: the eager reference; compiled: "
+                        "short steps through torch.compile, cached on disk; interpreter: the engine's network on "
+                        "the CPU (slow, a check)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="with --checkpoint_dir: the eager dtype")
     g.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    add_policy_args(g, build=False)
     g.add_argument("--speculative_decoding_mode", default=None,
                    choices=["draft_target", "eagle", "eagle3", "mtp", "dflash", "dspark", "peagle"],
                    help="with a checkpoint: speculate eagerly with this draft (no engines needed)")
@@ -99,8 +105,10 @@ def cmd_build(args):
                                                           args.draft_dir, args.quantization)
     if args.max_draft_len is None:
         args.max_draft_len = 4 if args.speculative_decoding_mode else 0
+    if args.speculative_decoding_mode:
+        policy_from(args.max_draft_len, vars(args))  # a bad flag exits 2 before anything is built
     options = BuildOptions(args.max_batch_size, args.max_input_len, args.max_seq_len, args.max_draft_len, args.dtype,
-                           args.speculative_decoding_mode)
+                           args.speculative_decoding_mode, **{f: getattr(args, f) for f in POLICY_FLAGS})
     with err.status("building ...") as status:
         def log(message):
             status.update(message)
@@ -145,22 +153,35 @@ def _prompts(args, tokenizer):
     return [tokenizer.encode(p).ids for p in args.prompt]
 
 
+def cost_line(cost: dict) -> str:
+    """One line: a speculative step's parts beside a target-only step, and the speedup they predict."""
+    s = cost["speculative"]
+    return (f"step cost: draft {s['draft_ms']:.2f} ms ({s['draft_ms_per_proposal']:.2f} per proposal) + verify "
+            f"{s['verify_ms']:.2f} ms ({cost['verify_over_decode']:.2f}x a decode) + accept/rollback {s['accept_ms']:.2f} ms "
+            f"+ host {s['host_ms']:.2f} ms = {s['step_ms']:.2f} ms for {s['tokens_per_step']:.2f} tokens; target-only "
+            f"step {cost['target_only_step_ms']:.2f} ms; predicted speedup {cost['model_speedup']:.2f}x")
+
+
 def cmd_generate(args):
     from runtime.generation import generate
     from runtime.loading import open_checkpoint, open_engine_dir
+    from runtime.step_costs import cost_model
     if args.engine_dir is None:
         args.checkpoint_dir, args.draft_dir = resolve_sources(args.checkpoint_dir, args.speculative_decoding_mode,
                                                               args.draft_dir)
     elif args.speculative_decoding_mode or args.draft_dir:
         raise NemospecError("--speculative_decoding_mode/--draft_dir: an engine directory already holds its draft; "
                             "these go with --checkpoint_dir")
+    from runtime.loading import resolve_backend
+    backend = resolve_backend(args.backend, engine_dir=args.checkpoint_dir is None,
+                              tokens=args.max_new_tokens * len(args.prompt or args.input_ids or [None]))
     if args.checkpoint_dir:
-        if args.backend in ("tensorrt", "interpreter"):
-            raise NemospecError(f"--backend {args.backend} needs --engine_dir (build one with `nemospec build`)")
+        if backend in ("tensorrt", "interpreter"):
+            raise NemospecError(f"--backend {backend} needs --engine_dir (build one with `nemospec build`)")
         loaded = open_checkpoint(args.checkpoint_dir, args.dtype, mode=args.speculative_decoding_mode,
-                                 draft_dir=args.draft_dir, max_draft_len=args.max_draft_len)
+                                 draft_dir=args.draft_dir, max_draft_len=args.max_draft_len, backend=backend)
     else:
-        loaded = open_engine_dir(args.engine_dir, args.backend)
+        loaded = open_engine_dir(args.engine_dir, backend)
     tokenizer = None
     if loaded.tokenizer_path is not None:
         from tokenizers import Tokenizer
@@ -179,11 +200,16 @@ def cmd_generate(args):
     if args.num_draft_tokens is not None and not 1 <= k <= loaded.max_draft_len:
         raise NemospecError(f"--num_draft_tokens: expected 1..{loaded.max_draft_len} (the engine's max_draft_len), got {k}")
     try:
+        if loaded.backend == "compiled":  # compile (or load from the cache) the steps this run uses, untimed
+            from runtime.compiled import warm_up
+            warm_up(loaded, prompts, k if speculate else 0, max_seq_len=loaded.max_seq_len, prefill_chunk=chunk)
         if speculate:
             from runtime.speculative import speculative_generate
+            policy = policy_from(k, loaded.build_options, args)
             result = speculative_generate(loaded.runner, loaded.proposer(), prompts, args.max_new_tokens, k,
                                           temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                                          end_ids=end_ids, max_seq_len=loaded.max_seq_len, prefill_chunk=chunk)
+                                          end_ids=end_ids, max_seq_len=loaded.max_seq_len, prefill_chunk=chunk,
+                                          policy=policy)
         else:
             result = generate(loaded.runner, prompts, args.max_new_tokens, temperature=args.temperature,
                               top_p=args.top_p, seed=args.seed, end_ids=end_ids, max_seq_len=loaded.max_seq_len,
@@ -197,10 +223,17 @@ def cmd_generate(args):
     mode = loaded.speculative["mode"] if speculate else "target only"
     err.print(f"{result.num_tokens} tokens in {result.seconds:.3f} s = {result.tokens_per_second:.1f} tokens/s "
               f"({loaded.backend} backend, {mode})")
+    cost = {"target_only" if not speculate else "speculative": result.extra["cost"].summary()}
     if speculate:
         a = result.extra["acceptance"]
         err.print(f"mean accepted tokens per target forward {a['mean_accepted_tokens']:.2f} (K={k}), "
                   f"histogram {a['histogram']}")
+        # the target-only step beside it: a short greedy run of the first prompt on the same runner
+        plain = generate(loaded.runner, prompts[:1], min(32, args.max_new_tokens), max_seq_len=loaded.max_seq_len,
+                         prefill_chunk=chunk)
+        cost["target_only"] = plain.extra["cost"].summary()
+        cost.update(cost_model(cost["speculative"], cost["target_only"]))
+        err.print(cost_line(cost), markup=False)
     if args.json:
         single = len(prompts) == 1
         record = {
@@ -211,6 +244,7 @@ def cmd_generate(args):
             "num_target_forwards": result.num_target_forwards,
             "backend": loaded.backend,
         }
+        record["cost"] = cost
         if speculate:
             record["acceptance"] = result.extra["acceptance"]
         if texts is not None:

@@ -5,7 +5,8 @@
 3. stream a code completion through gRPC, printing the text as it arrives;
 4. measure through the same server: tokens/s and acceptance with speculation, and target-only
    (the per-request ``speculative: false``) on the same engines;
-5. stop the server.
+5. stop the server; then offline on the same engines, where a step's time goes (draft, verify,
+   accept + rollback, host) beside a target-only step, and the speedup those costs predict.
 """
 from __future__ import annotations
 
@@ -19,6 +20,27 @@ from rich.console import Console
 from runtime.bench import MODES, PROMPTS, build_mode_engines
 
 console = Console(highlight=False)
+
+
+def offline_cost_line(engine_dir: Path, prompt: str, max_new_tokens: int) -> str:
+    from tokenizers import Tokenizer
+
+    from runtime.cli import cost_line
+    from runtime.generation import generate
+    from runtime.loading import open_engine_dir
+    from runtime.speculative import speculative_generate
+    from runtime.step_costs import cost_model
+    loaded = open_engine_dir(engine_dir)
+    ids = Tokenizer.from_file(str(loaded.tokenizer_path)).encode(prompt).ids
+    k = loaded.max_draft_len
+    for _ in range(2):  # the second pair is measured (warm)
+        runs = [speculative_generate(loaded.runner, loaded.proposer(), [ids], max_new_tokens, k,
+                                     policy=loaded.draft_policy),
+                generate(loaded.runner, [ids], max_new_tokens)]
+    spec, plain = (r.extra["cost"].summary() for r in runs)
+    cost = {"speculative": spec, "target_only": plain, **cost_model(spec, plain)}
+    return (f"{loaded.backend} backend: {runs[0].tokens_per_second:.1f} vs {runs[1].tokens_per_second:.1f} tokens/s "
+            f"target-only = {runs[0].tokens_per_second / runs[1].tokens_per_second:.2f}x measured\n" + cost_line(cost))
 
 
 def main(argv=None):
@@ -55,6 +77,8 @@ def main(argv=None):
         console.print(f"target only: {len(plain.ids)} tokens, {plain.tokens_per_second:.1f} tokens/s")
         console.print(f"speedup {spec.tokens_per_second / plain.tokens_per_second:.2f}x; outputs {same}")
         console.rule("5. stopping the server")
+    console.rule("6. offline on the same engines: where a step's time goes")
+    console.print(offline_cost_line(engine_dir, args.prompt, args.max_new_tokens))
     console.print("done")
     return 0 if spec.ids == plain.ids else 1
 

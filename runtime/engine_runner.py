@@ -92,20 +92,27 @@ def _split(outputs):
 class EngineRunner:
     """The Runner interface over a chunk engine (``main``) and, for verify passes, ``verify``."""
 
-    def __init__(self, config, dtype, device, main, main_contract, verify=None):
+    def __init__(self, config, dtype, device, main, main_contract, verify=None, rollback=None):
+        """``rollback``: the target module's rollback (eager torch on the runtime's tensors: a few
+        small ops per Mamba layer once acceptance is known)."""
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
         self.main, self.contract, self.verify = main, main_contract, verify
+        self._rollback = rollback
 
     def new_state(self, batch, capacity):
         return state_lib.allocate(_state_spec(self.contract, batch, capacity), self.device)
 
-    def forward(self, input_ids, positions, lengths, logit_index, state, all_states=False):
-        executor = self.verify if all_states else self.main
+    def forward(self, input_ids, positions, lengths, logit_index, state, verify=False):
+        executor = self.verify if verify else self.main
         if executor is None:
             raise ValueError("this engine directory has no verify engine (build it with a speculative mode)")
         feeds = {"input_ids": input_ids, "positions": positions, "lengths": lengths, "logit_index": logit_index}
         feeds.update({"past." + k: v for k, v in state.items()})
         return _split(executor.run(feeds))
+
+    @torch.inference_mode()
+    def rollback(self, state, verified, accepted_rows):
+        return self._rollback(state, verified, accepted_rows.to(self.device))
 
 
 class EngineDraft(EagerDraft):

@@ -69,10 +69,12 @@ def prefill(runner, prompts, state, chunk_size, features=()):
     return torch.stack(last), state, forwards, collected
 
 
-def run_group(group, prompts, max_new_tokens, params, end_ids):
-    """Adds every prompt to an in-flight group and steps it until all are finished."""
+def run_group(group, prompts, max_new_tokens, params, end_ids=()):
+    """Adds every prompt to an in-flight group and steps it until all are finished;
+    ``max_new_tokens`` is one limit or one per prompt."""
     from runtime.batching import Sequence
-    seqs = [Sequence(list(p), max_new_tokens, params, frozenset(end_ids)) for p in prompts]
+    limits = max_new_tokens if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * len(prompts)
+    seqs = [Sequence(list(p), n, params, frozenset(end_ids)) for p, n in zip(prompts, limits)]
     group.add(seqs)
     while True:
         keep = [i for i, s in enumerate(group.seqs) if not s.finished]
@@ -94,4 +96,5 @@ def generate(runner, prompts: list[list[int]], max_new_tokens: int, *, temperatu
     start = time.perf_counter()
     group = PlainGroup(runner, max(len(p) for p in prompts) + max_new_tokens, prefill_chunk)
     seqs = run_group(group, prompts, max_new_tokens, SamplingParams(temperature, top_p, generator), end_ids)
-    return GenerationResult([s.outputs for s in seqs], time.perf_counter() - start, group.forwards)
+    return GenerationResult([s.outputs for s in seqs], time.perf_counter() - start, group.forwards,
+                            {"cost": group.costs})

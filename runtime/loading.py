@@ -13,12 +13,17 @@ from builder.drafts import draft_from_engine_dir
 from builder.engine import TORCH_DTYPES, BuildOptions, draft_component, draft_components, target_component
 from builder.errors import NemospecError
 from builder.models.nemotron_h import NemotronH
+from runtime.draft_policy import policy_from
 from runtime.drafts import EagerDraft
 from runtime.engine_runner import EngineDraft, EngineRunner, InterpretedExecutor, TensorRTExecutor
 from runtime.proposers import BlockDraftProposer, FeatureDraftProposer, ModelDraftProposer, ParallelDraftProposer
 from runtime.runner import TorchRunner
 
-BACKENDS = ("auto", "torch", "tensorrt", "interpreter")
+BACKENDS = ("auto", "torch", "compiled", "tensorrt", "interpreter")
+# Under this many generated tokens, loading the compiled graphs (seconds each, even from the on-disk
+# cache) costs more than they save (~3 ms per step on the embedded model): `generate --backend auto`
+# then runs eagerly.
+AUTO_COMPILE_MIN_TOKENS = 2048
 
 
 @dataclass
@@ -33,6 +38,8 @@ class Loaded:
     max_draft_len: int = 0
     max_batch_size: int = 8
     _proposer: object = field(default=None, repr=False)
+    draft_policy: object = None       # runtime.draft_policy.DraftPolicy (None: always draft max_draft_len)
+    build_options: dict = field(default_factory=dict)   # an engine directory's recorded build options
 
     def proposer(self):
         """A fresh proposer for one generate call (None without a speculative mode)."""
@@ -64,19 +71,40 @@ def _target_features(draft) -> dict:
     return {"capture_layers": draft.target_layer_ids if hasattr(draft, "target_layer_ids") else draft.aux_layer_ids}
 
 
-def _eager_proposer(draft, vocab_size: int, device, chunk: int):
+def resolve_backend(backend: str, engine_dir: bool = True, tokens: int | None = None) -> str:
+    """``auto``: TensorRT where a CUDA GPU is (an engine directory; a checkpoint runs eager torch
+    there), else the compiled CPU path, or eager torch for a job of fewer than
+    ``AUTO_COMPILE_MIN_TOKENS`` generated tokens (``tokens``, when the caller knows it)."""
+    if backend not in BACKENDS:
+        raise NemospecError(f"--backend: expected one of {', '.join(BACKENDS)}, got {backend}")
+    if backend != "auto":
+        return backend
+    if tensorrt_available():
+        return "tensorrt" if engine_dir else "torch"
+    return "torch" if tokens is not None and tokens < AUTO_COMPILE_MIN_TOKENS else "compiled"
+
+
+def _eager_proposer(draft, vocab_size: int, device, chunk: int, compiled: bool = False, max_draft_len: int = 4):
+    """The draft run eagerly, or with ``compiled`` through ``runtime.compiled`` (its short steps compiled)."""
+    if compiled:
+        from runtime.compiled import CompiledDraft, CompiledRunner
     if _draft_kind(draft) == "draft_target":
-        runner = TorchRunner(draft, device)
+        runner = CompiledRunner(draft, device) if compiled else TorchRunner(draft, device)
         return lambda: ModelDraftProposer(runner, chunk)
-    stepper = EagerDraft(draft, vocab_size, device)
+    stepper = (CompiledDraft(draft, vocab_size, device, max_draft_len) if compiled
+               else EagerDraft(draft, vocab_size, device))
     make = PROPOSERS.get(_draft_kind(draft), FeatureDraftProposer)
     return lambda: make(stepper, chunk)
 
 
 def open_checkpoint(checkpoint_dir, dtype="auto", device=None, mode=None, draft_dir=None, quantization=None,
-                    max_draft_len: int = 4, prefill_chunk: int = 512) -> Loaded:
-    """Eager (torch) runner of a checkpoint; with ``mode`` also its draft, read from ``draft_dir``
+                    max_draft_len: int = 4, prefill_chunk: int = 512, backend: str = "torch") -> Loaded:
+    """Eager (torch) runner of a checkpoint, or with ``backend="compiled"`` (``auto`` on a machine
+    without a GPU) the compiled CPU path; with ``mode`` also its draft, read from ``draft_dir``
     (speculative decoding without building engines)."""
+    backend = resolve_backend(backend, engine_dir=False)
+    if backend not in ("torch", "compiled"):
+        raise NemospecError(f"--backend {backend} needs --engine_dir (build one with `nemospec build`)")
     from builder.checkpoint import load_checkpoint
     from builder.drafts import load_draft
     config, weights = load_checkpoint(checkpoint_dir)
@@ -86,11 +114,17 @@ def open_checkpoint(checkpoint_dir, dtype="auto", device=None, mode=None, draft_
     if mode is not None:
         draft = load_draft(mode, config, weights, draft_dir, torch_dtype, log=lambda m: None, quantization=quantization)
         spec = draft.meta
-        proposer = _eager_proposer(draft.module, config.vocab_size, device, prefill_chunk)
+        proposer = _eager_proposer(draft.module, config.vocab_size, device, prefill_chunk, backend == "compiled",
+                                   max_draft_len)
     module = NemotronH(config, weights, torch_dtype, **(draft.target_features if draft else {}))
     tok = Path(checkpoint_dir) / "tokenizer.json"
-    return Loaded(TorchRunner(module, device), config, tok if tok.is_file() else None,
-                  1 << 30, 1 << 30, "torch", spec, max_draft_len if mode else 0, 8, proposer)
+    if backend == "compiled":
+        from runtime.compiled import CompiledRunner
+        runner = CompiledRunner(module, device, max_draft_len)
+    else:
+        runner = TorchRunner(module, device)
+    return Loaded(runner, config, tok if tok.is_file() else None,
+                  1 << 30, 1 << 30, backend, spec, max_draft_len if mode else 0, 8, proposer)
 
 
 def open_engine_dir(engine_dir, backend="auto", device=None) -> Loaded:
@@ -101,14 +135,11 @@ def open_engine_dir(engine_dir, backend="auto", device=None) -> Loaded:
     meta = json.loads(meta_path.read_text())
     if "target" not in meta.get("engines", {}):
         raise NemospecError(f"{meta_path}: field 'engines.target' missing; not a nemospec engine directory")
-    if backend not in BACKENDS:
-        raise NemospecError(f"--backend: expected one of {', '.join(BACKENDS)}, got {backend}")
-    if backend == "auto":
-        backend = "tensorrt" if tensorrt_available() else "torch"
+    backend = resolve_backend(backend)
     config = NemotronHConfig.from_dict(meta["model"])
     build, spec = meta["build"], meta.get("speculative")
     dtype = TORCH_DTYPES[build["dtype"]]
-    device = "cuda" if backend == "tensorrt" else _device(device) if backend == "torch" else "cpu"
+    device = "cuda" if backend == "tensorrt" else _device(device) if backend in ("torch", "compiled") else "cpu"
     weights = load_file(str(engine_dir / "weights" / "target.safetensors"))
     draft = None
     if spec:
@@ -125,14 +156,19 @@ def open_engine_dir(engine_dir, backend="auto", device=None) -> Loaded:
 
     if backend == "torch":
         runner = TorchRunner(target, device)
+    elif backend == "compiled":  # the engine directory's weights and module, compiled for the CPU
+        from runtime.compiled import CompiledRunner
+        runner = CompiledRunner(target, device, build.get("max_draft_len", 0))
     else:
         runner = EngineRunner(config, dtype, device, executor(target_component(target, options)), engines["target"],
-                              executor(target_component(target, options, verify=True)) if spec else None)
+                              executor(target_component(target, options, verify=True)) if spec else None,
+                              rollback=target.rollback)
     proposer = None
     if draft is not None:
         chunk = build["max_input_len"]
-        if backend == "torch":
-            proposer = _eager_proposer(draft, config.vocab_size, device, chunk)
+        if backend in ("torch", "compiled"):
+            proposer = _eager_proposer(draft, config.vocab_size, device, chunk, backend == "compiled",
+                                       build.get("max_draft_len", 0))
         elif _draft_kind(draft) == "draft_target":
             draft_runner = EngineRunner(draft.cfg, dtype, device, executor(draft_component(draft, options)),
                                         engines["draft"])
@@ -144,5 +180,6 @@ def open_engine_dir(engine_dir, backend="auto", device=None) -> Loaded:
             make = PROPOSERS.get(_draft_kind(draft), FeatureDraftProposer)
             proposer = lambda: make(stepper, chunk)  # noqa: E731
     tok = engine_dir / meta["tokenizer"] if meta.get("tokenizer") else None
+    policy = policy_from(build["max_draft_len"], build) if spec else None
     return Loaded(runner, config, tok, build["max_seq_len"], build["max_input_len"], backend, spec,
-                  build.get("max_draft_len", 0), build["max_batch_size"], proposer)
+                  build.get("max_draft_len", 0), build["max_batch_size"], proposer, policy, dict(build))

@@ -12,7 +12,11 @@ Two families:
   the remaining K-1 proposals recycle the draft's own output hidden. Its KV rows past the
   accepted position are overwritten, so it needs no rollback.
 
-Both return draft tokens [B, K] and, when sampling, the distributions they were drawn from.
+``propose(k, params, stop_below)`` returns draft tokens [B, k'], the distributions they were drawn
+from when sampling (else None), and the draft's probability of each token [B, k'] when
+``stop_below`` > 0 (else None); chain drafts stop drafting (k' < k) once every sequence has drawn a
+token under ``stop_below``. ``accept`` after a step with no drafts (k' = 0, a target-only step)
+queues the verified token; the draft consumes queued tokens at its next proposal.
 """
 from __future__ import annotations
 
@@ -55,6 +59,46 @@ class _PerSequence:
             setattr(self, f, torch.cat([getattr(self, f), getattr(other, f)]))
 
 
+def confidence(logits, token, q):
+    """The draft's probability of each chosen token [B]: q where the row sampled, softmax else."""
+    index = token.long()[:, None]
+    p = torch.softmax(logits.float(), -1).gather(-1, index.to(logits.device))[:, 0].cpu()
+    if q is not None:
+        p = torch.where(q.sum(-1) > 0, q.gather(-1, index.cpu())[:, 0], p)
+    return p
+
+
+class _Chain:
+    """Draws of a chain draft, step by step: tokens, q rows, confidences and who is still confident."""
+
+    def __init__(self, params, vocab, stop_below):
+        self.params, self.vocab, self.stop_below = params, vocab, stop_below
+        self.tokens, self.probs, self.conf = [], [], []
+        self.going = None
+
+    def draw(self, logits):
+        token, q = draw(logits, self.params)
+        self.tokens.append(token)
+        self.probs.append(q)
+        if self.stop_below:
+            c = confidence(logits, token, q)
+            self.conf.append(c)
+            self.going = (c >= self.stop_below) if self.going is None else self.going & (c >= self.stop_below)
+        return token
+
+    def stopped(self) -> bool:
+        return self.going is not None and not bool(self.going.any())
+
+    def result(self):
+        batch = len(self.params)
+        conf = torch.stack(self.conf, 1) if self.stop_below else None
+        return torch.stack(self.tokens, 1), _stack_q(self.probs, batch, self.vocab), conf
+
+
+def _no_drafts(drafts) -> bool:
+    return drafts.shape[1] == 0
+
+
 def _stack_q(probs, batch, vocab):
     """Per-step q rows [B, V] (None when every row is greedy) -> [B, K, V] or None."""
     if all(q is None for q in probs):
@@ -75,28 +119,50 @@ class ModelDraftProposer(_PerSequence):
         self.consumed = [len(p) for p in prompts]
         self.pending = [[t] for t in first_tokens]
 
-    def propose(self, k, params):
+    def _consume(self, keep_last: bool):
+        """Runs the queued tokens through the draft; returns the last row's logits [B, V]."""
         dev = self.runner.device
-        ids, positions, lengths = chunk_inputs(self.pending, self.consumed, dev)
-        logits, self.state, _ = self.runner.forward(ids, positions, lengths, (lengths - 1)[:, None].to(torch.int32), self.state)
-        self.base = [c + len(p) for c, p in zip(self.consumed, self.pending)]
+        chunks = [p[:-1] if keep_last else p for p in self.pending]
+        ids, positions, lengths = chunk_inputs([c or [0] for c in chunks], self.consumed, dev)
+        logits, new_state, _ = self.runner.forward(ids, positions, lengths, (lengths - 1)[:, None].to(torch.int32),
+                                                   self.state)
+        if all(chunks):
+            self.state = new_state
+        else:
+            for b, c in enumerate(chunks):  # a sequence with nothing queued keeps its state
+                if c:
+                    for name, value in new_state.items():
+                        if value is not self.state[name]:
+                            self.state[name][b] = value[b]
+        self.consumed = [n + len(c) for n, c in zip(self.consumed, chunks)]
+        self.pending = [p[-1:] if keep_last else [] for p in self.pending]
+        return logits[:, 0]
+
+    def propose(self, k, params, stop_below=0.0):
+        dev = self.runner.device
+        logits = self._consume(keep_last=False)
+        self.base = list(self.consumed)
         self.snapshots = [dict(self.state)]
-        tokens, probs = [], []
-        token, q = draw(logits[:, 0], params)
-        tokens.append(token)
-        probs.append(q)
+        chain = _Chain(params, logits.shape[-1], stop_below)
+        token = chain.draw(logits)
         one = torch.ones(len(self.base), dtype=torch.int32, device=dev)
         zero = torch.zeros(len(self.base), 1, dtype=torch.int32, device=dev)
+        base = torch.tensor(self.base, dtype=torch.int32, device=dev)[:, None]
         for i in range(1, k):
-            pos = torch.tensor(self.base, dtype=torch.int32, device=dev)[:, None] + (i - 1)
-            logits, self.state, _ = self.runner.forward(token.to(torch.int32)[:, None], pos, one, zero, self.state)
+            if chain.stopped():
+                break
+            logits, self.state, _ = self.runner.forward(token.to(torch.int32)[:, None], base + (i - 1), one, zero,
+                                                        self.state)
             self.snapshots.append(dict(self.state))
-            token, q = draw(logits[:, 0], params)
-            tokens.append(token)
-            probs.append(q)
-        return torch.stack(tokens, 1), _stack_q(probs, len(params), logits.shape[-1])
+            token = chain.draw(logits[:, 0])
+        return chain.result()
 
     def accept(self, accepted, next_tokens, drafts, verify_features):
+        if _no_drafts(drafts):  # a target-only step: queue the token (consumed with the next proposal)
+            self.pending = [p + [int(t)] for p, t in zip(self.pending, next_tokens.tolist())]
+            if max(len(p) for p in self.pending) >= self.prefill_chunk:
+                self._consume(keep_last=True)
+            return
         k = drafts.shape[1]
         index = torch.clamp(accepted, max=k - 1)
         self.state = select_snapshots(self.snapshots, index)
@@ -109,69 +175,87 @@ class ModelDraftProposer(_PerSequence):
 class FeatureDraftProposer(_PerSequence):
     """``draft`` is a runtime.drafts adapter: feature name, new_state, step()."""
 
-    _lists = ("position",)
+    _lists = ("position", "pending", "pending_features")
     _tensors = ("logits", "hidden")
 
     def __init__(self, draft, prefill_chunk=512):
         self.draft, self.prefill_chunk = draft, prefill_chunk
         self.features = (draft.feature,)
 
-    def _catch_up(self, rows_tokens, rows_features, start_positions):
-        """Feeds (token, target feature) rows; keeps the last row's logits and hidden per sequence."""
+    def _catch_up(self):
+        """Feeds the queued (token, target feature) rows; keeps each sequence's last row's logits and
+        hidden (a sequence with nothing queued keeps its own)."""
         dev = self.draft.device
+        rows_tokens, rows_features = self.pending, self.pending_features
         done = [0] * len(rows_tokens)
-        last_logits = [None] * len(rows_tokens)
-        last_hidden = [None] * len(rows_tokens)
-        width = rows_features[0].shape[-1]
+        last_logits = [None] * len(rows_tokens) if getattr(self, "logits", None) is None else list(self.logits)
+        last_hidden = [None] * len(rows_tokens) if getattr(self, "hidden", None) is None else list(self.hidden)
+        width = next(f for f in rows_features if f is not None).shape[-1]
         while any(d < len(t) for d, t in zip(done, rows_tokens)):
             active = [b for b, t in enumerate(rows_tokens) if done[b] < len(t)]
             chunks = [rows_tokens[b][done[b]:done[b] + self.prefill_chunk] if b in active else [0]
                       for b in range(len(rows_tokens))]
-            ids, positions, lengths = chunk_inputs(chunks, [s + d for s, d in zip(start_positions, done)], dev)
-            feats = torch.zeros(len(chunks), ids.shape[1], width, dtype=rows_features[0].dtype, device=dev)
-            for b in active:
-                feats[b, :len(chunks[b])] = rows_features[b][done[b]:done[b] + len(chunks[b])]
+            ids, positions, lengths = chunk_inputs(chunks, [s + d for s, d in zip(self.position, done)], dev)
+            if len(active) == 1 and len(rows_tokens) == 1 and rows_features[0].shape[0] == ids.shape[1]:
+                feats = rows_features[0][None].to(dev)  # one sequence, one chunk: its features as they are
+            else:
+                feats = torch.zeros(len(chunks), ids.shape[1], width, dtype=rows_features[active[0]].dtype, device=dev)
+                for b in active:
+                    feats[b, :len(chunks[b])] = rows_features[b][done[b]:done[b] + len(chunks[b])]
             index = (lengths - 1).to(torch.int32)[:, None]
             logits, hidden, new_state = self.draft.step(ids, feats, None, positions, lengths, index, self.state)
+            if len(active) == len(rows_tokens):
+                self.state = new_state
+            else:  # sequences with nothing left in this chunk keep their state
+                for b in active:
+                    for name, value in new_state.items():
+                        if value is not self.state[name]:
+                            self.state[name][b] = value[b]
             for b in active:
-                for name, value in new_state.items():
-                    if value is not self.state[name]:
-                        self.state[name][b] = value[b]
                 last_logits[b] = logits[b, 0]
                 last_hidden[b] = hidden[b, len(chunks[b]) - 1]
                 done[b] += len(chunks[b])
         self.logits, self.hidden = torch.stack(last_logits), torch.stack(last_hidden)
-        self.position = [s + len(t) for s, t in zip(start_positions, rows_tokens)]
+        self.position = [s + len(t) for s, t in zip(self.position, rows_tokens)]
+        self.pending = [[] for _ in rows_tokens]
+        self.pending_features = [None] * len(rows_tokens)
 
     def start(self, prompts, first_tokens, features, capacity):
         self.state = self.draft.new_state(len(prompts), capacity)
-        feats = features[self.draft.feature]
-        rows = [p[1:] + [t] for p, t in zip(prompts, first_tokens)]
-        self._catch_up(rows, feats, [0] * len(prompts))
+        self.logits = self.hidden = None
+        self.position = [0] * len(prompts)
+        self.pending = [p[1:] + [t] for p, t in zip(prompts, first_tokens)]
+        self.pending_features = list(features[self.draft.feature])
+        self._catch_up()
 
-    def propose(self, k, params):
+    def propose(self, k, params, stop_below=0.0):
+        if any(self.pending):
+            self._catch_up()
         dev = self.draft.device
         batch = self.logits.shape[0]
-        token, q = draw(self.logits, params)
-        tokens, probs = [token], [q]
+        chain = _Chain(params, self.logits.shape[-1], stop_below)
+        token = chain.draw(self.logits)
         one = torch.ones(batch, dtype=torch.int32, device=dev)
         zero = torch.zeros(batch, 1, dtype=torch.int32, device=dev)
+        position = torch.tensor(self.position, dtype=torch.int32, device=dev)[:, None]
         hidden = self.hidden
         for i in range(1, k):
-            pos = torch.tensor(self.position, dtype=torch.int32, device=dev)[:, None] + (i - 1)
-            logits, out, self.state = self.draft.step(token.to(torch.int32)[:, None], None, hidden[:, None], pos,
-                                                      one, zero, self.state)
+            if chain.stopped():
+                break
+            logits, out, self.state = self.draft.step(token.to(torch.int32)[:, None], None, hidden[:, None],
+                                                      position + (i - 1), one, zero, self.state)
             hidden = out[:, 0]
-            token, q = draw(logits[:, 0], params)
-            tokens.append(token)
-            probs.append(q)
-        return torch.stack(tokens, 1), _stack_q(probs, batch, self.logits.shape[-1])
+            token = chain.draw(logits[:, 0])
+        return chain.result()
 
     def accept(self, accepted, next_tokens, drafts, verify_features):
+        """Queues the verified rows (the kept drafts and the target's token, with the verify's
+        features); the draft consumes them in one catch-up chunk at its next proposal."""
         feats = verify_features[self.draft.feature]
-        rows = [drafts[b, :int(m)].tolist() + [int(t)] for b, (m, t) in enumerate(zip(accepted, next_tokens))]
-        rows_features = [feats[b, :int(m) + 1] for b, m in enumerate(accepted)]
-        self._catch_up(rows, rows_features, list(self.position))  # where the verify chunk began
+        for b, (d, m, t) in enumerate(zip(drafts.tolist(), accepted.tolist(), next_tokens.tolist())):
+            self.pending[b] = self.pending[b] + d[:m] + [t]
+            new = feats[b, :m + 1]
+            self.pending_features[b] = new if self.pending_features[b] is None else torch.cat([self.pending_features[b], new])
 
 
 class _AuxProposer(_PerSequence):
@@ -231,27 +315,28 @@ class BlockDraftProposer(_AuxProposer):
             if last:
                 return logits
 
-    def propose(self, k, params):
+    def propose(self, k, params, stop_below=0.0):
         base = self._run(k)                                          # [B, k, Vd]
-        tokens, probs = [], []
+        chain = _Chain(params, self.draft.target_vocab, stop_below)
         prev = torch.tensor(self.anchor, dtype=torch.long)[:, None]
         markov = getattr(self.module, "has_markov", False)
         for j in range(k):
             row = base[:, j:j + 1]
             if markov:
                 row = self.draft.markov(row, prev.to(row.device))
-            token, q = draw(self.draft.to_target_vocab(row[:, 0]), params)
-            tokens.append(token)
-            probs.append(q)
+            token = chain.draw(self.draft.to_target_vocab(row[:, 0]))
             prev = token.long().cpu()[:, None]
-        return torch.stack(tokens, 1), _stack_q(probs, len(params), self.draft.target_vocab)
+        return chain.result()
 
     def accept(self, accepted, next_tokens, drafts, verify_features):
+        """Queues the verified rows' features as context (written by the next step's network)."""
         feats = verify_features["aux_hidden"]
-        self.context = [feats[b, :int(m) + 1] for b, m in enumerate(accepted)]
-        self.context_start = list(self.position)                     # verify rows began at the anchor
-        self.position = [p + int(m) + 1 for p, m in zip(self.position, accepted)]
-        self.anchor = [int(t) for t in next_tokens]
+        for b, m in enumerate(accepted.tolist()):
+            if len(self.context[b]) == 0:
+                self.context_start[b] = self.position[b]             # verify rows began at the anchor
+            self.context[b] = torch.cat([self.context[b], feats[b, :m + 1]]) if len(self.context[b]) else feats[b, :m + 1]
+            self.position[b] += m + 1
+        self.anchor = next_tokens.tolist()
 
 
 class ParallelDraftProposer(_AuxProposer):
@@ -267,7 +352,7 @@ class ParallelDraftProposer(_AuxProposer):
         self.feats = list(features["aux_hidden"])
         self.start_pos = [0] * len(prompts)
 
-    def propose(self, k, params):
+    def propose(self, k, params, stop_below=0.0):
         m, dev = self.module, self.draft.device
         while True:
             take = [min(len(r), self.prefill_chunk) for r in self.rows]
@@ -286,15 +371,14 @@ class ParallelDraftProposer(_AuxProposer):
             self.start_pos = [s + n for s, n in zip(self.start_pos, take)]
             if last:
                 break
-        tokens, probs = [], []
+        chain = _Chain(params, self.draft.target_vocab, stop_below)
         for j in range(k):
-            token, q = draw(self.draft.to_target_vocab(logits[:, j]), params)
-            tokens.append(token)
-            probs.append(q)
-        return torch.stack(tokens, 1), _stack_q(probs, len(params), self.draft.target_vocab)
+            chain.draw(self.draft.to_target_vocab(logits[:, j]))
+        return chain.result()
 
     def accept(self, accepted, next_tokens, drafts, verify_features):
+        """Queues the verified rows (start_pos already points where the verify chunk began)."""
         feats = verify_features["aux_hidden"]
-        self.rows = [drafts[b, :int(m)].tolist() + [int(t)] for b, (m, t) in enumerate(zip(accepted, next_tokens))]
-        self.feats = [feats[b, :int(m) + 1] for b, m in enumerate(accepted)]
-        # start_pos already points where the verify chunk began (the last token's position)
+        for b, (d, m, t) in enumerate(zip(drafts.tolist(), accepted.tolist(), next_tokens.tolist())):
+            self.rows[b] = self.rows[b] + d[:m] + [t]
+            self.feats[b] = torch.cat([self.feats[b], feats[b, :m + 1]]) if len(self.feats[b]) else feats[b, :m + 1]

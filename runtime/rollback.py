@@ -1,31 +1,13 @@
-"""Rolling model state back to an accepted position after a speculative verify.
+"""Rolling draft state back to an accepted position after a speculative verify.
 
-Attention KV caches need nothing: rows past the accepted position are masked by ``positions`` and
-overwritten by the next chunk. Mamba conv and SSM states are restored by selecting, per sequence,
-the state the verify pass returned for the accepted row, never by recomputing the target.
+The target rolls itself back (``NemotronH.rollback`` through its runner): its verify pass keeps each
+Mamba layer's chunk inputs and the accepted position's state is computed once acceptance is known.
+A draft_target draft consumes its own proposals one step at a time, so it keeps one state snapshot
+per draft step and restores the accepted one.
 """
 from __future__ import annotations
 
 import torch
-
-PER_POSITION = {"conv_state": "conv_states", "ssm_state": "ssm_states"}
-
-
-def select_verified(new_state: dict, accepted_rows: torch.Tensor) -> dict:
-    """State after consuming chunk rows 0..accepted_rows[b] of a verify pass run with all_states.
-
-    ``new_state`` holds the per-position ``*.conv_states`` [B, T, ...] and ``*.ssm_states``; the
-    result holds ordinary state tensors only.
-    """
-    rows = torch.arange(accepted_rows.shape[0], device=accepted_rows.device)
-    out = {}
-    for name, value in new_state.items():
-        prefix, _, leaf = name.rpartition(".")
-        if leaf in PER_POSITION.values():
-            continue
-        per_position = new_state.get(f"{prefix}.{PER_POSITION[leaf]}") if leaf in PER_POSITION else None
-        out[name] = value if per_position is None else per_position[rows, accepted_rows.long()]
-    return out
 
 
 def select_snapshots(snapshots: list[dict], index: torch.Tensor) -> dict:

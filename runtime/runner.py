@@ -1,8 +1,9 @@
 """Runners execute one chunk of the target (or a draft_target draft) for a batch of sequences.
 
-A runner has one method that matters, ``forward(input_ids, positions, lengths, logit_index,
-state, all_states=False)`` -> ``(logits, new_state, features)``, the I/O contract of
-``builder.models.nemotron_h``. The TorchRunner runs the eager definition (CPU or CUDA);
+A runner has two methods that matter: ``forward(input_ids, positions, lengths, logit_index,
+state, verify=False)`` -> ``(logits, new_state, features)``, the I/O contract of
+``builder.models.nemotron_h``, and ``rollback(state, verified, accepted_rows)`` -> the state after
+the accepted rows of a verify pass. The TorchRunner runs the eager definition (CPU or CUDA);
 ``runtime.engine_runner`` runs engine directories (TensorRT on a GPU, or the CPU interpreter).
 """
 from __future__ import annotations
@@ -21,8 +22,10 @@ class Runner(Protocol):
 
     def new_state(self, batch: int, capacity: int) -> dict[str, torch.Tensor]: ...
 
-    def forward(self, input_ids, positions, lengths, logit_index, state: dict):
+    def forward(self, input_ids, positions, lengths, logit_index, state: dict, verify=False):
         ...
+
+    def rollback(self, state: dict, verified: dict, accepted_rows: torch.Tensor) -> dict: ...
 
 
 class TorchRunner:
@@ -38,5 +41,9 @@ class TorchRunner:
         return state_lib.allocate(self.module.state_spec(batch, capacity), self.device)
 
     @torch.inference_mode()
-    def forward(self, input_ids, positions, lengths, logit_index, state, all_states=False):
-        return self.module.forward(input_ids, positions, lengths, logit_index, state, all_states)
+    def forward(self, input_ids, positions, lengths, logit_index, state, verify=False):
+        return self.module.forward(input_ids, positions, lengths, logit_index, state, verify)
+
+    @torch.inference_mode()
+    def rollback(self, state, verified, accepted_rows):
+        return self.module.rollback(state, verified, accepted_rows)

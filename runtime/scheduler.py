@@ -43,8 +43,8 @@ class Scheduler:
         self.max_queue = max_queue
         capacity, chunk = loaded.max_seq_len, loaded.max_input_len
         self.plain = PlainGroup(loaded.runner, capacity, chunk)
-        self.spec = (SpeculativeGroup(loaded.runner, loaded.proposer, loaded.max_draft_len, capacity, chunk)
-                     if loaded.speculative else None)
+        self.spec = (SpeculativeGroup(loaded.runner, loaded.proposer, loaded.max_draft_len, capacity, chunk,
+                                      loaded.draft_policy) if loaded.speculative else None)
         self._queue: deque = deque()
         self._cancelled: set[int] = set()
         self._lock = threading.Condition()

@@ -33,8 +33,10 @@ import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 from builder.errors import NemospecError
+from runtime.draft_policy import POLICY_FLAGS, add_policy_args, policy_from
 
 ROOT = Path(__file__).resolve().parent.parent          # the directory holding runtime/ and model_repo/
 TEMPLATES = ROOT / "model_repo"
@@ -42,7 +44,7 @@ MODELS = ("ensemble", "preprocessing", "speculative", "postprocessing")
 API_KEY_HEADER = "api-key"                              # HTTP header for --api_key
 GRPC_API_KEY_HEADER = "triton-grpc-protocol-api-key"    # the same as gRPC metadata (Triton adds the prefix)
 RESTRICTED = "model-repository,shared-memory"           # what --api_key protects
-BACKENDS = ("auto", "torch", "tensorrt")
+BACKENDS = ("auto", "torch", "compiled", "tensorrt")
 
 
 # --- finding and preparing tritonserver ------------------------------------------------------------
@@ -118,8 +120,18 @@ def read_engine_meta(engine_dir) -> dict:
     return meta
 
 
+def encode_policy(overrides: dict) -> str:
+    """Adaptive draft-length flags as one model-config string parameter: 'flag=value;...'."""
+    return ";".join(f"{k}={v}" for k, v in overrides.items())
+
+
+def decode_policy(text: str) -> SimpleNamespace:
+    pairs = [item.split("=", 1) for item in text.split(";") if item]
+    return SimpleNamespace(**{k: POLICY_FLAGS[k][0](v) for k, v in pairs})
+
+
 def fill_model_repo(engine_dir, repo_dir, *, backend: str = "auto", max_batch_size: int | None = None,
-                    max_queue: int = 64, cancel_dir=None) -> Path:
+                    max_queue: int = 64, cancel_dir=None, draft_policy: dict | None = None) -> Path:
     """Writes the four models of ``model_repo/`` for ``engine_dir`` into ``repo_dir`` (replacing them).
 
     ``cancel_dir`` is where the speculative model listens for cancellations the postprocessing model
@@ -131,6 +143,12 @@ def fill_model_repo(engine_dir, repo_dir, *, backend: str = "auto", max_batch_si
     meta = read_engine_meta(engine_dir)
     if backend not in BACKENDS:
         raise NemospecError(f"--backend: expected one of {', '.join(BACKENDS)}, got {backend}")
+    if backend == "auto":
+        # resolved here: without a GPU the server runs eagerly for now. The compiled path
+        # (--backend compiled) compiles its steps inside the first requests, tens of seconds per step
+        # on a cold cache, which would stall them (and readiness checks) behind it.
+        import torch
+        backend = "tensorrt" if torch.cuda.is_available() else "torch"
     engine_batch = int(meta["build"]["max_batch_size"])
     if max_batch_size is not None and not 1 <= max_batch_size <= engine_batch:
         raise NemospecError(f"--max_batch_size: expected 1..{engine_batch} (the engine's max_batch_size), got {max_batch_size}")
@@ -138,8 +156,12 @@ def fill_model_repo(engine_dir, repo_dir, *, backend: str = "auto", max_batch_si
         raise NemospecError(f"--max_queue: expected >= 0, got {max_queue}")
     cancel_dir = Path(cancel_dir) if cancel_dir else Path(tempfile.gettempdir()) / f"nemospec-cancel-{os.getuid()}"
     cancel_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    overrides = {k: v for k, v in (draft_policy or {}).items() if v is not None}
+    if meta.get("speculative"):  # a bad flag exits 2 here, not inside the model
+        policy_from(int(meta["build"]["max_draft_len"]), meta["build"], SimpleNamespace(**overrides))
     values = dict(engine_dir=str(engine_dir), backend=backend, nemospec_root=str(ROOT), cancel_dir=str(cancel_dir.resolve()),
-                  max_batch_size=str(max_batch_size or engine_batch), max_queue=str(max_queue))
+                  max_batch_size=str(max_batch_size or engine_batch), max_queue=str(max_queue),
+                  draft_policy=encode_policy(overrides))
     repo_dir = Path(repo_dir)
     repo_dir.mkdir(parents=True, exist_ok=True)
     for name in MODELS:
@@ -264,7 +286,7 @@ def _ready(url: str) -> bool:
 def start_server(engine_dir, *, host: str = "127.0.0.1", http_port: int = 8000, grpc_port: int = 8001,
                  metrics_port: int = 8002, model_repo_dir=None, api_key: str | None = None, backend: str = "auto",
                  max_batch_size: int | None = None, max_queue: int = 64, ready_timeout: float = 600.0,
-                 extra_args=()) -> ServerHandle:
+                 extra_args=(), draft_policy: dict | None = None) -> ServerHandle:
     """Fills the model repository, starts tritonserver and waits until it is ready.
 
     A temporary run directory holds the assembled backend, the server log and (unless
@@ -277,7 +299,7 @@ def start_server(engine_dir, *, host: str = "127.0.0.1", http_port: int = 8000, 
     try:
         repo_dir = fill_model_repo(engine_dir, Path(model_repo_dir).resolve() if model_repo_dir else run_dir / "models",
                                    backend=backend, max_batch_size=max_batch_size, max_queue=max_queue,
-                                   cancel_dir=run_dir / "cancel")
+                                   cancel_dir=run_dir / "cancel", draft_policy=draft_policy)
         backend_dir = _assemble_backends(server, run_dir)
         cmd = [str(server.binary), "--model-repository", str(repo_dir), "--model-control-mode", "none",
                "--strict-model-config", "true", "--exit-timeout-secs", "15",
@@ -363,9 +385,12 @@ def add_serve_args(p) -> None:
     p.add_argument("--api_key", default=None,
                    help=f"require the key on the model-repository and shared-memory endpoints (HTTP header "
                         f"'{API_KEY_HEADER}: KEY', gRPC metadata '{GRPC_API_KEY_HEADER}: KEY')")
-    p.add_argument("--backend", default="auto", choices=list(BACKENDS), help="auto: TensorRT on a GPU, else torch")
+    p.add_argument("--backend", default="auto", choices=list(BACKENDS),
+                   help="auto: TensorRT on a GPU, else torch; compiled: the compiled CPU path (its first requests "
+                        "wait for the compiles)")
     p.add_argument("--max_batch_size", type=int, default=None, help="sequences per step (default: the engine's)")
     p.add_argument("--max_queue", type=int, default=64, help="requests waiting beyond the batch; more are refused")
+    add_policy_args(p, build=False)
 
 
 def cmd_serve(args, out=print) -> int:
@@ -380,7 +405,8 @@ def cmd_serve(args, out=print) -> int:
         out(f"starting tritonserver for {args.engine_dir} ...", file=sys.stderr)
         handle = start_server(args.engine_dir, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
                               metrics_port=args.metrics_port, model_repo_dir=args.model_repo_dir, api_key=args.api_key,
-                              backend=args.backend, max_batch_size=args.max_batch_size, max_queue=args.max_queue)
+                              backend=args.backend, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
+                              draft_policy={f: getattr(args, f, None) for f in POLICY_FLAGS})
         for name, url in handle.endpoints().items():
             out(f"{name:16s} {url}")
         out(f"model repository {handle.repo_dir}; server log {handle.log_path}", file=sys.stderr)

@@ -10,10 +10,12 @@ the batch.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 
 from runtime.batching import SpeculativeGroup
+from runtime.draft_policy import DraftPolicy
 from runtime.generation import GenerationResult, check_request, run_group
 from runtime.sampling import SamplingParams
 
@@ -31,16 +33,21 @@ def acceptance_stats(histogram, draft_len, verifies, prefill_forwards) -> dict:
 
 def speculative_generate(target, proposer, prompts: list[list[int]], max_new_tokens: int, draft_len: int, *,
                          temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, end_ids=(),
-                         max_seq_len: int = 1 << 30, prefill_chunk: int = 512) -> GenerationResult:
-    """Generates with a draft; the result's ``extra["acceptance"]`` has the acceptance statistics."""
+                         max_seq_len: int = 1 << 30, prefill_chunk: int = 512,
+                         policy: DraftPolicy | None = None) -> GenerationResult:
+    """Generates with a draft; the result's ``extra["acceptance"]`` has the acceptance statistics and
+    ``extra["cost"]`` the per-step costs. ``policy`` adapts K per step (``runtime.draft_policy``)."""
     check_request(prompts, max_new_tokens, max_seq_len, target.config.vocab_size)
     if draft_len < 1:
         raise ValueError(f"draft_len: expected >= 1, got {draft_len}")
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     start = time.perf_counter()
     capacity = min(max_seq_len, max(len(p) for p in prompts) + max_new_tokens + draft_len + 1)
-    group = SpeculativeGroup(target, lambda: proposer, draft_len, capacity, prefill_chunk)
+    policy = replace(policy, draft_len=draft_len) if policy is not None else DraftPolicy(draft_len)
+    group = SpeculativeGroup(target, lambda: proposer, draft_len, capacity, prefill_chunk, policy)
     seqs = run_group(group, prompts, max_new_tokens, SamplingParams(temperature, top_p, generator), end_ids)
     stats = acceptance_stats(group.histogram, draft_len, group.verifies, group.forwards - group.verifies)
+    stats["target_only_steps"] = group.target_only_steps
+    stats["steps_by_draft_len"] = {str(k): group.draft_lens[k] for k in sorted(group.draft_lens)}
     return GenerationResult([s.outputs for s in seqs], time.perf_counter() - start, group.forwards,
-                            {"acceptance": stats})
+                            {"acceptance": stats, "cost": group.costs})

@@ -88,3 +88,76 @@ def layer_subset_draft(target_dir, directory, noise=0.05):
     """Every layer of the target with small noise: agrees often, not always (exercises rollback)."""
     config, _ = load_checkpoint(target_dir)
     return write_layer_subset_draft(target_dir, directory, list(range(config.num_layers)), noise=noise, seed=3)
+
+
+def teacher_forced_logits(runner, prompts, outputs, chunk=1, verify=False):
+    """[B, N, V] logits at every generated position of ``outputs`` (N tokens each), after one ragged
+    prefill of the prompts, feeding the generated tokens back ``chunk`` at a time: chunk 1 repeats
+    generate()'s decode steps exactly, chunk K+1 with ``verify`` is a speculative verify pass (all
+    its rows accepted, the state rolled forward by the runner), and chunk None is one chunk of the
+    whole sequence (the prefill path)."""
+    from runtime.state import chunk_inputs
+    n, batch = len(outputs[0]), len(prompts)
+    assert all(len(o) == n for o in outputs), "teacher forcing needs outputs of one length"
+    state = runner.new_state(batch, max(len(p) for p in prompts) + n)
+    if chunk is None:  # everything in one forward, every row's logits
+        seqs = [p + o[:-1] for p, o in zip(prompts, outputs)]
+        ids, positions, lengths = chunk_inputs(seqs, [0] * batch)
+        rows = torch.stack([torch.arange(len(p) - 1, len(p) - 1 + n) for p in prompts]).int()
+        return runner.forward(ids, positions, lengths, rows, state)[0]
+    ids, positions, lengths = chunk_inputs(prompts, [0] * batch)
+    logits, state, _ = runner.forward(ids, positions, lengths, (lengths - 1)[:, None].int(), state)
+    rows, done = [logits], 0
+    while done < n - 1:
+        step = min(chunk, n - 1 - done)
+        ids, positions, lengths = chunk_inputs([o[done:done + step] for o in outputs], [len(p) + done for p in prompts])
+        index = torch.arange(step, dtype=torch.int32).repeat(batch, 1)
+        logits, new_state, _ = runner.forward(ids, positions, lengths, index, state, verify)
+        state = runner.rollback(state, new_state, lengths - 1) if verify else new_state
+        rows.append(logits)
+        done += step
+    return torch.cat(rows, 1)
+
+
+def assert_greedy_margin(runner, prompts, outputs, draft_len=4, what="greedy reference", others=()):
+    """The target's greedy trajectory has no near-tie that another computation order could flip.
+
+    Speculative, batched, chunked and interpreted runs must equal target-only greedy token for
+    token; they compute the same logits in other orders, so each step's top-1 must beat its
+    runner-up by more than the logits can move between orders (tolerances.logit_order_bound: the
+    LM head's own rounding bound plus SPREAD_FACTOR x the spread measured here between decode steps,
+    verify chunks of draft_len + 1, one whole-sequence chunk and ``others``, [B, N, V] logits of the
+    same positions computed elsewhere, e.g. by transformers). ``runner`` is an eager TorchRunner over
+    NemotronH; ``outputs`` are the greedy tokens. Cheap: 1 + N + N / (draft_len + 1) forwards of the
+    batch. Returns the smallest gap / bound ratio (> 1)."""
+    from tolerances import assert_no_near_tie, lm_head_bound, logit_order_bound
+    decode = teacher_forced_logits(runner, prompts, outputs)
+    others = [teacher_forced_logits(runner, prompts, outputs, draft_len + 1, verify=True),
+              teacher_forced_logits(runner, prompts, outputs, None), *others]
+    spread = max(float((o.to(decode) - decode).abs().max()) for o in others)
+    module = runner.module
+    bound = logit_order_bound(lm_head_bound(module.norm_f, module.lm_head, runner.dtype), spread)
+    return assert_no_near_tie(decode, torch.tensor(outputs), bound, what)
+
+
+def assert_greedy_up_to_ties(runner, prompts, outputs, what="speculative output"):
+    """Every token of ``outputs`` is the target's argmax after its own prefix, up to a tie within the
+    dtype's rounding bound (tolerances.lm_head_bound in the runner's dtype): where a half-precision
+    target cannot promise one greedy answer, either answer passes, and any other token fails.
+
+    For targets whose greedy trajectories cannot keep a margin over the rounding of their dtype
+    (bf16 logits are multiples of 2^-5 near 5: top-2 gaps of one bf16 step are common), where
+    assert_greedy_margin cannot hold. Returns the number of steps decided by such a tie."""
+    from tolerances import lm_head_bound
+    logits = teacher_forced_logits(runner, prompts, outputs).double()
+    module = runner.module
+    bound = lm_head_bound(module.norm_f, module.lm_head, runner.dtype)
+    tokens = torch.tensor(outputs)
+    chosen, best = logits.gather(-1, tokens[..., None])[..., 0], logits.max(-1)
+    short = best.values - chosen - bound[tokens] - bound[best.indices]
+    if not (short <= 0).all():
+        b, t = (int(v) for v in torch.unravel_index(short.argmax(), short.shape))
+        raise AssertionError(f"{what}: sequence {b} step {t} emitted {int(tokens[b, t])} (logit {chosen[b, t].item():.4f}) "
+                             f"where the target's argmax {int(best.indices[b, t])} has {best.values[b, t].item():.4f}, "
+                             f"more than the rounding bound apart")
+    return int((tokens != best.indices).sum())

@@ -31,6 +31,18 @@ def test_report_json_holds_every_field(report_dir):
         assert m["exact"] is True
         assert m["build_seconds"] > 0 and m["engine_bytes"] == sum(e["bytes"] for e in m["engines"].values())
         assert set(m["engines"]) >= {"target", "verify", "draft"}
+        c = m["cost"]
+        spec, plain = c["speculative"], c["target_only"]
+        parts = ("draft_ms", "verify_ms", "accept_ms", "host_ms")
+        for side in (spec, plain):
+            assert side["step_ms"] == pytest.approx(sum(side[p] for p in parts), abs=1e-3)
+            assert all(side[p] >= 0 for p in parts) and side["steps"] > 0
+        assert spec["verify_ms"] > 0 and spec["draft_ms"] > 0 and plain["draft_ms"] == 0 and plain["accept_ms"] == 0
+        assert plain["tokens_per_step"] == 1 and spec["proposals_per_step"] == r["num_draft_tokens"]
+        assert spec["tokens_per_step"] == pytest.approx(m["mean_accepted_tokens"], abs=1e-3)
+        assert c["target_only_step_ms"] == plain["step_ms"] and c["target_decode_ms"] == plain["verify_ms"]
+        assert c["model_speedup"] == pytest.approx(spec["tokens_per_step"] * plain["step_ms"] / spec["step_ms"], rel=1e-2)
+        assert not m["engine_dir"].startswith("/") and not r["model"].startswith("/")
     peers = r["peers"]
     assert peers["transformers_generate"]["tokens_per_second"] > 0
     assert "tokens_per_second" in peers["transformers_assisted"] or peers["transformers_assisted"]["error"]
@@ -45,6 +57,9 @@ def test_report_md_and_plots(report_dir):
     for mode, m in r["modes"].items():
         assert f"| {mode} | {m['mean_accepted_tokens']:.2f} |" in md
     assert "transformers `generate`" in md and "Through the Triton server" in md
+    assert "Where a step's time goes" in md and "predicted speedup" in md
+    for mode in r["modes"]:
+        assert f"| {mode} | {r['modes'][mode]['cost']['speculative']['draft_ms']:.3f} (" in md
     for name in r["plots"]:
         data = (report_dir / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000

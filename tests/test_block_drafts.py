@@ -26,6 +26,7 @@ from builder.interpreter import run_network
 from builder.models.dflash import DFlashDraft
 from builder.models.dspark import DSparkDraft
 from builder.models.peagle import PEagleDraft
+from tolerances import assert_no_near_tie, assert_within, sum_bound
 
 FIXTURES = Path(__file__).parent / "fixtures" / "speculators"
 BLOCK = ["dflash_speculators", "dspark_speculators", "dspark_zlab"]
@@ -33,6 +34,12 @@ TARGET = SimpleNamespace(hidden_size=32, vocab_size=96, num_layers=6)  # tests/t
 REF = dict(rtol=1e-4, atol=1e-4)
 CAPACITY = 16
 I32 = torch.int32
+
+
+def markov_bound(module, logits, prev):
+    """Two fp32 orders of logits + W2 @ W1[prev] (rank + 1 terms per logit) differ by at most this."""
+    rows = module.markov_w1.double()[torch.as_tensor(prev).long()]
+    return sum_bound(logits.double().abs() + rows.abs() @ module.markov_w2.double().abs().t(), module.markov_w2.shape[-1] + 1)
 
 
 def _load(name, dtype=torch.float32):
@@ -154,8 +161,10 @@ def test_dspark_chooses_left_to_right_with_target_ids():
     prev = ids[:, 0].long()
     for j in range(4):
         want = base[:, j] + module.markov_w2.float()[None].matmul(module.markov_w1.float()[prev][..., None])[..., 0]
-        torch.testing.assert_close(used[:, j], want, rtol=1e-5, atol=1e-5)
-        assert torch.equal(tokens[:, j], want.argmax(-1))
+        bound = markov_bound(module, base[:, j], prev)
+        assert_within(used[:, j], want, bound, f"draft {j}")
+        assert torch.equal(tokens[:, j], used[:, j].argmax(-1))  # chosen from exactly these logits
+        assert_no_near_tie(want, tokens[:, j], bound, f"draft {j}")  # and no rounding-level tie decided it
         prev = tokens[:, j] + module.d2t[tokens[:, j]]
 
 
@@ -228,7 +237,8 @@ def test_nvfp4_dspark_uses_the_fused_markov_head(tmp_path):
     want, _ = plain.forward(aux, cpos, clen, *block, _state(plain, 2))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     prev = ref["prev_ids"][:, 0]
-    torch.testing.assert_close(quant.markov_logits(got, prev), plain.markov_logits(want, prev), rtol=1e-5, atol=1e-5)
+    # the fused FP4 Markov op (matmul) against gather + linear + add on the dequantized W2: two orders
+    assert_within(quant.markov_logits(got, prev), plain.markov_logits(want, prev), markov_bound(plain, want, prev))
     rec = _record_block(quant)
     assert "fp4_markov_head" in rec.lowerings
     feeds = {"aux": aux, "context_positions": cpos, "context_lengths": clen, "input_ids": block[0],
@@ -474,6 +484,10 @@ def test_greedy_loop_with_nemotron_h_features(checkpoints, name):
         greedy = list(prompt)
         while len(greedy) < len(prompt) + total:
             greedy.append(run_target(greedy)[0][-1])
+        # the loop recomputes the target over sequences of other lengths: no near-tie may decide a token
+        from runtime.runner import TorchRunner
+        from speculative_fixtures import assert_greedy_margin
+        assert_greedy_margin(TorchRunner(target), [prompt], [greedy[len(prompt):]], K)
         _GREEDY.clear()
         _GREEDY[str(checkpoints["moe"])] = greedy
 
@@ -489,7 +503,9 @@ def test_greedy_loop_with_nemotron_h_features(checkpoints, name):
         logits, state = module.forward(*ctx, *block, state)
         fresh, _ = module.forward(aux[None, :end], torch.arange(end, dtype=I32)[None], torch.tensor([end], dtype=I32),
                                   *block, _state(module, 1, scale=1.0, seed=n, capacity=32))
-        torch.testing.assert_close(logits, fresh, rtol=1e-5, atol=1e-5)
+        # cached context rows vs the whole context recomputed: the whole draft network in two orders (1e-5
+        # was within 3x of what this CPU measured; REF is the file's whole-network tolerance)
+        torch.testing.assert_close(logits, fresh, **REF)
         if module.kind == "dspark":
             drafts, _ = module.choose_block(logits, torch.tensor([anchor]), lambda row: row.argmax(-1))
         else:

@@ -40,6 +40,11 @@ def test_generate_json_matches_transformers_greedy(checkpoints, capsys):
     theirs.generation_config.eos_token_id = None
     with torch.no_grad():
         ref = theirs.generate(torch.tensor([[5, 9, 17, 33]]), max_new_tokens=12, do_sample=False, pad_token_id=0)
+        theirs_logits = theirs(ref[:, :-1]).logits[:, 3:].float()
+    from runtime.loading import open_checkpoint
+    from speculative_fixtures import assert_greedy_margin
+    # two implementations: no near-tie may decide a token (transformers' logits count in the spread)
+    assert_greedy_margin(open_checkpoint(ckpt).runner, [[5, 9, 17, 33]], [ref[0, 4:].tolist()], others=[theirs_logits])
     assert record["output_ids"] == ref[0, 4:].tolist()
     assert record["num_tokens"] == 12 and record["tokens_per_second"] > 0
     assert record["backend"] == "torch"

@@ -19,6 +19,7 @@ from builder.errors import BuildError
 from builder.interpreter import run_network
 from builder.quantization import dequantize_nvfp4, quantize_nvfp4
 from plugins import fp4_markov_head as mh
+from tolerances import assert_within, sum_bound
 
 
 def randn(*shape, seed=0, scale=1.0):
@@ -30,6 +31,12 @@ def head(vocab=80, prev_vocab=70, rank=32, seed=0, w1_dtype=torch.float32):
     w1 = randn(prev_vocab, rank, seed=seed).to(w1_dtype)
     w2 = randn(vocab, rank, seed=seed + 1) * torch.rand(vocab, 1, generator=torch.Generator().manual_seed(seed)) * 2
     return (w1, *quantize_nvfp4(w2))
+
+
+def head_bound(logits, prev, w1, packed, scale, scale_2):
+    """Two fp32 orders of logits + sum_j W1[prev, j] W2[v, j] (rank + 1 terms) differ by at most this."""
+    rows, w2 = w1[prev.long()].double(), mh.dequantize_w2(packed, scale, scale_2).double()
+    return sum_bound(logits.double().abs() + rows.abs() @ w2.abs().t(), w1.shape[-1] + 1)
 
 
 @pytest.fixture
@@ -80,7 +87,7 @@ def test_reference_semantics():
     # out[b, g, v] = logits[b, g, v] + sum_j W2[v, j] W1[prev[b, g], j]
     want = logits.double() + torch.einsum("vj,bgj->bgv", w2.double(), w1.double()[prev])
     assert out.dtype == torch.float32 and out.shape == logits.shape
-    torch.testing.assert_close(out.double(), want, rtol=1e-6, atol=1e-5)
+    assert_within(out, want, head_bound(logits, prev, w1, packed, scale, scale_2), "fp32 reference vs exact")
     # int32 ids and a bf16 W1 (gathered, then computed in fp32)
     out32 = mh.fp4_markov_head_reference(logits, prev.int(), w1.bfloat16(), packed, scale, scale_2)
     want32 = logits + torch.matmul(w1.bfloat16()[prev].float(), w2.t())
@@ -107,20 +114,36 @@ def test_triton_kernel_matches_reference(interpret, case):
     got = mh.fp4_markov_head_triton(logits, prev, w1, packed, scale, scale_2)
     want = mh.fp4_markov_head_reference(logits, prev, w1, packed, scale, scale_2)
     assert got.dtype == torch.float32 and got.shape == logits.shape
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert_within(got, want, head_bound(logits, prev, w1, packed, scale, scale_2))
 
 
 def test_triton_kernel_decodes_subnormal_and_negative_codes(interpret):
-    """Rows 1e-6 of the tensor's amax get FP8 block scales in E4M3's subnormal range."""
+    """Rows 1e-6 of the tensor's amax get FP8 block scales in E4M3's subnormal range. The bound follows
+    from fp32 rounding of the summed terms, and is tight enough that one wrongly decoded FP4 code or
+    one subnormal scale off by one step fails it."""
     w2 = randn(32, 16, seed=3)
     w2[1:4] *= 1e-6
     packed, scale, scale_2 = quantize_nvfp4(w2)
-    assert ((scale.view(torch.uint8) & 0x78) == 0).any()  # exponent field 0: subnormal scales present
+    subnormal = (scale.view(torch.uint8) & 0x78) == 0  # exponent field 0
+    assert subnormal[1:4].any()
     w1, logits, prev = randn(10, 16, seed=4), torch.zeros(3, 32), torch.tensor([1, 2, 9])
     got = mh.fp4_markov_head_triton(logits, prev, w1, packed, scale, scale_2)
     want = mh.fp4_markov_head_reference(logits, prev, w1, packed, scale, scale_2)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    bound = head_bound(logits, prev, w1, packed, scale, scale_2)
+    assert_within(got, want, bound)
     assert (got[:, 1:4] != 0).all()
+    # a decode that differs in one FP4 magnitude bit (row 2, the subnormal-scaled range) is caught
+    wrong_code = packed.clone()
+    wrong_code[2, 3] ^= 0x01
+    with pytest.raises(AssertionError, match="exceeds its bound"):
+        assert_within(got, mh.fp4_markov_head_reference(logits, prev, w1, wrong_code, scale, scale_2), bound)
+    # so is a subnormal block scale decoded one step off
+    row, block = (int(v) for v in subnormal[1:4].nonzero()[0])
+    wrong_scale = scale.view(torch.uint8).clone()
+    wrong_scale[1 + row, block] += 1
+    wrong_scale = wrong_scale.view(torch.float8_e4m3fn)
+    with pytest.raises(AssertionError, match="exceeds its bound"):
+        assert_within(got, mh.fp4_markov_head_reference(logits, prev, w1, packed, wrong_scale, scale_2), bound)
 
 
 # --- functional op ----------------------------------------------------------------------------------------
@@ -151,7 +174,12 @@ def test_recorded_network_matches_eager(w1_dtype):
         prev = torch.randint(0, 70, (batch, rows), generator=torch.Generator().manual_seed(rows), dtype=torch.int32)
         got = run_network(rec.network, {"logits": logits, "prev_ids": prev})["out"]
         want = F.fp4_markov_head(logits, prev, w1, packed, scale, scale_2)
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        bound = head_bound(logits, prev, w1, packed, scale, scale_2)  # gather + dequantize + matmul: its own order
+        assert_within(got, want, bound, f"network vs eager {batch}x{rows}")
+        wrong = packed.clone()
+        wrong[5, 0] ^= 0x01  # W2[5, 0] one FP4 magnitude step off
+        with pytest.raises(AssertionError, match="exceeds its bound"):
+            assert_within(got, F.fp4_markov_head(logits, prev, w1, wrong, scale, scale_2), bound)
     kinds = {rec.network.get_layer(i).type.name for i in range(rec.network.num_layers)}
     assert {"GATHER", "DEQUANTIZE", "MATRIX_MULTIPLY"} <= kinds
     lowering = rec.lowerings["fp4_markov_head"]

@@ -8,6 +8,7 @@ from builder.models.nemotron_h import NemotronH
 from runtime.generation import generate
 from runtime.runner import TorchRunner
 from runtime.state import chunk_inputs
+from speculative_fixtures import assert_greedy_margin
 
 KINDS = ["dense", "moe", "two_attention"]
 
@@ -27,6 +28,12 @@ def _prompt(vocab, n, seed):
 
 def _rel(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def _their_logits(theirs, prompt, out):
+    """transformers' logits [1, N, V] at the positions that chose ``out`` (teacher forced, one forward)."""
+    with torch.no_grad():
+        return theirs(torch.tensor([prompt + out[:-1]])).logits[:, len(prompt) - 1:].float()
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -80,6 +87,8 @@ def test_greedy_generation_matches_transformers_generate(kind, checkpoints):
         ref = theirs.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False,
                               pad_token_id=0)[0, len(prompt):].tolist()
     assert len(ref) == 32
+    # two implementations, many orders: no near-tie may decide a token (transformers' logits in the spread)
+    assert_greedy_margin(ours, [prompt], [ref], others=[_their_logits(theirs, prompt, ref)])
     result = generate(ours, [prompt], 32)
     assert result.output_ids[0] == ref
     assert len(set(ref)) > 3  # the model is not degenerate: the comparison means something
@@ -90,6 +99,7 @@ def test_batch_of_different_lengths_equals_one_by_one(checkpoints):
     ours = _ours(checkpoints["two_attention"])
     prompts = [_prompt(ours.config.vocab_size, n, 10 + n) for n in (1, 6, 13)]
     batched = generate(ours, prompts, 12).output_ids
+    assert_greedy_margin(ours, prompts, batched)
     alone = [generate(ours, [p], 12).output_ids[0] for p in prompts]
     assert batched == alone
 
@@ -98,6 +108,7 @@ def test_chunked_prefill_equals_whole_prefill(checkpoints):
     ours = _ours(checkpoints["moe"])
     prompt = _prompt(ours.config.vocab_size, 19, 4)
     whole = generate(ours, [prompt], 10, prefill_chunk=512).output_ids
+    assert_greedy_margin(ours, [prompt], whole)
     chunked = generate(ours, [prompt], 10, prefill_chunk=5).output_ids
     assert whole == chunked
 
@@ -119,4 +130,6 @@ def test_moe_with_latent_projection_and_group_routing_matches_transformers(tmp_p
     theirs.generation_config.eos_token_id = None
     with torch.no_grad():
         want = theirs.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, pad_token_id=0)
-    assert generate(ours, [prompt], 16).output_ids[0] == want[0, 12:].tolist()
+    want = want[0, 12:].tolist()
+    assert_greedy_margin(ours, [prompt], [want], others=[_their_logits(theirs, prompt, want)])
+    assert generate(ours, [prompt], 16).output_ids[0] == want

@@ -330,8 +330,9 @@ def test_nvfp4_engine_builds_and_its_network_interprets_like_eager(checkpoints, 
         feeds["past." + name] = torch.zeros(shape, dtype=dtype)
     got = run_network(recorder.network, feeds)
     want = component.call(feeds)
-    for name, value in want.items():
-        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-5, msg=name)
+    for name, value in want.items():  # the whole network in the interpreter's order: 1e-4 as the other
+        # whole-network comparisons (1e-5 was within 2x of what one CPU measured on these logits)
+        torch.testing.assert_close(got[name], value, rtol=1e-4, atol=1e-4, msg=name)
     # the eager NVFP4 module computes what the dequantized checkpoint computes
     _, deq = load_checkpoint(quantized["dense"])
     assert torch.equal(want["logits"], target_component(NemotronH(config, deq), options).call(feeds)["logits"])

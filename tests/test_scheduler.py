@@ -7,7 +7,7 @@ from builder.engine import BuildOptions, build
 from runtime.generation import generate
 from runtime.loading import open_engine_dir
 from runtime.scheduler import Request, Scheduler, SchedulerError
-from speculative_fixtures import layer_subset_draft, target_with_mtp
+from speculative_fixtures import assert_greedy_margin, layer_subset_draft, target_with_mtp
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +45,7 @@ def _drain(scheduler, limit=10_000):
 
 def test_in_flight_batching_equals_sequential_results(loaded):
     want = generate(loaded.runner, PROMPTS, 20).output_ids
+    assert_greedy_margin(loaded.runner, PROMPTS, want, 3)  # batched, joined, speculative: no near-tie may decide
     scheduler = Scheduler(loaded)
     outs = [Collector() for _ in PROMPTS]
     for p, c in zip(PROMPTS[:2], outs[:2]):
@@ -127,6 +128,7 @@ def test_full_queue_is_refused_then_recovers(loaded):
 
 def test_stop_words_bad_words_and_end_ids(loaded):
     free = generate(loaded.runner, [[5, 9]], 20).output_ids[0]
+    assert_greedy_margin(loaded.runner, [[5, 9]], [free], 3)
     scheduler = Scheduler(loaded)
     stop, banned, end = Collector(), Collector(), Collector()
     scheduler.submit(Request([5, 9], 20, stop_words=(tuple(free[3:5]),)), stop)
@@ -140,6 +142,7 @@ def test_stop_words_bad_words_and_end_ids(loaded):
 
 def test_background_thread_serves_concurrent_submitters(loaded):
     want = generate(loaded.runner, PROMPTS, 12).output_ids
+    assert_greedy_margin(loaded.runner, PROMPTS, want, 3)
     scheduler = Scheduler(loaded)
     scheduler.start()
     try:
@@ -173,6 +176,7 @@ def test_every_draft_mode_runs_in_flight_batches(mode, checkpoints, tmp_path_fac
     target, proposer = runners(target_dir)
     loaded_ = Loaded(target, target.config, None, 64, 16, "torch", {"mode": mode}, 3, 4, lambda: proposer(mode))
     want = generate(target, PROMPTS, 12).output_ids
+    assert_greedy_margin(target, PROMPTS, want, 3)
     scheduler = Scheduler(loaded_)
     outs = [Collector() for _ in PROMPTS]
     for p, c in zip(PROMPTS[:3], outs[:3]):

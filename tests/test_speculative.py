@@ -4,10 +4,9 @@ import torch
 
 from runtime import acceptance
 from runtime.generation import generate
-from runtime.rollback import select_verified
 from runtime.speculative import speculative_generate
 from runtime.state import chunk_inputs
-from speculative_fixtures import layer_subset_draft, runners, target_with_mtp
+from speculative_fixtures import assert_greedy_margin, layer_subset_draft, runners, target_with_mtp
 
 PROMPTS = [[5, 9, 17, 33, 4, 8, 11], [7], [12, 13, 14], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51], [3, 60]]
 
@@ -23,7 +22,9 @@ def pair(checkpoints, tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(pair):
     target, _ = pair
-    return generate(target, PROMPTS, 48).output_ids
+    out = generate(target, PROMPTS, 48).output_ids
+    assert_greedy_margin(target, PROMPTS, out)  # min top-2 gap 1.1e-3 (prompt 2), ~5x its bound
+    return out
 
 
 MODES = ["draft_target", "mtp", "eagle", "eagle3", "dflash", "dspark", "peagle", "dflash_nvfp4", "dspark_nvfp4",
@@ -55,6 +56,7 @@ def test_partial_acceptance_is_exercised(pair, reference):
 def test_one_token_prompt_alone(pair):
     target, proposer = pair
     want = generate(target, [[9]], 48).output_ids
+    assert_greedy_margin(target, [[9]], want, 3)
     for mode in MODES:
         assert speculative_generate(target, proposer(mode), [[9]], 48, 3).output_ids == want, mode
 
@@ -69,7 +71,8 @@ def test_stops_at_end_id_and_max_tokens(pair, reference):
 
 
 def test_rollback_state_equals_target_only_state(pair):
-    """After a verify that keeps 2 of 4 drafts, the selected Mamba states equal target-only decoding."""
+    """After a verify that keeps 2 of 4 drafts, the rolled-back Mamba states equal target-only decoding
+    (and differ from the state after all 5 rows: the rollback really uses the accepted length)."""
     target, _ = pair
     prompt, drafts = [5, 9, 17, 33], [21, 22, 23, 24]
     ids, positions, lengths = chunk_inputs([prompt], [0])
@@ -79,14 +82,16 @@ def test_rollback_state_equals_target_only_state(pair):
     verify = torch.tensor([[40] + drafts], dtype=torch.int32)
     pos = torch.arange(4, 9, dtype=torch.int32)[None]
     _, new_state, _ = target.forward(verify, pos, torch.tensor([5], dtype=torch.int32),
-                                     torch.arange(5, dtype=torch.int32)[None], state, all_states=True)
-    kept = select_verified(new_state, torch.tensor([2]))  # rows 0..2: token 40 and drafts 21, 22
+                                     torch.arange(5, dtype=torch.int32)[None], state, verify=True)
+    kept = target.rollback(state, new_state, torch.tensor([2]))  # rows 0..2: token 40 and drafts 21, 22
+    everything = target.rollback(state, new_state, torch.tensor([4]))
     for t, p in [(40, 4), (21, 5), (22, 6)]:
         _, ref_state, _ = target.forward(torch.tensor([[t]], dtype=torch.int32), torch.tensor([[p]], dtype=torch.int32),
                                          torch.ones(1, dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32), ref_state)
     for name, value in ref_state.items():
         if "conv_state" in name or "ssm_state" in name:
             torch.testing.assert_close(kept[name], value, rtol=1e-5, atol=1e-5, msg=name)
+            assert not torch.allclose(everything[name], value, rtol=1e-3, atol=1e-3), name
 
 
 def test_greedy_acceptance_rule():

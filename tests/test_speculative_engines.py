@@ -12,7 +12,7 @@ from runtime.generation import generate
 from runtime.loading import open_engine_dir
 from runtime.speculative import speculative_generate
 from runtime.state import chunk_inputs
-from speculative_fixtures import layer_subset_draft, target_with_mtp
+from speculative_fixtures import assert_greedy_margin, layer_subset_draft, target_with_mtp
 
 OPTIONS = dict(max_batch_size=4, max_input_len=32, max_seq_len=96, max_draft_len=3)
 
@@ -38,7 +38,9 @@ def test_speculative_engine_directory(mode, dirs):
     assert set(meta["engines"]) == {"target", "verify", "draft"}
     verify = meta["engines"]["verify"]
     assert [p["max_tokens"] for p in verify["profiles"]] == [4]
-    assert any(n.endswith(".ssm_states") for n in verify["outputs"]), "verify returns per-position states"
+    kept = {n.rpartition(".")[2] for n in verify["outputs"]}
+    assert {"conv_inputs", "ssm_x", "ssm_B", "ssm_dt"} <= kept, "verify keeps what rollback needs"
+    assert not kept & {"ssm_state", "ssm_states", "conv_states"}, "no per-position (or final) SSM states"
     report = json.loads((engine_dir / "build_report.json").read_text())
     assert set(report["engines"]) == {"target", "verify", "draft"}
     for name in ("target", "verify", "draft"):
@@ -59,6 +61,7 @@ def test_interpreted_engines_speculate_exactly(mode, dirs):
     interp = open_engine_dir(engine_dir, backend="interpreter")
     prompts = [[5, 9, 17, 33, 4], [7]]
     want = generate(eager.runner, prompts, 12).output_ids
+    assert_greedy_margin(eager.runner, prompts, want, 3)  # interpreted verify chunks vs eager decode steps
     got = speculative_generate(interp.runner, interp.proposer(), prompts, 12, 3)
     assert got.output_ids == want
     eager_spec = speculative_generate(eager.runner, eager.proposer(), prompts, 12, 3)
@@ -66,7 +69,8 @@ def test_interpreted_engines_speculate_exactly(mode, dirs):
 
 
 def test_draft_and_verify_engine_networks_equal_eager(dirs):
-    """Each network alone: verify (per-position states) and the MTP draft, interpreter vs eager."""
+    """Each network alone: verify (and the rollback from what it kept) and the MTP draft, interpreter
+    vs eager."""
     engine_dir = dirs[2]["mtp"]
     eager = open_engine_dir(engine_dir, backend="torch")
     interp = open_engine_dir(engine_dir, backend="interpreter")
@@ -74,12 +78,17 @@ def test_draft_and_verify_engine_networks_equal_eager(dirs):
     rows = torch.arange(4, dtype=torch.int32).repeat(2, 1)
     g = torch.Generator().manual_seed(0)
     state = {k: torch.randn(v.shape, generator=g).to(v.dtype) for k, v in eager.runner.new_state(2, 16).items()}
-    a = interp.runner.forward(ids, positions, lengths, rows, {k: v.clone() for k, v in state.items()}, all_states=True)
-    b = eager.runner.forward(ids, positions, lengths, rows, {k: v.clone() for k, v in state.items()}, all_states=True)
+    a = interp.runner.forward(ids, positions, lengths, rows, {k: v.clone() for k, v in state.items()}, verify=True)
+    b = eager.runner.forward(ids, positions, lengths, rows, {k: v.clone() for k, v in state.items()}, verify=True)
     torch.testing.assert_close(a[0], b[0], rtol=1e-4, atol=1e-4)
+    assert set(a[1]) == set(b[1])
     for name in b[1]:
-        if "states" in name:
-            torch.testing.assert_close(a[1][name], b[1][name], rtol=1e-4, atol=1e-4, msg=name)
+        torch.testing.assert_close(a[1][name], b[1][name], rtol=1e-4, atol=1e-4, msg=name)
+    accepted = torch.tensor([2, 0])
+    rolled = interp.runner.rollback(state, a[1], accepted), eager.runner.rollback(state, b[1], accepted)
+    assert set(rolled[0]) == set(state)
+    for name in rolled[1]:
+        torch.testing.assert_close(rolled[0][name], rolled[1][name], rtol=1e-4, atol=1e-4, msg=name)
     torch.testing.assert_close(a[2]["hidden"], b[2]["hidden"], rtol=1e-4, atol=1e-4)
     d_eager, d_interp = eager.proposer().draft, interp.proposer().draft
     hidden = torch.randn(2, 4, eager.config.hidden_size, generator=g)
@@ -107,6 +116,7 @@ def test_cli_generate_reports_acceptance_and_no_speculation_matches(mode, dirs, 
     assert sum(int(n) * c for n, c in a["histogram"].items()) >= 23
     _, plain, _ = _gen(capsys, *args, "--no_speculation")
     assert spec["output_ids"] == plain["output_ids"] and "acceptance" not in plain
+    assert_greedy_margin(open_engine_dir(engine_dir, backend="torch").runner, [[5, 9, 17]], [plain["output_ids"]], 3)
     _, smaller, _ = _gen(capsys, *args, "--num_draft_tokens", 1)
     assert smaller["output_ids"] == plain["output_ids"]
     assert list(smaller["acceptance"]["histogram"]) == ["1", "2"]
@@ -179,6 +189,7 @@ def test_eagle_engine_directories_speculate_exactly_on_the_interpreter(mode, eag
     interp = open_engine_dir(engine_dir, backend="interpreter")
     prompts = [[5, 9, 17, 33, 4], [7]]
     want = generate(eager.runner, prompts, 10).output_ids
+    assert_greedy_margin(eager.runner, prompts, want, 3)
     got = speculative_generate(interp.runner, interp.proposer(), prompts, 10, 3)
     assert got.output_ids == want
     assert got.extra["acceptance"] == speculative_generate(eager.runner, eager.proposer(), prompts, 10, 3).extra["acceptance"]

@@ -17,6 +17,7 @@ from builder.backends.trt_backend import NetworkRecorder, SymbolicTensor
 from builder.backends.trt_build import build_engine_bytes
 from builder.backends.trt_import import FLAVOUR, HAS_PLUGIN_LAYERS, VERSION, trt
 from builder.interpreter import UnsupportedLayerError, run_network
+from tolerances import assert_within, matmul_bound
 
 F32 = dict(rtol=1e-5, atol=1e-5)
 HALF = {torch.bfloat16: dict(rtol=2e-2, atol=2e-2), torch.float16: dict(rtol=3e-3, atol=3e-3)}
@@ -199,14 +200,13 @@ def test_operator_promotion():
 
 
 # --- sequence mixers ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("all_states", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
-def test_causal_conv1d(all_states, bias):
+def test_causal_conv1d(bias):
     C, K = 6, 4
     w, b = randn(C, K, seed=1), (randn(C, seed=2) if bias else None)
     cases = [[randn(bt, t, C, seed=3), randn(bt, K - 1, C, seed=4), lengths_for(bt, t, seed=5)]
              for bt, t in SHAPES + [(2, 2)]]
-    check(lambda x, s, n: F.causal_conv1d(x, s, w, b, n, all_states),
+    check(lambda x, s, n: F.causal_conv1d(x, s, w, b, n),
           [("x", torch.float32, (-1, -1, C)), ("s", torch.float32, (-1, K - 1, C)), ("n", torch.int32, (-1,))],
           cases)
 
@@ -216,9 +216,25 @@ def test_causal_conv1d_bf16():
     w, b = randn(C, K, seed=1, dtype=torch.bfloat16), randn(C, seed=2, dtype=torch.bfloat16)
     cases = [[randn(bt, t, C, seed=3, dtype=torch.bfloat16), randn(bt, K - 1, C, seed=4, dtype=torch.bfloat16),
               lengths_for(bt, t, seed=5)] for bt, t in SHAPES]
-    check(lambda x, s, n: F.causal_conv1d(x, s, w, b, n, True),
+    check(lambda x, s, n: F.causal_conv1d(x, s, w, b, n),
           [("x", torch.bfloat16, (-1, -1, C)), ("s", torch.bfloat16, (-1, K - 1, C)), ("n", torch.int32, (-1,))],
           cases, HALF[torch.bfloat16])
+
+
+def test_conv_window_is_the_state_after_the_first_rows():
+    """conv_window(state, chunk, n) = the conv state causal_conv1d leaves after the chunk's first n
+    rows (the rollback of a verify chunk to an accepted length); interpreted == eager."""
+    C, K = 6, 4
+    w = randn(C, K, seed=1)
+    x, s = randn(2, 5, C, seed=3), randn(2, K - 1, C, seed=4)
+    for n in ([5, 5], [1, 3], [4, 2]):
+        n = torch.tensor(n, dtype=torch.int32)
+        for b in range(2):
+            want = F.causal_conv1d(x[b:b + 1, :int(n[b])], s[b:b + 1], w, None, n[b:b + 1])[1]
+            assert torch.equal(F.conv_window(s, x, n)[b:b + 1], want)  # pure data movement: exact
+    check(lambda s, x, n: F.conv_window(s, x, n),
+          [("s", torch.float32, (-1, K - 1, C)), ("x", torch.float32, (-1, -1, C)), ("n", torch.int32, (-1,))],
+          [[randn(bt, K - 1, C, seed=4), randn(bt, t, C, seed=3), lengths_for(bt, t, seed=5)] for bt, t in SHAPES])
 
 
 def _ssm_case(batch, seq, H=4, P=3, G=2, N=5, seed=0, dtype=torch.float32):
@@ -240,24 +256,32 @@ A_LOG = torch.tensor([0.1, -0.7, 0.5, -0.2])
 D_SKIP = torch.tensor([1.0, 0.5, -0.3, 0.0])
 
 
-@pytest.mark.parametrize("all_states", [False, True])
-def test_ssm_scan(all_states):
+def test_ssm_scan():
     A = -torch.exp(A_LOG)
-    shapes = [(1, 1), (3, 13), (2, 8), (2, 4)] if not all_states else [(1, 1), (3, 5), (2, 13)]
-    rec = check(lambda x, dt, B, C, s: F.ssm_scan(x, dt, A, B, C, D_SKIP, s, 4, all_states), _ssm_specs(),
+    shapes = [(1, 1), (3, 13), (2, 8), (2, 4), (3, 3)]  # (3, 3): shorter than the chunk (eager: one chunk)
+    rec = check(lambda x, dt, B, C, s: F.ssm_scan(x, dt, A, B, C, D_SKIP, s, 4), _ssm_specs(),
                 [_ssm_case(bt, t, seed=bt * 10 + t) for bt, t in shapes], dict(rtol=2e-5, atol=2e-5))
     kinds = {rec.network.get_layer(i).type for i in range(rec.network.num_layers)}
     assert trt.LayerType.LOOP_OUTPUT not in kinds and trt.LayerType.CUMULATIVE in kinds
-    assert ("chunked SSD" in rec.lowerings["ssm_scan"]) != all_states
+    assert "chunked SSD" in rec.lowerings["ssm_scan"]
 
 
-@pytest.mark.parametrize("all_states", [False, True])
-def test_ssm_scan_without_cumulative_layer(all_states):
+def test_ssm_state():
+    A = -torch.exp(A_LOG)
+    specs = [s for s in _ssm_specs() if s[0] != "C"]
+    rec = check(lambda x, dt, B, s: F.ssm_state(x, dt, A, B, s), specs,
+                [[v for i, v in enumerate(_ssm_case(bt, t, seed=bt * 10 + t)) if i != 3]
+                 for bt, t in [(1, 1), (3, 5), (2, 13)]], dict(rtol=2e-5, atol=2e-5))
+    kinds = {rec.network.get_layer(i).type for i in range(rec.network.num_layers)}
+    assert trt.LayerType.LOOP_OUTPUT not in kinds
+
+
+def test_ssm_scan_without_cumulative_layer():
     """TensorRT versions without ICumulativeLayer get cumulative sums as triangular matmuls."""
     A = -torch.exp(A_LOG)
     rec = NetworkRecorder()
     rec.has_cumulative = False
-    rec = check(lambda x, dt, B, C, s: F.ssm_scan(x, dt, A, B, C, D_SKIP, s, 4, all_states), _ssm_specs(),
+    rec = check(lambda x, dt, B, C, s: F.ssm_scan(x, dt, A, B, C, D_SKIP, s, 4), _ssm_specs(),
                 [_ssm_case(bt, t, seed=bt * 10 + t) for bt, t in [(1, 1), (3, 13)]], dict(rtol=2e-5, atol=2e-5),
                 rec=rec)
     kinds = {rec.network.get_layer(i).type for i in range(rec.network.num_layers)}
@@ -269,13 +293,16 @@ def test_static_shapes():
     A = -torch.exp(A_LOG)
     case = _ssm_case(2, 6, seed=7)
     specs = [(n, d, tuple(v.shape)) for (n, d, _), v in zip(_ssm_specs(), case)]
-    for all_states in (False, True):
-        check(lambda x, dt, B, C, s: F.ssm_scan(x, dt, A, B, C, D_SKIP, s, 4, all_states), specs, [case],
-              dict(rtol=2e-5, atol=2e-5))
+    check(lambda x, dt, B, C, s: F.ssm_scan(x, dt, A, B, C, D_SKIP, s, 4), specs, [case],
+          dict(rtol=2e-5, atol=2e-5))
+    check(lambda x, dt, B, s: F.ssm_state(x, dt, A, B, s), specs[:2] + specs[3:4] + specs[4:5],
+          [case[:2] + case[2:3] + case[4:5]], dict(rtol=2e-5, atol=2e-5))
     w = randn(6, 4, seed=1)
     conv = [randn(2, 5, 6, seed=3), randn(2, 3, 6, seed=4), torch.tensor([5, 2], dtype=torch.int32)]
-    check(lambda x, s, n: F.causal_conv1d(x, s, w, None, n, True),
+    check(lambda x, s, n: F.causal_conv1d(x, s, w, None, n),
           [(n, v.dtype, tuple(v.shape)) for n, v in zip("xsn", conv)], [conv])
+    check(lambda s, x, n: F.conv_window(s, x, n),
+          [(n, v.dtype, tuple(v.shape)) for n, v in zip("sxn", [conv[1], conv[0], conv[2]])], [[conv[1], conv[0], conv[2]]])
     att = _attention_case(2, 3, S=7)
     check(lambda q, k, v, p: F.attention(q, k, v, p, 0.3), [(n, v.dtype, tuple(v.shape)) for n, v in zip("qkvp", att)],
           [att])
@@ -309,18 +336,23 @@ def test_ssm_scan_long_prefill_matches_sequential():
     torch.testing.assert_close(got["h"], hs, rtol=1e-4, atol=1e-4)
 
 
-def test_ssm_all_states_match_the_recurrence():
-    """The verify chunk's per-position states (quadratic form, no loop) equal the recurrence's."""
+def test_ssm_state_and_short_chunks_match_the_recurrence():
+    """What a verify keeps is enough: the state after any first t rows of a chunk (ssm_state with dt
+    masked past t) and the outputs of a chunk shorter than the SSD chunk equal the recurrence's."""
     from builder.backends import torch_backend as tb
     A = -torch.exp(A_LOG)
     x, dt, B, C, s = _ssm_case(2, 7, seed=5)
     Bh, Ch = tb._heads(B, 4), tb._heads(C, 4)
-    y, last, states = tb._ssm_all_states(x, dt, A, Bh, Ch, s)
+    y, last = F.ssm_scan(x, dt, A, B, C, D_SKIP, s, 64)
+    yt, ht = _ssm_recurrence(x, dt, A, Bh, Ch, s)
+    torch.testing.assert_close(y, yt + x * D_SKIP[:, None], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(last, ht, rtol=1e-5, atol=1e-5)
     for t in range(1, 8):
-        yt, ht = _ssm_recurrence(x[:, :t], dt[:, :t], A, Bh[:, :t], Ch[:, :t], s)
-        torch.testing.assert_close(states[:, t - 1], ht, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(y[:, :t], yt, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(last, states[:, -1])
+        _, ht = _ssm_recurrence(x[:, :t], dt[:, :t], A, Bh[:, :t], Ch[:, :t], s)
+        kept = F.mask_padding(dt, torch.tensor([t, t]))
+        torch.testing.assert_close(F.ssm_state(x, kept, A, B, s), ht, rtol=1e-5, atol=1e-5)
+        if t < 7:  # a state that ignores the mask would be the full chunk's
+            assert not torch.allclose(F.ssm_state(x, dt, A, B, s), ht, rtol=1e-3, atol=1e-3)
 
 
 def test_ssm_scan_bf16():
@@ -495,25 +527,25 @@ def _weights_of(module):
     return load_checkpoint(module.source)[1]
 
 
-def _record_model(module, all_states=False):
+def _record_model(module, verify=False):
     rec = NetworkRecorder()
     feeds = {n: rec.add_input(n, torch.int32, s) for n, s in
              [("input_ids", (-1, -1)), ("positions", (-1, -1)), ("lengths", (-1,)), ("logit_index", (-1, -1))]}
     state = {n: rec.add_input("past." + n, dtype, shape) for n, (shape, dtype) in module.state_spec(-1, -1).items()}
     logits, new_state, _ = module.forward(feeds["input_ids"], feeds["positions"], feeds["lengths"],
-                                       feeds["logit_index"], state, all_states)
+                                       feeds["logit_index"], state, verify)
     rec.mark_output("logits", logits)
     for n, t in new_state.items():
         rec.mark_output("present." + n, t)
     return rec
 
 
-def _compare_model(rec, module, ids, positions, lengths, index, state, all_states=False):
+def _compare_model(rec, module, ids, positions, lengths, index, state, verify=False):
     feeds = dict(input_ids=ids, positions=positions, lengths=lengths, logit_index=index)
     feeds.update({"past." + n: v for n, v in state.items()})
     got = run_network(rec.network, feeds)
     logits, new_state, _ = module.forward(ids, positions, lengths, index, {n: v.clone() for n, v in state.items()},
-                                       all_states)
+                                       verify)
     torch.testing.assert_close(got["logits"], logits, rtol=1e-4, atol=1e-4)
     assert set(got) == {"logits"} | {"present." + n for n in new_state}
     for n, v in new_state.items():
@@ -540,16 +572,17 @@ def test_nemotron_h_prefill_and_decode(tiny_target):
                    torch.zeros(2, 1, dtype=torch.int32), state)
 
 
-def test_nemotron_h_verify_with_all_states(tiny_target):
+def test_nemotron_h_verify_keeps_what_rollback_needs(tiny_target):
     module = tiny_target
-    rec = _record_model(module, all_states=True)
+    rec = _record_model(module, verify=True)
     state = {n: torch.randn(shape, generator=gen(4)).to(dtype) for n, (shape, dtype) in
              module.state_spec(2, 12).items()}
     ids = torch.randint(3, module.cfg.vocab_size, (2, 3), generator=gen(5), dtype=torch.int32)
     positions = torch.tensor([[4, 5, 6], [7, 8, 9]], dtype=torch.int32)
     new_state = _compare_model(rec, module, ids, positions, torch.tensor([3, 2], dtype=torch.int32),
-                               torch.tensor([[0, 1, 2], [0, 1, 1]], dtype=torch.int32), state, all_states=True)
-    assert any(n.endswith("ssm_states") for n in new_state)
+                               torch.tensor([[0, 1, 2], [0, 1, 1]], dtype=torch.int32), state, verify=True)
+    kept = {n.rpartition(".")[2] for n in new_state}
+    assert {"conv_inputs", "ssm_x", "ssm_B", "ssm_dt"} <= kept and not kept & {"ssm_state", "conv_state", "ssm_states"}
 
 
 @pytest.mark.parametrize("dtype,bound", [(torch.bfloat16, 5e-2), (torch.float16, 5e-3)])
@@ -558,12 +591,17 @@ def test_nemotron_h_half_precision(tiny_target, dtype, bound):
     module = NemotronH(tiny_target.cfg, _weights_of(tiny_target), dtype)
     rec = _record_model(module)
     state = {n: torch.zeros(shape, dtype=dt) for n, (shape, dt) in module.state_spec(2, 16).items()}
-    ids = torch.randint(3, module.cfg.vocab_size, (2, 11), generator=gen(6), dtype=torch.int32)
+    # seed 14: each row's top-2 gap is over 3x the 2 * bound * max|logit| the argmax check needs (seed 6 had
+    # a bf16 gap of 0.09 against an interpreter-vs-eager difference of 0.11: the argmax agreed by chance)
+    ids = torch.randint(3, module.cfg.vocab_size, (2, 11), generator=gen(14), dtype=torch.int32)
     feeds = dict(input_ids=ids, positions=torch.arange(11, dtype=torch.int32).repeat(2, 1),
                  lengths=torch.tensor([11, 6], dtype=torch.int32), logit_index=torch.tensor([[10], [5]], dtype=torch.int32))
     got = run_network(rec.network, dict(feeds, **{"past." + n: v for n, v in state.items()}))
     want, _, _ = module.forward(*feeds.values(), {n: v.clone() for n, v in state.items()})
     assert ((got["logits"] - want).abs().max() / want.abs().max()).item() < bound
+    # the argmax then agrees in any order within that bound, unless a top-2 gap is under twice it
+    top2 = want.topk(2, -1).values
+    assert ((top2[..., 0] - top2[..., 1]) > 2 * bound * want.abs().max()).all(), "a near-tie: choose other ids"
     assert torch.equal(got["logits"].argmax(-1), want.argmax(-1))
 
 
@@ -600,7 +638,8 @@ def test_interpreter_layers_not_emitted_by_the_backend():
     xv, yv = randn(2, 3, 4, seed=1), randn(4, 5, seed=2)
     out = run_network(net, {"x": xv, "y": yv})
     ref = torch.einsum("btk,kn->btn", xv, yv)
-    torch.testing.assert_close(out["einsum"], ref)
-    torch.testing.assert_close(out["slice"], ref[:, 1:])
-    torch.testing.assert_close(out["unsqueeze"], ref[:1, :1])
+    bound = matmul_bound(xv, yv)  # the interpreter's einsum may sum the 4 terms in its own order
+    assert_within(out["einsum"], ref, bound, "einsum")
+    assert_within(out["slice"], ref[:, 1:], bound[:, 1:], "slice")
+    assert_within(out["unsqueeze"], ref[:1, :1], bound[:1, :1], "unsqueeze")
     torch.testing.assert_close(out["const"], w.float())

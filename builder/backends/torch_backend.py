@@ -76,7 +76,12 @@ def gather_rows(x, index):
 
 
 def _all_valid(x, lengths):
-    """Every sequence fills the chunk (decode steps): padding work can be skipped."""
+    """Every sequence fills the chunk (decode steps): padding work can be skipped.
+
+    Under ``torch.compile`` the answer is always False: reading ``lengths`` would be a
+    data-dependent branch (a graph break); the masked path computes the same values, exactly."""
+    if torch.compiler.is_compiling():
+        return False
     return bool((lengths == x.shape[1]).all())
 
 
@@ -88,7 +93,21 @@ def mask_padding(x, lengths):
     return x * keep.reshape(keep.shape + (1,) * (x.dim() - 2))
 
 
-def causal_conv1d(x, conv_state, weight, bias, lengths, return_all_states=False):
+def _window(padded, lengths, seq):
+    """Rows lengths[b] .. lengths[b] + K-2 of padded [B, K-1+T, C]: the K-1 inputs ending at row
+    lengths[b] - 1 of the chunk."""
+    width = padded.shape[1] - seq
+    if _all_valid(padded[:, width:], lengths):
+        return padded[:, seq:]
+    window = lengths.long().to(padded.device)[:, None] + torch.arange(width, device=padded.device)
+    return gather_rows(padded, window)
+
+
+def conv_window(conv_state, x, lengths):
+    return _window(torch.cat([conv_state.to(x.dtype), x], dim=1), lengths, x.shape[1])
+
+
+def causal_conv1d(x, conv_state, weight, bias, lengths):
     width = weight.shape[1]
     seq = x.shape[1]
     padded = torch.cat([conv_state.to(x.dtype), x], dim=1)  # [B, K-1+T, C]
@@ -98,15 +117,7 @@ def causal_conv1d(x, conv_state, weight, bias, lengths, return_all_states=False)
     else:
         y = tf.conv1d(padded.transpose(1, 2), weight.unsqueeze(1), bias, groups=weight.shape[0])
         y = y.transpose(1, 2)
-    if _all_valid(x, lengths):
-        new_state = padded[:, seq:]
-    else:
-        window = lengths.long().to(x.device)[:, None] + torch.arange(width - 1, device=x.device)
-        new_state = gather_rows(padded, window)
-    if not return_all_states:
-        return y, new_state
-    windows = padded.unfold(1, width - 1, 1)[:, 1:seq + 1]  # [B, T, C, K-1]
-    return y, new_state, windows.transpose(2, 3).contiguous()
+    return y, _window(padded, lengths, seq)
 
 
 def _heads(t, num_heads):
@@ -123,22 +134,10 @@ def _segment_sums(a):
     return sums.masked_fill(~causal, float("-inf"))
 
 
-def _ssm_all_states(x, dt, A, B, C, state):
-    """The state after every position of a short (verify) chunk, in one shot: h_i = sum_{j<=i}
-    exp(a_i - a_j) dt_j x_j B_j^T + exp(a_i) h_0 with a the cumulative dt*A (the quadratic form,
-    no per-token loop). Returns (y, last state, states [B, T, H, P, N])."""
-    a_cum = torch.cumsum(dt * A, dim=1).permute(0, 2, 1)                    # [b, h, t]
-    decay = torch.exp(_segment_sums((dt * A).permute(0, 2, 1)))             # [b, h, i, j]
-    inputs = (dt[..., None] * x)[..., None] * B[..., None, :]               # [b, j, h, p, n]
-    states = torch.einsum("bhij,bjhpn->bihpn", decay, inputs)
-    states = states + torch.exp(a_cum).permute(0, 2, 1)[..., None, None] * state[:, None]
-    y = torch.einsum("bihpn,bihn->bihp", states, C)
-    return y, states[:, -1], states
-
-
 def _ssm_chunked(x, dt, A, B, C, state, chunk_size):
     """SSD: quadratic attention-like form inside chunks, a linear recurrence across chunks."""
     batch, seq, heads, _ = x.shape
+    chunk_size = min(chunk_size, seq)  # a short (verify) chunk is one chunk: no padding work
     pad = (-seq) % chunk_size
     if pad:
         x, dt, B, C = (tf.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)) for t in (x, dt, B, C))
@@ -163,25 +162,26 @@ def _ssm_chunked(x, dt, A, B, C, state, chunk_size):
     return y, h
 
 
-def ssm_scan(x, dt, A, B, C, D, state, chunk_size, return_all_states=False):
+def ssm_scan(x, dt, A, B, C, D, state, chunk_size):
     dtype = x.dtype
     heads = x.shape[2]
     xf, dtf, Af = x.float(), dt.float(), A.float()
     Bf, Cf = _heads(B.float(), heads), _heads(C.float(), heads)
-    all_states = None
-    if x.shape[1] == 1 and not return_all_states:
+    if x.shape[1] == 1:
         h = state.float() * torch.exp(dtf[:, 0] * Af)[..., None, None]
         h = h + (dtf[:, 0, :, None] * xf[:, 0])[..., None] * Bf[:, 0, :, None, :]
         y = torch.einsum("bhpn,bhn->bhp", h, Cf[:, 0])[:, None]
         return (y + xf * D.float()[:, None]).to(dtype), h
-    if return_all_states:
-        y, new_state, all_states = _ssm_all_states(xf, dtf, Af, Bf, Cf, state.float())
-    else:
-        y, new_state = _ssm_chunked(xf, dtf, Af, Bf, Cf, state.float(), chunk_size)
-    y = (y + xf * D.float()[:, None]).to(dtype)
-    if return_all_states:
-        return y, new_state, all_states
-    return y, new_state
+    y, new_state = _ssm_chunked(xf, dtf, Af, Bf, Cf, state.float(), chunk_size)
+    return (y + xf * D.float()[:, None]).to(dtype), new_state
+
+
+def ssm_state(x, dt, A, B, state):
+    xf, dtf = x.float(), dt.float()
+    a_cum = torch.cumsum(dtf * A.float(), dim=1)                              # [b, t, h]
+    to_end = torch.exp(a_cum[:, -1:] - a_cum) * dtf                          # decay to the chunk end x dt
+    h = state.float() * torch.exp(a_cum[:, -1])[..., None, None]
+    return h + torch.einsum("bth,bthp,bthn->bhpn", to_end, xf, _heads(B.float(), x.shape[2]))
 
 
 def kv_cache_update(cache, new, positions):
@@ -224,12 +224,31 @@ def route(router_input, router_weight, router_bias, top_k, n_group, topk_group, 
     return index, weights * routed_scaling_factor
 
 
+def _moe_branch_free(x, index, weights, up, down, act):
+    """Routed experts for x [N, H] with no loop over the chosen experts (the ``torch.compile`` form):
+    where 3x the chosen (token, expert) pairs are fewer than the experts, gather the chosen experts'
+    weights (a gather reads, writes and re-reads each chosen matrix); else run every expert densely
+    and weight it by the router weights scattered over all experts (0 for the ones not chosen).
+    Both sum the same products as the eager loop. Measured on the embedded target (4 experts, top
+    2, CPU, compiled decode step): dense 1.3 ms, gather 2.4 ms."""
+    if 3 * index.numel() < up.shape[0]:
+        h = _ACTIVATIONS[act](torch.einsum("nkih,nh->nki", up[index], x))
+        h = torch.einsum("nkhi,nki->nkh", down[index], h)
+        return (h.float() * weights[..., None]).sum(1).to(x.dtype)
+    dense = torch.zeros(x.shape[0], up.shape[0], dtype=torch.float32, device=x.device).scatter_(1, index, weights)
+    h = _ACTIVATIONS[act](torch.einsum("eih,nh->nei", up, x))
+    h = torch.einsum("ehi,nei->neh", down, h)
+    return (h.float() * dense[..., None]).sum(1).to(x.dtype)
+
+
 def moe(router_input, x, router_weight, router_bias, up, down, top_k, n_group, topk_group,
         norm_topk_prob, routed_scaling_factor, act):
     shape = x.shape
     router_input, x = router_input.reshape(-1, router_input.shape[-1]), x.reshape(-1, shape[-1])
     index, weights = route(router_input, router_weight, router_bias, top_k, n_group, topk_group,
                            norm_topk_prob, routed_scaling_factor)
+    if torch.compiler.is_compiling():  # no data-dependent loop over the chosen experts
+        return _moe_branch_free(x, index, weights, up, down, act).reshape(shape)
     if index.numel() <= 16 and x.is_cuda:  # a few tokens on a GPU: gather the chosen experts' weights
         # (on the CPU the per-expert loop below is 2-3x faster: the gather copies whole weight matrices)
         h = _ACTIVATIONS[act](torch.einsum("nkih,nh->nki", up[index], x))

@@ -779,9 +779,24 @@ def mask_padding(x, lengths):
 
 
 # --- sequence mixers ------------------------------------------------------------------------------
-def causal_conv1d(x, conv_state, weight, bias, lengths, return_all_states=False):
+def _conv_window(r, padded, lens, width: int):
+    """Rows lengths[b] .. lengths[b] + K-2 of padded [B, K-1+T, C] (gather ND)."""
+    offsets = r._constant(torch.arange(width - 1, dtype=_int_dtype(lens)).reshape(1, -1), "window")
+    rows = r.ew(r.reshape(lens, [0, 1], "lengths_column"), offsets, EW.SUM, "state_rows")
+    return _gather_rows(r, padded, rows)
+
+
+def conv_window(conv_state, x, lengths):
+    r = _recorder(conv_state, x, lengths)
+    with r.op("conv_window", "native: concatenation + gather of the K-1 rows ending at lengths - 1"):
+        t, state, lens = r.itensor(x), r.itensor(conv_state, "conv_state"), r.itensor(lengths, "lengths")
+        padded = r.concat([r.cast(state, torch_dtype(t.dtype), "state_cast"), t], 1, "padded")
+        return r.wrap(_conv_window(r, padded, lens, int(state.shape[1]) + 1))
+
+
+def causal_conv1d(x, conv_state, weight, bias, lengths):
     r = _recorder(x, conv_state, lengths)
-    with r.op("causal_conv1d", "native: K shifted slices multiply-added (in fp32 for half types), states by gather"):
+    with r.op("causal_conv1d", "native: K shifted slices multiply-added (in fp32 for half types), state by gather"):
         t, state, lens = r.itensor(x), r.itensor(conv_state, "conv_state"), r.itensor(lengths, "lengths")
         dtype = torch_dtype(t.dtype)
         width = int(weight.shape[1])
@@ -799,16 +814,7 @@ def causal_conv1d(x, conv_state, weight, bias, lengths, return_all_states=False)
             y = r.ew(y, r.reshape(r.cast(r.weight(bias, "bias"), acc_dtype), [1, 1, -1], "bias_row"),
                      EW.SUM, "add_bias")
         y = r.cast(y, dtype, "downcast")
-        offsets = r._constant(torch.arange(width - 1, dtype=_int_dtype(lens)).reshape(1, -1), "window")
-        window = r.ew(r.reshape(lens, [0, 1], "lengths_column"), offsets, EW.SUM, "state_rows")
-        new_state = _gather_rows(r, padded, window)
-        if not return_all_states:
-            return r.wrap(y), r.wrap(new_state)
-        pos = r.reshape(r.iota(seq, torch.int64, start=1, what="positions"), [-1, 1], "positions_column")
-        rows = r.ew(pos, r._constant(torch.arange(width - 1, dtype=torch.int64).reshape(1, -1), "window"),
-                    EW.SUM, "all_rows")  # [T, K-1]: t + 1 + j
-        states = r.gather(padded, rows, 1, "all_states")  # [B, T, K-1, C]
-        return r.wrap(y), r.wrap(new_state), r.wrap(states)
+        return r.wrap(y), r.wrap(_conv_window(r, padded, lens, width))
 
 
 def _heads(r, t, heads: int, what: str):
@@ -820,57 +826,51 @@ def _heads(r, t, heads: int, what: str):
     return r.gather(t, idx, 2, what)
 
 
-def ssm_scan(x, dt, A, B, C, D, state, chunk_size, return_all_states=False):
+def _ssm_inputs(r, x, dt, A, B, state):
+    """fp32 pieces shared by the scan and the state: (x, a = dt*A [B,T,H], u = x*dt, B per head, h0)."""
+    tx = r.itensor(x)
+    heads = int(A.shape[0])
+    f32 = torch.float32
+    xf = r.cast(tx, f32, "x_fp32")
+    dtf = r.cast(r.itensor(dt, "dt"), f32, "dt_fp32")
+    Bf = _heads(r, r.cast(r.itensor(B, "B"), f32, "B_fp32"), heads, "B_heads")
+    h0 = r.cast(r.itensor(state, "state"), f32, "state_fp32")
+    a = r.ew(dtf, r.reshape(r.cast(r.weight(A, "A"), f32), [1, 1, -1], "A_row"), EW.PROD, "dtA")  # [B,T,H]
+    u = r.ew(xf, r.reshape(dtf, [0, 0, 0, 1], "dt_column"), EW.PROD, "x_dt")  # [B,T,H,P]
+    return xf, a, u, Bf, h0
+
+
+def ssm_scan(x, dt, A, B, C, D, state, chunk_size):
     r = _recorder(x, dt, B, C, state)
-    if return_all_states:
-        desc = "native: quadratic form over the whole chunk (per-position states, no loops)"
-    else:
-        desc = ("native: chunked SSD (pad to chunk multiple, intra-chunk quadratic form, "
-                "inter-chunk recurrence as a matrix over chunk decays, no loops)")
+    desc = ("native: chunked SSD (pad to chunk multiple, intra-chunk quadratic form, "
+            "inter-chunk recurrence as a matrix over chunk decays, no loops)")
     with r.op("ssm_scan", desc):
         tx = r.itensor(x)
         dtype = torch_dtype(tx.dtype)
         heads, head_dim = int(A.shape[0]), tx.shape[3]
         state_size = r.itensor(B).shape[3]
         f32 = torch.float32
-        xf = r.cast(tx, f32, "x_fp32")
-        dtf = r.cast(r.itensor(dt, "dt"), f32, "dt_fp32")
-        Bf = _heads(r, r.cast(r.itensor(B, "B"), f32, "B_fp32"), heads, "B_heads")
+        xf, a, u, Bf, h0 = _ssm_inputs(r, x, dt, A, B, state)
         Cf = _heads(r, r.cast(r.itensor(C, "C"), f32, "C_fp32"), heads, "C_heads")
-        h0 = r.cast(r.itensor(state, "state"), f32, "state_fp32")
-        a = r.ew(dtf, r.reshape(r.cast(r.weight(A, "A"), f32), [1, 1, -1], "A_row"), EW.PROD, "dtA")  # [B,T,H]
-        u = r.ew(xf, r.reshape(dtf, [0, 0, 0, 1], "dt_column"), EW.PROD, "x_dt")  # [B,T,H,P]
-        if return_all_states:
-            y, new_state, states = _ssm_quadratic(r, u, a, Bf, Cf, h0, head_dim, state_size)
-        else:
-            y, new_state = _ssm_chunked(r, u, a, Bf, Cf, h0, int(chunk_size), head_dim, state_size)
-            states = None
+        y, new_state = _ssm_chunked(r, u, a, Bf, Cf, h0, int(chunk_size), head_dim, state_size)
         d = r.reshape(r.cast(r.weight(D, "D"), f32), [1, 1, -1, 1], "D_column")
         y = r.cast(r.ew(y, r.ew(xf, d, EW.PROD, "skip"), EW.SUM, "add_skip"), dtype, "downcast")
-        if return_all_states:
-            return r.wrap(y), r.wrap(new_state), r.wrap(states)
         return r.wrap(y), r.wrap(new_state)
 
 
-def _ssm_quadratic(r, u, a, Bf, Cf, h0, P, N):
-    """All per-position states: h_t = exp(cum a)_t h0 + sum_{s<=t} exp(a_{s+1..t}) u_s B_s^T."""
-    aT = r.transpose(a, [0, 2, 1], "a_heads_first")  # [B,H,T]
-    decay = r.exp(_segment_sums(r, aT, None), "decay")  # [B,H,T,T]
-    acum = r.cumsum(aT, 2, "a_cumsum")
-    uT = r.reshape(r.transpose(u, [0, 2, 1, 3], "u_heads_first"), [0, 0, 0, P, 1], "u_column")
-    bT = r.reshape(r.transpose(Bf, [0, 2, 1, 3], "B_heads_first"), [0, 0, 0, 1, N], "B_row")
-    updates = r.reshape(r.ew(uT, bT, EW.PROD, "outer"), [0, 0, 0, P * N], "updates")  # [B,H,T,PN]
-    init = r.ew(r.reshape(r.exp(acum, "init_decay"), [0, 0, 0, 1], "init_decay_column"),
-                r.reshape(h0, [0, 0, 1, P * N], "state_row"), EW.PROD, "init")
-    flat = r.ew(r.matmul(decay, updates, what="scan"), init, EW.SUM, "states")  # [B,H,T,PN]
-    states = r.reshape(flat, [0, 0, 0, P, N], "states_split")  # [B,H,T,P,N]
-    cT = r.reshape(r.transpose(Cf, [0, 2, 1, 3], "C_heads_first"), [0, 0, 0, N, 1], "C_column")
-    y = r.reshape(r.matmul(states, cT, what="readout"), [0, 0, 0, P], "y_heads_first")
-    y = r.transpose(y, [0, 2, 1, 3], "y")  # [B,T,H,P]
-    seq = r.dim(a, 1)
-    last = r.slice(states, 2, r.dim_arith(seq, 1, EW.SUB), 1, "last_state")
-    new_state = r.reshape(last, [0, 0, P, N], "new_state")
-    return y, new_state, r.transpose(states, [0, 2, 1, 3, 4], "all_states")
+def ssm_state(x, dt, A, B, state):
+    r = _recorder(x, dt, B, state)
+    with r.op("ssm_state", "native: cumulative log decay, decay-weighted inputs, one matmul over time"):
+        _, a, u, Bf, h0 = _ssm_inputs(r, x, dt, A, B, state)
+        seq = r.dim(a, 1)
+        acum = r.cumsum(a, 1, "a_cumsum")                                              # [B,T,H]
+        last = r.slice(acum, 1, r.dim_arith(seq, 1, EW.SUB), 1, "total_log_decay")     # [B,1,H]
+        to_end = r.exp(r.ew(last, acum, EW.SUB, "to_end_log"), "to_end")               # [B,T,H]
+        weighted = r.ew(u, r.reshape(to_end, [0, 0, 0, 1], "to_end_column"), EW.PROD, "u_to_end")
+        update = r.matmul(r.transpose(weighted, [0, 2, 3, 1], "u_heads_first"),       # [B,H,P,T]
+                          r.transpose(Bf, [0, 2, 1, 3], "B_heads_first"), what="update")  # [B,H,P,N]
+        decay = r.reshape(r.exp(last, "total_decay"), [0, -1, 1, 1], "total_decay_column")  # [B,H,1,1]
+        return r.wrap(r.ew(r.ew(h0, decay, EW.PROD, "decayed"), update, EW.SUM, "new_state"))
 
 
 def _ssm_chunked(r, u, a, Bf, Cf, h0, Q, P, N):

@@ -38,24 +38,39 @@ class Mamba2Mixer:
         self.out_proj = w[p + "out_proj.weight"].to(dtype)
         self.out_proj_bias = _bind(w, p + "out_proj.bias", dtype)
 
-    def __call__(self, x, conv_state, ssm_state, lengths, all_states=False):
+    def __call__(self, x, conv_state, ssm_state, lengths, verify=False):
+        """(out, conv_state, ssm_state) after the chunk; with ``verify`` (out, kept) instead, where
+        ``kept`` holds the chunk's conv inputs and SSM inputs, from which :meth:`rollback` computes
+        the state at whichever position acceptance keeps (no per-position states are formed)."""
         c = self.cfg
         inner, heads, state_size = c.mamba_intermediate_size, c.mamba_num_heads, c.ssm_state_size
         gn = c.n_groups * state_size
-        z, xbc, dt = F.split(F.linear(x, self.in_proj, self.in_proj_bias), [inner, c.conv_dim, heads])
-        conv = F.causal_conv1d(xbc, conv_state, self.conv_weight, self.conv_bias, lengths, all_states)
+        z, xbc_in, dt = F.split(F.linear(x, self.in_proj, self.in_proj_bias), [inner, c.conv_dim, heads])
+        conv = F.causal_conv1d(xbc_in, conv_state, self.conv_weight, self.conv_bias, lengths)
         xbc = F.activation(conv[0], c.mamba_hidden_act)
         xs, B, C = F.split(xbc, [inner, gn, gn])
         dt = F.clamp(F.activation(dt + self.dt_bias, "softplus"), *c.time_step_limit)
         dt = F.mask_padding(dt, lengths)  # padding leaves the state untouched
-        scan = F.ssm_scan(
-            F.reshape(xs, [0, 0, heads, c.mamba_head_dim]), dt, self.A,
-            F.reshape(B, [0, 0, c.n_groups, state_size]), F.reshape(C, [0, 0, c.n_groups, state_size]),
-            self.D, ssm_state, c.chunk_size, all_states)
+        xs = F.reshape(xs, [0, 0, heads, c.mamba_head_dim])
+        B = F.reshape(B, [0, 0, c.n_groups, state_size])
+        scan = F.ssm_scan(xs, dt, self.A, B, F.reshape(C, [0, 0, c.n_groups, state_size]), self.D, ssm_state,
+                          c.chunk_size)
         y = F.gated_rms_norm(F.reshape(scan[0], [0, 0, inner]), z, self.norm, c.layer_norm_epsilon,
                              inner // c.n_groups)
         out = F.linear(y, self.out_proj, self.out_proj_bias)
-        return (out, conv[1], scan[1]) + ((conv[2], scan[2]) if all_states else ())
+        if verify:
+            return out, {"conv_inputs": xbc_in, "ssm_x": xs, "ssm_B": B, "ssm_dt": dt}
+        return out, conv[1], scan[1]
+
+    def rollback(self, conv_state, ssm_state, kept, lengths):
+        """The (conv, SSM) state after the first lengths[b] rows of a verify chunk that began from
+        ``conv_state``/``ssm_state``: the same inputs a decode step would have consumed."""
+        conv = F.conv_window(conv_state, kept["conv_inputs"], lengths)
+        ssm = F.ssm_state(kept["ssm_x"], F.mask_padding(kept["ssm_dt"], lengths), self.A, kept["ssm_B"], ssm_state)
+        return conv, ssm
+
+
+KEPT_FOR_ROLLBACK = ("conv_inputs", "ssm_x", "ssm_B", "ssm_dt")
 
 
 class Attention:
@@ -116,14 +131,15 @@ class MoE:
 MIXERS = {"mamba": Mamba2Mixer, "attention": Attention, "mlp": MLP, "moe": MoE}
 
 
-def run_block(kind, mixer, x, lengths, positions, state, new_state, p, all_states=False):
+def run_block(kind, mixer, x, lengths, positions, state, new_state, p, verify=False):
     """One mixer on the normed stream; state names under prefix ``p``. Returns the mixer output."""
     if kind == "mamba":
-        out = mixer(x, state[p + "conv_state"], state[p + "ssm_state"], lengths, all_states)
-        h, new_state[p + "conv_state"], new_state[p + "ssm_state"] = out[:3]
-        if all_states:
-            new_state[p + "conv_states"], new_state[p + "ssm_states"] = out[3:]
-        return h
+        out = mixer(x, state[p + "conv_state"], state[p + "ssm_state"], lengths, verify)
+        if verify:
+            new_state.update({p + k: v for k, v in out[1].items()})
+        else:
+            new_state[p + "conv_state"], new_state[p + "ssm_state"] = out[1:]
+        return out[0]
     if kind == "attention":
         h, new_state[p + "key_cache"], new_state[p + "value_cache"] = mixer(
             x, state[p + "key_cache"], state[p + "value_cache"], positions)
@@ -169,11 +185,11 @@ class NemotronH:
             spec.update(block_state_spec(self.cfg, kind, f"layers.{i}.", batch, capacity, self.dtype))
         return spec
 
-    def forward(self, input_ids, positions, lengths, logit_index, state: dict, all_states=False):
+    def forward(self, input_ids, positions, lengths, logit_index, state: dict, verify=False):
         """Returns (logits [B, G, V] fp32 at chunk rows logit_index [B, G], new state, features).
 
-        With ``all_states`` the new state also holds, per Mamba layer, the conv and SSM state after
-        every position of the chunk (``.conv_states``, ``.ssm_states``) for speculative rollback.
+        A ``verify`` pass (a speculative chunk) returns, for each Mamba layer, what :meth:`rollback`
+        needs (``KEPT_FOR_ROLLBACK``) instead of its conv and SSM state; attention caches as usual.
         ``features`` holds ``aux_hidden`` and ``hidden`` for every row when the module captures them.
         """
         c = self.cfg
@@ -185,7 +201,7 @@ class NemotronH:
         new_state = {}
         for i, (kind, norm, mixer) in enumerate(self.layers):
             h = run_block(kind, mixer, F.rms_norm(x, norm, c.layer_norm_epsilon), lengths, positions, state,
-                          new_state, f"layers.{i}.", all_states)
+                          new_state, f"layers.{i}.", verify)
             if i + 1 in slots:  # fused: residual add + write into the capture buffer
                 x, aux = F.hidden_capture(x, h, aux, slots[i + 1])
             else:
@@ -200,3 +216,19 @@ class NemotronH:
         else:
             x = F.rms_norm(F.gather_rows(x, logit_index), self.norm_f, c.layer_norm_epsilon)
         return F.to_float32(F.linear(x, self.lm_head)), new_state, features
+
+    def rollback(self, state: dict, verified: dict, accepted_rows):
+        """The state after rows 0..accepted_rows[b] of a verify chunk: ``state`` is the state the
+        verify began from, ``verified`` its new state. Mamba layers compute that one position's state
+        from what the verify kept; attention rows past it are masked by positions and overwritten."""
+        lengths = accepted_rows + 1
+        out = {}
+        for i, (kind, _, mixer) in enumerate(self.layers):
+            p = f"layers.{i}."
+            if kind == "mamba":
+                kept = {k: verified[p + k] for k in KEPT_FOR_ROLLBACK}
+                out[p + "conv_state"], out[p + "ssm_state"] = mixer.rollback(
+                    state[p + "conv_state"], state[p + "ssm_state"], kept, lengths)
+            elif kind == "attention":
+                out[p + "key_cache"], out[p + "value_cache"] = verified[p + "key_cache"], verified[p + "value_cache"]
+        return out

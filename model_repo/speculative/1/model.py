@@ -72,11 +72,15 @@ class TritonPythonModel:
             sys.path.insert(0, root)
         from runtime.loading import open_engine_dir
         from runtime.scheduler import Request, Scheduler, SchedulerError
-        from runtime.serve import cancel_listener, request_key, stream_window, unpack_word_ids
+        from runtime.draft_policy import policy_from
+        from runtime.serve import cancel_listener, decode_policy, request_key, stream_window, unpack_word_ids
         self.Request, self.SchedulerError = Request, SchedulerError
         self.stream_window, self.unpack, self.request_key = stream_window, unpack_word_ids, request_key
         self.pid = os.getpid()
         self.loaded = open_engine_dir(_param(config, "engine_dir"), _param(config, "backend", "auto"))
+        if self.loaded.speculative:  # the engine directory's adaptive draft length, flags on top
+            self.loaded.draft_policy = policy_from(self.loaded.max_draft_len, self.loaded.build_options,
+                                                   decode_policy(_param(config, "draft_policy", "")))
         max_batch = int(_param(config, "max_batch_size", "0") or 0) or None
         self.scheduler = Scheduler(self.loaded, max_batch_size=max_batch, max_queue=int(_param(config, "max_queue", "64")))
         self.vocab = self.loaded.config.vocab_size

@@ -1,0 +1,275 @@
+"""The compiled CPU path: the runtime's fixed-shape steps through ``torch.compile``, the rest eager.
+
+A small model on the CPU spends most of a step in per-op dispatch, not in its math. The steps the
+runtime repeats have few shapes: decode (T=1), verify (T=K+1), the target's rollback after a verify,
+a feature draft's proposal row (T=1) and catch-up chunk (up to K+1 rows, padded to K+1). Each such
+step, once it has run a couple of times, is compiled whole (``fullgraph``: the torch backend drops
+its data-dependent branches under compilation, see ``builder.backends.torch_backend``) by inductor
+with its C++ wrapper, and runs as one C++ call. Long or one-off chunks (prefill) stay eager.
+
+Shapes: the chunk length T is static (one graph per T); the batch dimension is static at 1 (the
+latency case) and dynamic for 2 and more (one graph for every larger batch, measured as fast as
+static ones); the KV-cache capacity dimension is dynamic, so a new ``generate`` (whose capacity is
+prompt + max_new_tokens + K + 1) reuses the graphs. ``new_state`` allocates ``HEADROOM`` slots past
+the capacity asked for, so padded rows of a compiled chunk never write past the cache.
+
+The compile cost is paid once per graph and machine: inductor's caches live under
+``$NEMOSPEC_COMPILE_CACHE`` (default ``~/.cache/nemospec/inductor``), and a graph already there
+takes seconds to load in a new process instead of tens of seconds to build. Each compile prints
+one line to stderr. A step that fails to compile (a graph break in a model this path does not
+know) runs eagerly from then on, with one warning.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from runtime.drafts import EagerDraft
+from runtime.runner import TorchRunner
+
+HEADROOM = 16          # extra KV slots per sequence: the longest compiled chunk
+MAX_TOKENS = 16        # chunks longer than this always run eagerly (prefill)
+STEP_CALLS = 2         # decode, verify, rollback and draft rows compile on their 2nd call
+OTHER_CALLS = 16       # any other short chunk shape compiles once it has run this often
+FEATURE_DRAFTS = ("eagle", "eagle3", "mtp")
+# Inductor turns a one-row attention (q [.., 1, D] x keys [.., D, S]) into a pointwise product and a
+# sum, and by default recomputes q's rotary embedding (pow, cos, sin) inside it for every key slot.
+# Storing such intermediates instead: embedded eagle3 draft step 0.50 -> 0.35 ms (the target's decode
+# step unchanged, so it keeps the defaults).
+DRAFT_OPTIONS = {"realize_cpu_opcount_threshold": 4, "realize_reads_threshold": 1}
+
+
+def cache_dir() -> Path:
+    """Where inductor keeps compiled graphs: $NEMOSPEC_COMPILE_CACHE or ~/.cache/nemospec/inductor."""
+    return Path(os.environ.get("NEMOSPEC_COMPILE_CACHE") or Path.home() / ".cache" / "nemospec" / "inductor")
+
+
+def _configure():
+    """Points inductor at our cache and lets one code object hold the graphs of every step shape."""
+    path = cache_dir()
+    path.mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path.resolve())
+    import torch._dynamo.config as dynamo
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo, name):
+            setattr(dynamo, name, max(getattr(dynamo, name), 64))
+    if hasattr(dynamo, "accumulated_recompile_limit"):
+        dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 1024)
+
+
+def _dims(state_spec) -> dict[str, tuple[int, ...]]:
+    """State name -> the dims that hold the capacity (from a symbolic ``state_spec``)."""
+    try:
+        spec = state_spec("batch", "capacity")
+    except Exception:  # a module whose spec needs numbers: no dynamic capacity
+        return {}
+    return {name: tuple(i for i, d in enumerate(shape) if d == "capacity") for name, (shape, _) in spec.items()}
+
+
+def _dense_strides(shape) -> tuple:
+    out, step = [], 1
+    for d in reversed(shape):
+        out.append(step)
+        step *= d
+    return tuple(reversed(out))
+
+
+def _prepare(tree, batch: int, capacity_dims: dict):
+    """Tensors with row-major strides (graph guards check strides, those of size-1 dims too, and a
+    step leaves views such as a conv window), the batch dim marked dynamic for batch >= 2 and the
+    capacity dims of known state names marked dynamic."""
+    def one(name, t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        if t.stride() != _dense_strides(t.shape):
+            t = t.clone(memory_format=torch.contiguous_format)
+        if batch > 1 and t.dim() and t.shape[0] == batch:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        for d in capacity_dims.get(name, ()):
+            torch._dynamo.maybe_mark_dynamic(t, d)
+        return t
+    if isinstance(tree, dict):
+        return {k: one(k, v) for k, v in tree.items()}
+    return one(None, tree)
+
+
+class _Steps:
+    """One function, compiled for the shape keys that recur; every other call runs it eagerly."""
+
+    def __init__(self, fn, what: str, options: dict | None = None):
+        _configure()
+        self.fn, self.what = fn, what
+        self.compiled = torch.compile(fn, dynamic=False, fullgraph=True,
+                                      options={"cpp_wrapper": True, **(options or {})})
+        self.calls: Counter = Counter()
+        self.ready: set = set()
+        self.broken = False
+        self.compile_seconds: dict = {}
+
+    def __call__(self, key, label: str, min_calls: int, *args, **kwargs):
+        if key in self.ready:
+            return self.compiled(*args, **kwargs)
+        self.calls[key] += 1
+        if self.broken or self.calls[key] < min_calls:
+            return self.fn(*args, **kwargs)
+        print(f"compiling {label} ...", end="", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        try:
+            out = self.compiled(*args, **kwargs)
+        except Exception as e:  # a graph break or a lowering inductor lacks: eager from now on
+            print(" failed", file=sys.stderr, flush=True)
+            warnings.warn(f"{self.what}: torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                          "running it eagerly", stacklevel=3)
+            self.broken = True
+            return self.fn(*args, **kwargs)
+        seconds = time.perf_counter() - start
+        print(f" {seconds:.1f} s", file=sys.stderr, flush=True)
+        self.compile_seconds[label] = seconds
+        self.ready.add(key)
+        return out
+
+
+def _batch_label(batch: int) -> str:
+    return "batch 1" if batch == 1 else "batch 2+"
+
+
+class CompiledRunner(TorchRunner):
+    """A NemotronH (target, or a draft_target draft) with its short steps compiled.
+
+    Same interface and outputs as ``TorchRunner``; ``forward`` chunks of at most ``MAX_TOKENS``
+    tokens and ``rollback`` run compiled once they recur, longer chunks eagerly. A verify chunk
+    of T tokens is padded to the next of ``verify_buckets`` (2, 3, 5, 9 and K+1): a draft length
+    that changes per step (adaptive K) then reuses a few graphs. Padded rows are right padding
+    past ``lengths`` (as in a ragged batch): their logits and features are cut off, and the
+    rollback never reaches them (it keeps at most ``lengths`` rows). Everything runs under
+    ``no_grad``, not ``inference_mode``: graph guards tell inference tensors from the ordinary
+    ones ``new_state`` allocates, and a mix would compile every step twice."""
+
+    def __init__(self, module, device="cpu", max_draft_len: int = 4):
+        super().__init__(module, device)
+        self.verify_buckets = sorted(t for t in {2, 3, 5, 9, max_draft_len + 1} if 1 < t <= MAX_TOKENS)
+        self.capacity_dims = _dims(module.state_spec)
+        self._forward = _Steps(module.forward, "target forward")
+        self._rollback = _Steps(module.rollback, "target rollback") if hasattr(module, "rollback") else None
+
+    def new_state(self, batch, capacity):
+        return super().new_state(batch, capacity + HEADROOM)
+
+    @torch.no_grad()
+    def forward(self, input_ids, positions, lengths, logit_index, state, verify=False):
+        batch, tokens = input_ids.shape
+        if tokens > MAX_TOKENS:
+            return self.module.forward(input_ids, positions, lengths, logit_index, state, verify)
+        pad = next((b for b in self.verify_buckets if b >= tokens), tokens) if verify else tokens
+        if pad > tokens:
+            return self._padded_verify(input_ids, positions, lengths, logit_index, state, pad)
+        key = (batch == 1, tokens, logit_index.shape[1], bool(verify))
+        if verify:
+            label, calls = f"verify step ({tokens} tokens, {_batch_label(batch)})", STEP_CALLS
+        elif tokens == 1:
+            label, calls = f"decode step ({_batch_label(batch)})", STEP_CALLS
+        else:
+            label, calls = f"{tokens}-token chunk ({_batch_label(batch)})", OTHER_CALLS
+        args = [_prepare(a, batch, {}) for a in (input_ids, positions, lengths, logit_index)]
+        return self._forward(key, label, calls, *args, _prepare(state, batch, self.capacity_dims), verify=verify)
+
+    def _padded_verify(self, input_ids, positions, lengths, logit_index, state, pad):
+        tokens, rows = input_ids.shape[1], logit_index.shape[1]
+        feeds = _pad_rows({"input_ids": input_ids, "positions": positions}, input_ids.shape[0], tokens, pad)
+        if rows == tokens:  # logits of every row (the usual verify): the padded rows' too, cut off below
+            logit_index = torch.cat([logit_index, logit_index[:, -1:] + torch.arange(
+                1, pad - tokens + 1, dtype=logit_index.dtype, device=logit_index.device)], 1)
+        logits, new_state, features = self.forward(feeds["input_ids"], feeds["positions"], lengths, logit_index,
+                                                   state, verify=True)
+        features = {k: v[:, :tokens] if v.dim() > 1 and v.shape[1] == pad else v for k, v in features.items()}
+        return logits[:, :rows], new_state, features
+
+    @torch.no_grad()
+    def rollback(self, state, verified, accepted_rows):
+        if self._rollback is None:
+            return super().rollback(state, verified, accepted_rows)
+        batch = accepted_rows.shape[0]
+        tokens = max((v.shape[1] for k, v in verified.items() if k not in self.capacity_dims and v.dim() > 1),
+                     default=0)
+        key = (batch == 1, tokens)
+        return self._rollback(key, f"rollback ({tokens} tokens, {_batch_label(batch)})", STEP_CALLS,
+                              _prepare(state, batch, self.capacity_dims), _prepare(verified, batch, self.capacity_dims),
+                              _prepare(accepted_rows, batch, {}))
+
+
+class CompiledDraft(EagerDraft):
+    """``EagerDraft`` with the draft network's short chunks compiled.
+
+    Feature drafts (eagle, eagle3, mtp) pad a catch-up chunk of 2..K rows to K+1 rows (``pad_to``):
+    padded rows lie past ``lengths`` and past every valid position, so they change no valid output
+    and write only KV slots that later rows overwrite before anything reads them; so one graph serves
+    every catch-up. One-row steps (proposals, a catch-up of one row) have their own graph. Other
+    drafts compile each recurring shape as it is."""
+
+    def __init__(self, module, target_vocab: int, device="cpu", max_draft_len: int = 4):
+        super().__init__(module, target_vocab, device)
+        self.pad_to = max_draft_len + 1
+        self.capacity_dims = {"past." + k: v for k, v in _dims(module.state_spec).items()}
+        self._steps = _Steps(self.components["draft"].call, f"{self.kind} draft", DRAFT_OPTIONS)
+
+    def new_state(self, batch, capacity):
+        return super().new_state(batch, capacity + HEADROOM)
+
+    @torch.no_grad()
+    def run(self, name: str, feeds: dict) -> dict:
+        if name != "draft":
+            return super().run(name, feeds)
+        batch, rows = feeds["input_ids"].shape
+        if rows > MAX_TOKENS:
+            return self.components[name].call(feeds)
+        pad = self.pad_to if self.kind in FEATURE_DRAFTS and 1 < rows < self.pad_to else rows
+        if pad > rows:
+            feeds = _pad_rows(feeds, batch, rows, pad)
+        shapes = tuple((k, tuple(v.shape[1:])) for k, v in feeds.items()
+                       if isinstance(v, torch.Tensor) and k not in self.capacity_dims)
+        key = (batch == 1, shapes)
+        steady = self.kind in FEATURE_DRAFTS and pad in (1, self.pad_to)
+        out = self._steps(key, f"{self.kind} draft step ({pad} rows, {_batch_label(batch)})",
+                          STEP_CALLS if steady else OTHER_CALLS, _prepare(feeds, batch, self.capacity_dims))
+        if pad > rows and "hidden_out" in out:
+            out = dict(out, hidden_out=out["hidden_out"][:, :rows])
+        return out
+
+
+def _pad_rows(feeds: dict, batch: int, rows: int, pad: int) -> dict:
+    """Right-pads every [B, rows, ...] feed to ``pad`` rows: positions continue past the last row,
+    everything else is zero; ``lengths`` and ``logit_index`` are unchanged."""
+    out = {}
+    for name, v in feeds.items():
+        if not (isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[0] == batch and v.shape[1] == rows
+                and name not in ("logit_index",) and not name.startswith("past.")):
+            out[name] = v
+        elif name == "positions":
+            out[name] = torch.cat([v, v[:, -1:] + torch.arange(1, pad - rows + 1, dtype=v.dtype, device=v.device)], 1)
+        else:
+            out[name] = torch.cat([v, v.new_zeros((batch, pad - rows) + tuple(v.shape[2:]))], 1)
+    return out
+
+
+def warm_up(loaded, prompts, draft_len: int = 0, **generate_args) -> float:
+    """A short greedy run of ``prompts`` (speculative with ``draft_len`` > 0, then target-only on the
+    first prompt, as the CLI's cost line runs it) so that the steps a timed run of them uses are
+    compiled, or loaded from the cache, before it starts. Returns the seconds it took (0 when
+    ``loaded`` is not on the compiled path)."""
+    from runtime.generation import generate
+    from runtime.speculative import speculative_generate
+    if not isinstance(loaded.runner, CompiledRunner):
+        return 0.0
+    start = time.perf_counter()
+    steps = STEP_CALLS + 2
+    if draft_len > 0:
+        speculative_generate(loaded.runner, loaded.proposer(), prompts, steps * (draft_len + 1), draft_len,
+                             **generate_args)
+    generate(loaded.runner, prompts[:1] if draft_len > 0 else prompts, steps, **generate_args)
+    return time.perf_counter() - start

@@ -1,0 +1,124 @@
+"""How many tokens to draft, step by step: by batch size, by the draft's confidence, by acceptance.
+
+Three controls, each exact whatever K it picks (acceptance only ever keeps verified tokens):
+
+* ``draft_len_schedule`` (TensorRT-LLM's name and meaning): {max batch size: K}; a step with batch
+  size b drafts the K of the smallest key >= b, and 0 (target-only) past the largest key.
+* ``draft_confidence_threshold``: a sequence stops proposing at the first draft token whose draft
+  probability is under it (chain drafts stop running their draft; block drafts verify fewer rows).
+* ``acceptance_rate_threshold`` over ``acceptance_rate_window_size`` speculative steps (TensorRT-LLM's
+  names): once a sequence's rolling accepted / drafted ratio falls under it, that sequence decodes
+  target-only for the rest of the request.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from builder.errors import NemospecError
+
+
+def parse_schedule(text: str | None) -> dict[int, int]:
+    """'1:4,4:3,8:2,16:0' -> {1: 4, 4: 3, 8: 2, 16: 0}; a one-line error naming the flag otherwise."""
+    if not text:
+        return {}
+    out = {}
+    for item in text.split(","):
+        try:
+            batch, k = (int(v) for v in item.split(":"))
+        except ValueError:
+            raise NemospecError(f"--draft_len_schedule: expected 'batch:K,batch:K,...', got {item!r}") from None
+        if batch < 1 or k < 0:
+            raise NemospecError(f"--draft_len_schedule: batch sizes must be >= 1 and K >= 0, got {item!r}")
+        out[batch] = k
+    return dict(sorted(out.items()))
+
+
+@dataclass
+class DraftPolicy:
+    draft_len: int                                   # the most tokens a step drafts (the engine's K)
+    schedule: dict[int, int] = field(default_factory=dict)
+    confidence_threshold: float = 0.0
+    acceptance_rate_threshold: float = 0.0
+    acceptance_rate_window_size: int = 8
+
+    def __post_init__(self):
+        if not 0 <= self.confidence_threshold < 1:
+            raise NemospecError(f"--draft_confidence_threshold: expected a value in [0, 1), got {self.confidence_threshold}")
+        if not 0 <= self.acceptance_rate_threshold <= 1:
+            raise NemospecError(f"--acceptance_rate_threshold: expected a value in [0, 1], got {self.acceptance_rate_threshold}")
+        if self.acceptance_rate_window_size < 1:
+            raise NemospecError(f"--acceptance_rate_window_size: expected >= 1, got {self.acceptance_rate_window_size}")
+        too_long = {b: k for b, k in self.schedule.items() if k > self.draft_len}
+        if too_long:
+            raise NemospecError(f"--draft_len_schedule: K {max(too_long.values())} exceeds the engine's max_draft_len "
+                                f"{self.draft_len}")
+
+    def k_for_batch(self, batch: int) -> int:
+        if not self.schedule:
+            return self.draft_len
+        for limit, k in self.schedule.items():
+            if batch <= limit:
+                return k
+        return 0
+
+    def confident_lengths(self, confidence: torch.Tensor) -> torch.Tensor:
+        """confidence [B, K] (the draft's probability of each proposal) -> [B] proposals kept: the
+        leading run at or above the threshold (at least one, so a step always drafts something)."""
+        if not self.confidence_threshold:
+            return torch.full((confidence.shape[0],), confidence.shape[1], dtype=torch.long)
+        ok = (confidence >= self.confidence_threshold).long().cumprod(1).sum(1)
+        return ok.clamp(min=1)
+
+
+class AcceptanceTracker:
+    """One sequence's rolling accepted/drafted ratio; ``speculating`` turns off for good under the floor."""
+
+    def __init__(self, policy: DraftPolicy):
+        self.policy = policy
+        self.window: deque = deque(maxlen=policy.acceptance_rate_window_size)
+        self.speculating = True
+
+    def record(self, accepted: int, drafted: int) -> None:
+        if drafted <= 0 or not self.policy.acceptance_rate_threshold:
+            return
+        self.window.append((accepted, drafted))
+        if len(self.window) == self.window.maxlen:
+            rate = sum(a for a, _ in self.window) / sum(d for _, d in self.window)
+            if rate < self.policy.acceptance_rate_threshold:
+                self.speculating = False
+
+
+# --- flags: recorded at build (BuildOptions), overridable by generate and serve -------------------
+POLICY_FLAGS = {  # flag -> (type, build default, help)
+    "draft_len_schedule": (str, "", "K by batch size, TensorRT-LLM style: 'max_batch:K,...' (e.g. 1:4,4:3,8:2,16:0; "
+                                    "past the largest batch size 0 = target-only)"),
+    "draft_confidence_threshold": (float, 0.0, "stop drafting a sequence at the first draft token whose draft "
+                                                "probability is under this (0 = always draft K)"),
+    "acceptance_rate_threshold": (float, 0.0, "turn speculation off for a request whose accepted/drafted ratio over "
+                                               "the last --acceptance_rate_window_size steps falls under this (0 = never)"),
+    "acceptance_rate_window_size": (int, 8, "speculative steps in the acceptance-rate window"),
+}
+
+
+def add_policy_args(parser, build: bool) -> None:
+    """The adaptive draft-length flags; at build they set the engine directory's defaults, at generate
+    and serve they override them (default: the engine directory's)."""
+    group = parser.add_argument_group("adaptive draft length")
+    for flag, (kind, default, text) in POLICY_FLAGS.items():
+        group.add_argument(f"--{flag}", type=kind, default=default if build else None,
+                           help=text + ("" if build else " (default: the engine directory's)"))
+
+
+def policy_from(max_draft_len: int, recorded: dict, overrides=None) -> DraftPolicy:
+    """The policy of an engine directory (``recorded``: its build options) with flags given on top."""
+    values = {f: recorded.get(f, default) for f, (_, default, _) in POLICY_FLAGS.items()}
+    for f in POLICY_FLAGS:
+        given = getattr(overrides, f, None) if overrides is not None else None
+        if given is not None:
+            values[f] = given
+    return DraftPolicy(max_draft_len, parse_schedule(values["draft_len_schedule"]),
+                       float(values["draft_confidence_threshold"]), float(values["acceptance_rate_threshold"]),
+                       int(values["acceptance_rate_window_size"]))

@@ -1,0 +1,115 @@
+"""The compiled CPU path (runtime.compiled): greedy ids identical to the eager path, target-only and
+speculative (eagle3 on the embedded model), ragged batches with a 1-token prompt, K=1 and K=4; and
+no graph compiled beyond the shapes the runtime uses (a new capacity reuses them).
+
+Compiling is the cost here (a cold inductor cache: tens of seconds per graph), so one module-scoped
+pair of loaded models serves every test and the prompts keep to few shapes: prefill chunks are
+eager; decode compiles for batch 2+, verify and rollback for K+1 = 5 (batch 2+, and batch 1 when a
+ragged batch's last sequence runs alone; K=3 pads its verify to 5) and K+1 = 2 (batch 1), the draft
+for 1 and 5 rows.
+"""
+import io
+import json
+from contextlib import redirect_stderr, redirect_stdout
+
+import pytest
+import torch
+
+from builder import embedded
+from runtime import cli
+from runtime.generation import generate
+from runtime.loading import AUTO_COMPILE_MIN_TOKENS, open_checkpoint, resolve_backend
+from runtime.speculative import speculative_generate
+
+RAGGED = [[5, 9, 17, 33, 8, 100, 7], [42], [3, 4, 5, 6]]
+NEW = 16
+
+
+def _graphs():
+    from torch._dynamo.utils import counters
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One torch thread here: inductor builds its kernels for the thread count it compiles under, and
+    two OpenMP threads on a CI machine shared with other work can run a step 10-100x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def models(one_thread):
+    target, draft = embedded.target_dir(), embedded.draft_dir("eagle3")
+    eager = open_checkpoint(target, mode="eagle3", draft_dir=draft, backend="torch")
+    compiled = open_checkpoint(target, mode="eagle3", draft_dir=draft, backend="compiled")
+    assert compiled.backend == "compiled" and type(compiled.runner).__name__ == "CompiledRunner"
+    return eager, compiled
+
+
+def _compiled_keys(loaded):
+    proposer = loaded.proposer()
+    steps = [loaded.runner._forward, loaded.runner._rollback, proposer.draft._steps]
+    return sum(len(s.ready) for s in steps), [s for s in steps if s.broken]
+
+
+def test_target_only_greedy_ids_equal_eager(models):
+    eager, compiled = models
+    want = generate(eager.runner, RAGGED, NEW).output_ids
+    assert generate(compiled.runner, RAGGED, NEW).output_ids == want      # compiled from the 2nd step on
+    assert generate(compiled.runner, RAGGED, NEW).output_ids == want
+    assert compiled.runner._forward.ready  # decode steps did run compiled
+
+
+@pytest.mark.parametrize("k", [4, 3, 1])
+def test_eagle3_greedy_ids_equal_eager(models, k):
+    """K=3: its verify chunk of 4 tokens is padded to 5 and runs K=4's graphs (two copies of one prompt:
+    they finish together, so the batch never shrinks to 1, which would build batch-1 graphs)."""
+    eager, compiled = models
+    prompts = {4: RAGGED, 3: RAGGED[:1] * 2, 1: RAGGED[:1]}[k]
+    want = generate(eager.runner, prompts, NEW).output_ids
+    assert speculative_generate(eager.runner, eager.proposer(), prompts, NEW, k).output_ids == want
+    got = speculative_generate(compiled.runner, compiled.proposer(), prompts, NEW, k)
+    assert got.output_ids == want
+    assert got.extra["acceptance"]["mean_accepted_tokens"] > 1.0     # the draft proposes through its graphs
+    assert compiled.runner._rollback.ready
+
+
+def test_no_graph_beyond_the_step_shapes(models):
+    """Every graph dynamo built is one the runner meant to compile (no silent recompiles on strides,
+    tensor kinds or capacity), and a new capacity (another max_new_tokens) builds none."""
+    eager, compiled = models
+    speculative_generate(compiled.runner, compiled.proposer(), RAGGED[:1], NEW, 1)
+    before, (keys, broken) = _graphs(), _compiled_keys(compiled)
+    assert not broken
+    for new in (NEW + 9, 2 * NEW):
+        assert (generate(compiled.runner, RAGGED[:2], new).output_ids
+                == generate(eager.runner, RAGGED[:2], new).output_ids)
+        assert (speculative_generate(compiled.runner, compiled.proposer(), RAGGED[:1], new, 1).output_ids
+                == generate(eager.runner, RAGGED[:1], new).output_ids)
+    assert _graphs() == before and _compiled_keys(compiled)[0] == keys
+
+
+def test_backend_choice():
+    if torch.cuda.is_available():
+        pytest.skip("auto picks TensorRT on a GPU")
+    assert resolve_backend("auto") == "compiled"
+    assert resolve_backend("auto", tokens=AUTO_COMPILE_MIN_TOKENS) == "compiled"
+    assert resolve_backend("auto", tokens=64) == "torch"   # loading the graphs would cost more than they save
+    assert resolve_backend("torch") == "torch" and resolve_backend("compiled") == "compiled"
+
+
+def test_cli_backend_compiled(models):
+    eager, _ = models
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        # eagle3's target (it captures the draft's layers) and batch 2: graphs already built here
+        code = cli.main(["generate", "--backend", "compiled", "--speculative_decoding_mode", "eagle3",
+                         "--no_speculation", "--input_ids", "5,9,17,33,8,100,7", "--input_ids", "42",
+                         "--max_new_tokens", str(NEW), "--ignore_eos", "--json"])
+    assert code == 0, err.getvalue()
+    record = json.loads(out.getvalue().strip().splitlines()[-1])
+    assert record["backend"] == "compiled"
+    assert record["output_ids"] == generate(eager.runner, RAGGED[:2], NEW).output_ids
