@@ -43,6 +43,9 @@ def add_bench_args(p) -> None:
     p.add_argument("--runs", type=int, default=2, help="timed runs per prompt (median)")
     p.add_argument("--no_serving", action="store_true", help="skip the Triton measurement")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--backend", default=None, choices=["torch", "compiled"],
+                   help="offline runs: compiled (default; the fastest exact CPU path, for both sides of every "
+                        "ratio) or torch (eager; the default with --quick, which must not wait for compiles)")
     p.add_argument("--quick", action="store_true",
                    help=f"small: modes {','.join(QUICK_MODES)}, 2 prompts x 24 tokens, 1 run (for tests)")
 
@@ -86,13 +89,17 @@ def _timed(fn, runs: int):
     return results[-1], statistics.median(r.seconds for r in results)
 
 
-def _offline(engine_dir: Path, prompts: list[list[int]], new_tokens: int, k: int, runs: int) -> dict:
-    """Per prompt (batch 1): speculative then target-only on the same engines, interleaved."""
+def _offline(engine_dir: Path, prompts: list[list[int]], new_tokens: int, k: int, runs: int,
+             backend: str = "compiled") -> dict:
+    """Per prompt (batch 1): speculative then target-only on the same engines and backend, interleaved
+    (the compiled path's steps are compiled, or loaded from its cache, before anything is timed)."""
     from runtime.generation import generate
     from runtime.loading import open_engine_dir
     from runtime.speculative import speculative_generate
     from runtime.step_costs import StepCosts, cost_model
-    loaded = open_engine_dir(engine_dir, "torch")
+    from runtime.compiled import warm_up
+    loaded = open_engine_dir(engine_dir, backend)
+    warm_up(loaded, prompts[:1], k)
     speculative_generate(loaded.runner, loaded.proposer(), prompts[:1], 8, k)      # warm-up (allocations, caches)
     generate(loaded.runner, prompts[:1], 8)
     spec_s = plain_s = 0.0
@@ -194,6 +201,7 @@ def run_bench(args) -> dict:
         from builder.errors import NemospecError
         raise NemospecError(f"--modes: unknown mode(s) {', '.join(unknown)}; expected some of {', '.join(MODES)}")
     new_tokens = 24 if quick else args.max_new_tokens
+    backend = args.backend or ("torch" if quick else "compiled")
     runs = 1 if quick else args.runs
     k = args.num_draft_tokens
     root = Path(args.output_dir)
@@ -207,14 +215,14 @@ def run_bench(args) -> dict:
                     "machine": {"cpu_threads": torch.get_num_threads(), "platform": platform.platform(),
                                 "python": platform.python_version(), "torch": torch.__version__,
                                 "cuda": torch.cuda.is_available()},
-                    "model": portable_path(target_dir, root), "modes": {}}
+                    "model": portable_path(target_dir, root), "backend": backend, "modes": {}}
     for mode in modes:
         _log(f"bench: {mode}: building engines")
         engine_dir, build = build_mode_engines(args.checkpoint_dir, mode, root, k)
         engines = {n: {"bytes": e["engine_bytes"], "layers": e["layers"], "build_seconds": round(e["build_seconds"], 1)}
                    for n, e in build["engines"].items()}
         _log(f"bench: {mode}: generating ({len(prompts)} prompts x {new_tokens} tokens, with and without speculation)")
-        entry = _offline(engine_dir, prompts, new_tokens, k, runs)
+        entry = _offline(engine_dir, prompts, new_tokens, k, runs, backend)
         entry.update(engine_dir=portable_path(engine_dir, root), build_seconds=round(build["total_seconds"], 1),
                      engine_bytes=sum(e["bytes"] for e in engines.values()), engines=engines)
         report["modes"][mode] = entry

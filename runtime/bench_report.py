@@ -41,7 +41,8 @@ def markdown(report: dict) -> str:
     lines = [f"# nemospec bench ({report['created']}{', quick' if report['quick'] else ''})", "",
              f"Model: `{report['model']}`. Greedy code completion, {report['prompts']} prompts x "
              f"{report['max_new_tokens']} new tokens, batch 1, K = {k} draft tokens per step, median of "
-             f"{report['runs']} run(s); CPU torch threads {report['machine']['cpu_threads']}, CUDA "
+             f"{report['runs']} run(s), {report.get('backend', 'torch')} backend on both sides; CPU torch threads "
+             f"{report['machine']['cpu_threads']}, CUDA "
              f"{report['machine']['cuda']}. Speculative output equals target-only greedy output in every mode "
              "(checked).", ""]
     lines += _table(report)

@@ -30,7 +30,7 @@ def offline_cost_line(engine_dir: Path, prompt: str, max_new_tokens: int) -> str
     from runtime.loading import open_engine_dir
     from runtime.speculative import speculative_generate
     from runtime.step_costs import cost_model
-    loaded = open_engine_dir(engine_dir)
+    loaded = open_engine_dir(engine_dir, "torch")  # the backend the server runs (eager on the CPU)
     ids = Tokenizer.from_file(str(loaded.tokenizer_path)).encode(prompt).ids
     k = loaded.max_draft_len
     for _ in range(2):  # the second pair is measured (warm)
