@@ -5,8 +5,8 @@ An engine directory is self-contained:
     config.json          model + build configuration, source checkpoint hashes, TensorRT flavour,
                          the speculative mode and draft, and per engine its I/O tensor contract
     target.engine        the target: prefill and decode/verify-free chunks, the draft's features
-    verify.engine        (speculative modes) the target scoring K+1 tokens, returning per-position
-                         Mamba states for rollback
+    verify.engine        (speculative modes) the target scoring K+1 tokens, returning each Mamba
+                         layer's chunk inputs (conv inputs, x, B, dt) for the rollback
     draft.engine         (speculative modes) the draft network
     weights/*.safetensors  the weights in the build dtype (the TorchRunner's input)
     tokenizer.json ...   the checkpoint's tokenizer files, when it has them

@@ -1,10 +1,10 @@
 """The speculative loop: propose -> verify -> accept -> roll back, for a batch of sequences.
 
 One step: the draft proposes K tokens per sequence; the target scores [last accepted token +
-K proposals] in ONE forward (returning per-position Mamba states); greedy acceptance keeps the
+K proposals] in ONE forward (keeping each Mamba layer's chunk inputs); greedy acceptance keeps the
 longest prefix equal to the target's argmax plus one bonus token, sampling uses rejection
-sampling; the target's Mamba states are restored to the accepted row of the verify pass and the
-draft is told what was kept (``runtime.batching.SpeculativeGroup``). Finished sequences leave
+sampling; the target computes its Mamba states at the accepted row from those inputs
+(``NemotronH.rollback``) and the draft is told what was kept (``runtime.batching.SpeculativeGroup``). Finished sequences leave
 the batch.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Per-sequence model state (KV caches, Mamba conv and SSM states) owned by the runtime.
 
-Engines and the eager model are pure functions of their state; this module allocates it, and for
-speculative decoding rolls it back to an accepted position by selecting per-position states.
+Engines and the eager model are pure functions of their state; this module allocates it and builds
+chunk inputs (rollback after a verify is the model's own: ``NemotronH.rollback``).
 """
 from __future__ import annotations
 
