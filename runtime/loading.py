@@ -127,6 +127,17 @@ def open_checkpoint(checkpoint_dir, dtype="auto", device=None, mode=None, draft_
                   1 << 30, 1 << 30, backend, spec, max_draft_len if mode else 0, 8, proposer)
 
 
+def _check_verify_contract(meta: dict, meta_path: Path, config: NemotronHConfig) -> None:
+    """A verify engine must keep each Mamba layer's chunk inputs (what the rollback reads); one built
+    by an older nemospec returned per-position states instead."""
+    verify = meta["engines"].get("verify")
+    if verify is None or "mamba" not in config.layer_types:
+        return
+    if not any(name.endswith(".ssm_x") for name in verify.get("outputs", {})):
+        raise NemospecError(f"{meta_path}: engines.verify has no '*.ssm_x' outputs (built by an older nemospec, whose "
+                            "verify returned per-position states); rebuild the engine directory with `nemospec build`")
+
+
 def open_engine_dir(engine_dir, backend="auto", device=None) -> Loaded:
     engine_dir = Path(engine_dir)
     meta_path = engine_dir / "config.json"
@@ -137,6 +148,7 @@ def open_engine_dir(engine_dir, backend="auto", device=None) -> Loaded:
         raise NemospecError(f"{meta_path}: field 'engines.target' missing; not a nemospec engine directory")
     backend = resolve_backend(backend)
     config = NemotronHConfig.from_dict(meta["model"])
+    _check_verify_contract(meta, meta_path, config)
     build, spec = meta["build"], meta.get("speculative")
     dtype = TORCH_DTYPES[build["dtype"]]
     device = "cuda" if backend == "tensorrt" else _device(device) if backend in ("torch", "compiled") else "cpu"

@@ -99,6 +99,21 @@ def test_draft_and_verify_engine_networks_equal_eager(dirs):
         torch.testing.assert_close(u, v, rtol=1e-4, atol=1e-4)
 
 
+def test_verify_engine_of_an_older_build_is_refused(dirs, tmp_path):
+    """An engine directory whose verify returns per-position states (older nemospec) exits 2 naming
+    the field and the fix, instead of failing inside the rollback."""
+    old = tmp_path / "old"
+    shutil.copytree(dirs[2]["mtp"], old)
+    meta = json.loads((old / "config.json").read_text())
+    outputs = meta["engines"]["verify"]["outputs"]
+    meta["engines"]["verify"]["outputs"] = {n.replace(".ssm_x", ".ssm_states"): v for n, v in outputs.items()}
+    (old / "config.json").write_text(json.dumps(meta))
+    from builder.errors import NemospecError
+    with pytest.raises(NemospecError, match=r"engines.verify has no '\*.ssm_x' outputs.*rebuild"):
+        open_engine_dir(old, backend="torch")
+    open_engine_dir(dirs[2]["mtp"], backend="torch")  # the current layout loads
+
+
 def _gen(capsys, *argv):
     code = cli.main(["generate", *map(str, argv)])
     out, err = capsys.readouterr()
