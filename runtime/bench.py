@@ -120,12 +120,10 @@ def _offline(engine_dir: Path, prompts: list[list[int]], new_tokens: int, k: int
             hist[n] = hist.get(n, 0) + c
     total = sum(hist.values())
     mean = sum(int(n) * c for n, c in hist.items()) / total if total else 0.0
-    spec_cost, plain_cost = spec_costs.summary(), plain_costs.summary()
     return {"mean_accepted_tokens": round(mean, 3), "histogram": hist, "verify_forwards": forwards,
             "tokens": tokens, "tokens_per_second": round(tokens / spec_s, 1),
             "target_only_tokens_per_second": round(tokens / plain_s, 1), "speedup": round(plain_s / spec_s, 3),
-            "exact": True, "cost": {"speculative": spec_cost, "target_only": plain_cost,
-                                    **cost_model(spec_cost, plain_cost)}}
+            "exact": True, "cost": cost_model(spec_costs.summary(), plain_costs.summary())}
 
 
 def _peers(target_dir: Path, draft_dir: Path | None, prompts: list[list[int]], new_tokens: int, runs: int) -> dict:

@@ -223,7 +223,7 @@ def cmd_generate(args):
     mode = loaded.speculative["mode"] if speculate else "target only"
     err.print(f"{result.num_tokens} tokens in {result.seconds:.3f} s = {result.tokens_per_second:.1f} tokens/s "
               f"({loaded.backend} backend, {mode})")
-    cost = {"target_only" if not speculate else "speculative": result.extra["cost"].summary()}
+    cost = {"target_only": result.extra["cost"].summary()}
     if speculate:
         a = result.extra["acceptance"]
         err.print(f"mean accepted tokens per target forward {a['mean_accepted_tokens']:.2f} (K={k}), "
@@ -231,8 +231,7 @@ def cmd_generate(args):
         # the target-only step beside it: a short greedy run of the first prompt on the same runner
         plain = generate(loaded.runner, prompts[:1], min(32, args.max_new_tokens), max_seq_len=loaded.max_seq_len,
                          prefill_chunk=chunk)
-        cost["target_only"] = plain.extra["cost"].summary()
-        cost.update(cost_model(cost["speculative"], cost["target_only"]))
+        cost = cost_model(result.extra["cost"].summary(), plain.extra["cost"].summary())
         err.print(cost_line(cost), markup=False)
     if args.json:
         single = len(prompts) == 1

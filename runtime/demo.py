@@ -38,7 +38,7 @@ def offline_cost_line(engine_dir: Path, prompt: str, max_new_tokens: int) -> str
                                      policy=loaded.draft_policy),
                 generate(loaded.runner, [ids], max_new_tokens)]
     spec, plain = (r.extra["cost"].summary() for r in runs)
-    cost = {"speculative": spec, "target_only": plain, **cost_model(spec, plain)}
+    cost = cost_model(spec, plain)
     return (f"{loaded.backend} backend: {runs[0].tokens_per_second:.1f} vs {runs[1].tokens_per_second:.1f} tokens/s "
             f"target-only = {runs[0].tokens_per_second / runs[1].tokens_per_second:.2f}x measured\n" + cost_line(cost))
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runtime.state import chunk_inputs
+from runtime.state import chunk_inputs, keep_rows
 
 
 @dataclass
@@ -57,10 +57,8 @@ def prefill(runner, prompts, state, chunk_size, features=()):
         index = (lengths - 1).to(torch.int32)[:, None]
         logits, new_state, feats = runner.forward(ids, positions, lengths, index, state)
         forwards += 1
-        for b in active:  # sequences with nothing left keep their state
-            for name, value in new_state.items():
-                if value is not state[name]:
-                    state[name][b] = value[b]
+        state = keep_rows(state, new_state, active, len(prompts))  # sequences with nothing left keep theirs
+        for b in active:
             last[b] = logits[b, 0]
             for name in features:
                 collected[name][b].append(feats[name][b, :len(chunks[b])])

@@ -25,7 +25,7 @@ import torch
 from runtime.generation import prefill
 from runtime.rollback import select_snapshots
 from runtime.sampling import draw
-from runtime.state import chunk_inputs
+from runtime.state import chunk_inputs, keep_rows
 
 
 def _take_rows(state: dict, keep: torch.Tensor) -> dict:
@@ -95,10 +95,6 @@ class _Chain:
         return torch.stack(self.tokens, 1), _stack_q(self.probs, batch, self.vocab), conf
 
 
-def _no_drafts(drafts) -> bool:
-    return drafts.shape[1] == 0
-
-
 def _stack_q(probs, batch, vocab):
     """Per-step q rows [B, V] (None when every row is greedy) -> [B, K, V] or None."""
     if all(q is None for q in probs):
@@ -126,14 +122,7 @@ class ModelDraftProposer(_PerSequence):
         ids, positions, lengths = chunk_inputs([c or [0] for c in chunks], self.consumed, dev)
         logits, new_state, _ = self.runner.forward(ids, positions, lengths, (lengths - 1)[:, None].to(torch.int32),
                                                    self.state)
-        if all(chunks):
-            self.state = new_state
-        else:
-            for b, c in enumerate(chunks):  # a sequence with nothing queued keeps its state
-                if c:
-                    for name, value in new_state.items():
-                        if value is not self.state[name]:
-                            self.state[name][b] = value[b]
+        self.state = keep_rows(self.state, new_state, [b for b, c in enumerate(chunks) if c], len(chunks))
         self.consumed = [n + len(c) for n, c in zip(self.consumed, chunks)]
         self.pending = [p[-1:] if keep_last else [] for p in self.pending]
         return logits[:, 0]
@@ -158,7 +147,7 @@ class ModelDraftProposer(_PerSequence):
         return chain.result()
 
     def accept(self, accepted, next_tokens, drafts, verify_features):
-        if _no_drafts(drafts):  # a target-only step: queue the token (consumed with the next proposal)
+        if drafts.shape[1] == 0:  # a target-only step: queue the token (consumed with the next proposal)
             self.pending = [p + [int(t)] for p, t in zip(self.pending, next_tokens.tolist())]
             if max(len(p) for p in self.pending) >= self.prefill_chunk:
                 self._consume(keep_last=True)
@@ -204,13 +193,7 @@ class FeatureDraftProposer(_PerSequence):
                     feats[b, :len(chunks[b])] = rows_features[b][done[b]:done[b] + len(chunks[b])]
             index = (lengths - 1).to(torch.int32)[:, None]
             logits, hidden, new_state = self.draft.step(ids, feats, None, positions, lengths, index, self.state)
-            if len(active) == len(rows_tokens):
-                self.state = new_state
-            else:  # sequences with nothing left in this chunk keep their state
-                for b in active:
-                    for name, value in new_state.items():
-                        if value is not self.state[name]:
-                            self.state[name][b] = value[b]
+            self.state = keep_rows(self.state, new_state, active, len(rows_tokens))
             for b in active:
                 last_logits[b] = logits[b, 0]
                 last_hidden[b] = hidden[b, len(chunks[b]) - 1]

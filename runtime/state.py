@@ -23,3 +23,19 @@ def chunk_inputs(chunks: list[list[int]], past_lengths: list[int], device="cpu")
     positions = past[:, None] + torch.arange(width, dtype=torch.int32)[None, :]
     lengths = torch.tensor([len(c) for c in chunks], dtype=torch.int32)
     return ids.to(device), positions.to(device), lengths.to(device)
+
+
+def keep_rows(state: dict, new_state: dict, rows: list[int], batch: int) -> dict:
+    """The state after a chunk in which only sequences ``rows`` consumed tokens (the others ran a
+    padding row): ``new_state`` itself when every sequence did, else a merge taking those rows from
+    it (tensors the forward updated in place are kept as they are)."""
+    if len(rows) == batch:
+        return new_state
+    keep = torch.zeros(batch, dtype=torch.bool)
+    keep[rows] = True
+    out = {}
+    for name, value in new_state.items():
+        old = state[name]
+        out[name] = value if value is old else torch.where(
+            keep.to(value.device).view(-1, *[1] * (value.dim() - 1)), value, old)
+    return out

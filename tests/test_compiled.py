@@ -92,9 +92,11 @@ def test_no_graph_beyond_the_step_shapes(models):
     assert _graphs() == before and _compiled_keys(compiled)[0] == keys
 
 
-def test_backend_choice():
-    if torch.cuda.is_available():
-        pytest.skip("auto picks TensorRT on a GPU")
+def test_backend_choice(monkeypatch):
+    from runtime import loading
+    monkeypatch.setattr(loading, "tensorrt_available", lambda: True)   # a GPU: engines run on TensorRT
+    assert resolve_backend("auto") == "tensorrt" and resolve_backend("auto", engine_dir=False) == "torch"
+    monkeypatch.setattr(loading, "tensorrt_available", lambda: False)  # a CPU-only machine
     assert resolve_backend("auto") == "compiled"
     assert resolve_backend("auto", tokens=AUTO_COMPILE_MIN_TOKENS) == "compiled"
     assert resolve_backend("auto", tokens=64) == "torch"   # loading the graphs would cost more than they save
