@@ -22,7 +22,7 @@ test: setup
 	$(BIN)/python -m pytest -q
 
 demo: setup
-	MODE=$(MODE) $(BIN)/python -m runtime.demo --workdir $(DEMO)
+	MODE=$(MODE) $(BIN)/python -m nemospec.demo --workdir $(DEMO)
 
 clean:
 	rm -rf $(VENV) build .pytest_cache

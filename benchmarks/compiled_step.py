@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def _measure(blocks: int, iters: int) -> dict:
     import torch
     from runtime import compiled
-    from runtime.cli import resolve_sources
+    from builder.embedded import resolve_sources
     from runtime.loading import open_checkpoint
     target_dir, draft_dir = resolve_sources(None, "eagle3", None, None)
     eager = open_checkpoint(target_dir, mode="eagle3", draft_dir=draft_dir, backend="torch")

@@ -31,8 +31,9 @@ from pathlib import Path
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from runtime import cli, serve  # noqa: E402
-from runtime.client import stream_generate  # noqa: E402
+from nemospec import cli  # noqa: E402
+from serving.client import stream_generate  # noqa: E402
+from serving.launch import free_port, serving  # noqa: E402
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Parser(object):", "# utilities\nfrom re import"]
 
@@ -40,7 +41,7 @@ PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Parser(object)
 def build_engine(root: Path, mode: str) -> Path:
     """The embedded trained target + its ``mode`` draft, max_batch_size 16 (so 16 streams share a batch)."""
     from builder.engine import BuildOptions, build
-    from runtime.cli import resolve_sources
+    from builder.embedded import resolve_sources
     target, draft = resolve_sources(None, mode)
     options = BuildOptions(max_batch_size=16, max_input_len=64, max_seq_len=512, max_draft_len=4,
                            speculative_decoding_mode=mode)
@@ -104,8 +105,8 @@ def main():
 def run(args, engine_dir, streams):
     prompt = PROMPTS[0]
     reference = offline(engine_dir, prompt, args.new_tokens)            # warm-up and the expected ids
-    ports = dict(http_port=serve.free_port(), grpc_port=serve.free_port(), metrics_port=serve.free_port())
-    with serve.serving(engine_dir, **ports) as server:
+    ports = dict(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+    with serving(engine_dir, **ports) as server:
         ids, _ = stream(server.grpc_url, prompt, args.new_tokens)        # warm-up
         if ids != reference["output_ids"]:
             raise SystemExit("served output differs from offline generation")

@@ -85,3 +85,11 @@ class Stopwatch:
 
     def total(self) -> float:
         return time.perf_counter() - self.start
+
+def cost_line(cost: dict) -> str:
+    """One line: a speculative step's parts beside a target-only step, and the speedup they predict."""
+    s = cost["speculative"]
+    return (f"step cost: draft {s['draft_ms']:.2f} ms ({s['draft_ms_per_proposal']:.2f} per proposal) + verify "
+            f"{s['verify_ms']:.2f} ms ({cost['verify_over_decode']:.2f}x a decode) + accept/rollback {s['accept_ms']:.2f} ms "
+            f"+ host {s['host_ms']:.2f} ms = {s['step_ms']:.2f} ms for {s['tokens_per_step']:.2f} tokens; target-only "
+            f"step {cost['target_only_step_ms']:.2f} ms; predicted speedup {cost['model_speedup']:.2f}x")

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from runtime import cli
+from nemospec import cli
 
 
 @pytest.fixture(scope="module")

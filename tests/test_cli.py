@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from builder.random_checkpoint import write_random_checkpoint
-from runtime import cli
+from nemospec import cli
 from runtime.sampling import probabilities
 
 

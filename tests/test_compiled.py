@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from builder import embedded
-from runtime import cli
+from nemospec import cli
 from runtime.generation import generate
 from runtime.loading import AUTO_COMPILE_MIN_TOKENS, open_checkpoint, resolve_backend
 from runtime.speculative import speculative_generate

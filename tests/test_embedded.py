@@ -96,7 +96,7 @@ def test_nvfp4_dspark_copy_speculates_exactly(tokenizer, reference):
 
 
 def test_build_defaults_to_the_embedded_model(tmp_path):
-    from runtime import cli
+    from nemospec import cli
     out = tmp_path / "engine"
     assert cli.main(["build", "--output_dir", str(out), "--speculative_decoding_mode", "eagle3",
                      "--max_seq_len", "256", "--max_input_len", "64"]) == 0

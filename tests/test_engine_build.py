@@ -12,7 +12,7 @@ from safetensors import safe_open
 from builder.checkpoint import checkpoint_hash, load_checkpoint
 from builder.config import NemotronHConfig
 from builder.engine import BuildOptions, build
-from runtime import cli
+from nemospec import cli
 from runtime.generation import generate
 from runtime.loading import open_checkpoint, open_engine_dir
 from runtime.state import chunk_inputs

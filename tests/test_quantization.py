@@ -18,7 +18,7 @@ from builder.engine import BuildOptions, build, record, target_component
 from builder.errors import CheckpointError
 from builder.interpreter import run_network
 from builder.models.nemotron_h import NemotronH
-from runtime import cli
+from nemospec import cli
 from runtime.loading import open_engine_dir
 from runtime.state import allocate, chunk_inputs
 

@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 from builder.checkpoint import load_checkpoint
 from builder.drafts import load_draft
 from builder.engine import BuildOptions, build
-from runtime import cli
+from nemospec import cli
 from runtime.generation import generate
 from runtime.loading import open_engine_dir
 from runtime.speculative import speculative_generate

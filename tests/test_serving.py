@@ -24,7 +24,8 @@ import pytest
 
 from builder.engine import BuildOptions, build
 from builder.random_checkpoint import add_mtp_layers, write_random_checkpoint
-from runtime import cli, serve
+from nemospec import cli
+from serving import cancel, launch, protocol, repository, tritonserver
 
 OPTIONS = dict(max_batch_size=4, max_input_len=40, max_seq_len=160, max_draft_len=3)
 API_KEY = "test-secret"
@@ -32,7 +33,7 @@ MAX_QUEUE = 16
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "naïve café — 世界 🙂", "class Parser(object):"]
 
 try:
-    serve.find_tritonserver()
+    tritonserver.find_tritonserver()
     HAVE_TRITON = importlib.util.find_spec("tritonclient") is not None
 except Exception:  # pragma: no cover - depends on the environment
     HAVE_TRITON = False
@@ -62,14 +63,14 @@ def draft_target_engine_dir(engine_dir):
 
 
 def free_ports():
-    return dict(http_port=serve.free_port(), grpc_port=serve.free_port(), metrics_port=serve.free_port())
+    return dict(http_port=launch.free_port(), grpc_port=launch.free_port(), metrics_port=launch.free_port())
 
 
 @pytest.fixture(scope="module")
 def server(engine_dir):
     for attempt in range(3):  # a port picked free may be taken by another process before the server binds it
         try:
-            handle = serve.start_server(engine_dir, **free_ports(), api_key=API_KEY, max_queue=MAX_QUEUE,
+            handle = launch.start_server(engine_dir, **free_ports(), api_key=API_KEY, max_queue=MAX_QUEUE,
                                         ready_timeout=300)
             break
         except Exception as e:
@@ -212,20 +213,20 @@ def test_streamed_chunks_never_split_a_utf8_character(tokenizer):
         emitted, chunks = [], []
         for i in range(0, len(ids), step):
             new = ids[i:i + step]
-            context, prefix = serve.stream_window(emitted, new)
-            chunks.append(serve.stream_text(tokenizer, context, prefix, finished=i + step >= len(ids)))
+            context, prefix = protocol.stream_window(emitted, new)
+            chunks.append(protocol.stream_text(tokenizer, context, prefix, finished=i + step >= len(ids)))
             emitted += new
         assert "".join(chunks) == text
         assert all("\ufffd" not in c for c in chunks), chunks
 
 
 def test_word_lists_round_trip():
-    words = serve.split_words([b"foo,bar", '"a,b"', b""])
+    words = protocol.split_words([b"foo,bar", '"a,b"', b""])
     assert words == ["foo", "bar", "a,b"]
-    packed = serve.pack_word_ids([[1, 2], [3], [4, 5, 6]])
+    packed = protocol.pack_word_ids([[1, 2], [3], [4, 5, 6]])
     assert packed.shape == (2, 6) and packed.dtype == np.int32
-    assert serve.unpack_word_ids(packed) == ((1, 2), (3,), (4, 5, 6))
-    assert serve.unpack_word_ids(serve.pack_word_ids([])) == ()
+    assert protocol.unpack_word_ids(packed) == ((1, 2), (3,), (4, 5, 6))
+    assert protocol.unpack_word_ids(protocol.pack_word_ids([])) == ()
 
 
 def test_cancel_channel(tmp_path):
@@ -233,36 +234,36 @@ def test_cancel_channel(tmp_path):
     import os
     got = []
     for directory in (tmp_path / "c", tmp_path / ("x" * 120)):  # a path too long for sun_path: abstract socket
-        close = serve.cancel_listener(directory, got.append)
+        close = cancel.cancel_listener(directory, got.append)
         try:
-            assert serve.notify_cancel(directory, serve.request_key(os.getpid(), 41))
+            assert cancel.notify_cancel(directory, cancel.request_key(os.getpid(), 41))
             deadline = time.monotonic() + 5
             while len(got) < 1 + (directory.name != "c") and time.monotonic() < deadline:
                 time.sleep(0.01)
         finally:
             close()
     assert got == [41, 41]
-    assert serve.split_request_key(serve.request_key(123456, 2**32 + 5)) == (123456, 5)
-    assert not serve.notify_cancel(tmp_path / "c", serve.request_key(os.getpid(), 1)), "listener closed"
+    assert cancel.split_request_key(cancel.request_key(123456, 2**32 + 5)) == (123456, 5)
+    assert not cancel.notify_cancel(tmp_path / "c", cancel.request_key(os.getpid(), 1)), "listener closed"
 
 
 def test_fill_model_repo(engine_dir, tmp_path):
-    repo = serve.fill_model_repo(engine_dir, tmp_path / "repo", max_batch_size=2, max_queue=5,
+    repo = repository.fill_model_repo(engine_dir, tmp_path / "repo", max_batch_size=2, max_queue=5,
                                  cancel_dir=tmp_path / "c")
-    assert sorted(p.name for p in repo.iterdir()) == sorted(serve.MODELS)
-    for name in serve.MODELS:
+    assert sorted(p.name for p in repo.iterdir()) == sorted(repository.MODELS)
+    for name in repository.MODELS:
         text = (repo / name / "config.pbtxt").read_text()
         assert "${" not in text and (repo / name / "1").is_dir()
     spec = (repo / "speculative" / "config.pbtxt").read_text()
     assert "decoupled: true" in spec and str(engine_dir.resolve()) in spec and '"5"' in spec
     with pytest.raises(Exception, match="--max_batch_size"):
-        serve.fill_model_repo(engine_dir, tmp_path / "r2", max_batch_size=99)
+        repository.fill_model_repo(engine_dir, tmp_path / "r2", max_batch_size=99)
     (tmp_path / "no_tok").mkdir()
     meta = json.loads((engine_dir / "config.json").read_text())
     meta["tokenizer"] = None
     (tmp_path / "no_tok" / "config.json").write_text(json.dumps(meta))
     with pytest.raises(Exception, match="tokenizer"):
-        serve.fill_model_repo(tmp_path / "no_tok", tmp_path / "r3")
+        repository.fill_model_repo(tmp_path / "no_tok", tmp_path / "r3")
 
 
 # --- the server --------------------------------------------------------------------------------------
@@ -447,11 +448,11 @@ def test_metrics_exported(server):
 def test_api_key_guards_model_repository_only(server):
     status, body = http_post(server, "/v2/repository/index", {})
     assert status == 403 and "restricted" in body, (status, body)
-    status, body = http_post(server, "/v2/repository/index", {}, headers={serve.API_KEY_HEADER: "wrong"})
+    status, body = http_post(server, "/v2/repository/index", {}, headers={launch.API_KEY_HEADER: "wrong"})
     assert status == 403
-    status, body = http_post(server, "/v2/repository/index", {}, headers={serve.API_KEY_HEADER: API_KEY})
+    status, body = http_post(server, "/v2/repository/index", {}, headers={launch.API_KEY_HEADER: API_KEY})
     assert status == 200 and "ensemble" in body
-    status, body = http_post(server, "/v2/repository/models/ensemble/unload", {}, headers={serve.API_KEY_HEADER: API_KEY})
+    status, body = http_post(server, "/v2/repository/models/ensemble/unload", {}, headers={launch.API_KEY_HEADER: API_KEY})
     assert status != 200, "model control mode none: no remote unload"
     with urllib.request.urlopen(f"http://{server.http_url}/v2/health/ready", timeout=10) as r:
         assert r.status == 200
@@ -460,8 +461,8 @@ def test_api_key_guards_model_repository_only(server):
     client = grpcclient.InferenceServerClient(server.grpc_url)
     with pytest.raises(InferenceServerException, match="restricted"):
         client.get_model_repository_index()
-    index = client.get_model_repository_index(headers={serve.GRPC_API_KEY_HEADER: API_KEY})
-    assert {m.name for m in index.models} == set(serve.MODELS)
+    index = client.get_model_repository_index(headers={launch.GRPC_API_KEY_HEADER: API_KEY})
+    assert {m.name for m in index.models} == set(repository.MODELS)
     assert client.is_server_ready()
 
 
@@ -470,8 +471,8 @@ def test_cli_serve_draft_target_engine_and_sigint(draft_target_engine_dir, tmp_p
     output equals offline generation; SIGINT stops the server and exits 0."""
     engine_dir = draft_target_engine_dir
     for attempt in range(3):  # retried only if a port picked free was taken before the server bound it
-        ports = [serve.free_port() for _ in range(3)]
-        cmd = [sys.executable, "-m", "runtime.cli", "serve", "--engine_dir", str(engine_dir),
+        ports = [launch.free_port() for _ in range(3)]
+        cmd = [sys.executable, "-m", "nemospec.cli", "serve", "--engine_dir", str(engine_dir),
                "--http_port", str(ports[0]), "--grpc_port", str(ports[1]), "--metrics_port", str(ports[2]),
                "--max_batch_size", "2", "--model_repo_dir", str(tmp_path / "repo")]
         process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from builder.engine import BuildOptions, build
-from runtime import cli
+from nemospec import cli
 from runtime.generation import generate
 from runtime.loading import open_engine_dir
 from runtime.speculative import speculative_generate

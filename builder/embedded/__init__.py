@@ -74,3 +74,12 @@ def write_manifest(names: list[str], extra: dict) -> dict:
     data["total_bytes"] = sum(c["bytes"] for c in data["checkpoints"].values())
     MANIFEST.write_text(json.dumps(data, indent=1) + "\n")
     return data
+
+
+def resolve_sources(checkpoint_dir, mode=None, draft=None, quantization=None):
+    """(checkpoint_dir, draft_dir) with the embedded default filled in where neither was given."""
+    if checkpoint_dir is not None:
+        return checkpoint_dir, draft
+    if mode is not None and draft is None:
+        draft = draft_dir(mode, quantization)
+    return target_dir(), draft

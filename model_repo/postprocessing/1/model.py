@@ -1,14 +1,14 @@
 """nemospec postprocessing: token ids -> text_output with the engine directory's tokenizer.
 
 Each response of the decoupled ``speculative`` model arrives here on its own, so detokenization is
-stateless: ``CONTEXT_IDS`` holds up to ``runtime.serve.CONTEXT_TOKENS`` tokens already streamed
-(``PREFIX_LEN`` of them) followed by the new ones, and ``runtime.serve.stream_text`` returns what the
+stateless: ``CONTEXT_IDS`` holds up to ``serving.protocol.CONTEXT_TOKENS`` tokens already streamed
+(``PREFIX_LEN`` of them) followed by the new ones, and ``serving.protocol.stream_text`` returns what the
 new tokens add, holding back an incomplete UTF-8 character until the response that completes it.
 ``output_ids`` and ``mean_accepted_tokens`` pass through (all ensemble outputs come from this step).
 
 Cancellation: Triton hands a client's cancellation of the ensemble request to the steps it schedules
 next, i.e. to this model, not to the running ``speculative`` request. A cancelled request here
-reports its ``REQUEST_KEY`` to the speculative instance (``runtime.serve.notify_cancel``), which then
+reports its ``REQUEST_KEY`` to the speculative instance (``serving.cancel.notify_cancel``), which then
 frees the sequence.
 """
 import json
@@ -35,7 +35,8 @@ class TritonPythonModel:
             sys.path.insert(0, root)
         from tokenizers import Tokenizer
 
-        from runtime.serve import notify_cancel, stream_text
+        from serving.cancel import notify_cancel
+        from serving.protocol import stream_text
         self._stream_text, self._notify_cancel = stream_text, notify_cancel
         self.cancel_dir = _param(config, "cancel_dir")
         self._checked = {}

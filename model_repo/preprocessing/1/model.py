@@ -25,7 +25,7 @@ class TritonPythonModel:
             sys.path.insert(0, root)
         from tokenizers import Tokenizer
 
-        from runtime.serve import pack_word_ids, split_words
+        from serving.protocol import pack_word_ids, split_words
         self._pack, self._split = pack_word_ids, split_words
         engine_dir = Path(_param(config, "engine_dir"))
         meta = json.loads((engine_dir / "config.json").read_text())

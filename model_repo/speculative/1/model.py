@@ -7,7 +7,7 @@ callback only queues its tokens; a dispatcher thread turns them into responses (
 ``stream: true``, one at the end otherwise), polls ``request.is_cancelled()`` (cancelled or
 disconnected clients free their sequence through ``scheduler.cancel``) and publishes the scheduler's
 metrics as Prometheus metrics (``nemospec_*`` on the metrics port). A client's cancellation of the
-ensemble request reaches this model through postprocessing (see ``runtime.serve.notify_cancel``): each
+ensemble request reaches this model through postprocessing (see ``serving.cancel.notify_cancel``): each
 response carries ``request_key``, and a listener thread frees the sequences reported cancelled.
 
 Request parameter ``speculative`` (``{"speculative": false}``) runs that request target-only on the
@@ -73,7 +73,9 @@ class TritonPythonModel:
         from runtime.loading import open_engine_dir
         from runtime.scheduler import Request, Scheduler, SchedulerError
         from runtime.draft_policy import policy_from
-        from runtime.serve import cancel_listener, decode_policy, request_key, stream_window, unpack_word_ids
+        from serving.cancel import cancel_listener, request_key
+        from serving.protocol import stream_window, unpack_word_ids
+        from serving.repository import decode_policy
         self.Request, self.SchedulerError = Request, SchedulerError
         self.stream_window, self.unpack, self.request_key = stream_window, unpack_word_ids, request_key
         self.pid = os.getpid()

@@ -19,6 +19,9 @@ import time
 from pathlib import Path
 
 import torch
+from rich.console import Console
+
+_err = Console(stderr=True, highlight=False)
 
 MODES = ("draft_target", "eagle", "eagle3", "mtp", "dflash", "dspark", "dspark_nvfp4", "peagle")
 QUICK_MODES = ("eagle3", "dflash")
@@ -51,14 +54,13 @@ def add_bench_args(p) -> None:
 
 
 def _log(message: str) -> None:
-    from runtime.cli import err
-    err.print(message, markup=False)
+    _err.print(message, markup=False)
 
 
 def build_mode_engines(checkpoint, mode: str, root: Path, k: int) -> tuple[Path, dict]:
     from builder import embedded
     from builder.engine import BuildOptions, build
-    from runtime.cli import resolve_sources
+    from builder.embedded import resolve_sources
     quant = "nvfp4_w4a16" if mode.endswith("_nvfp4") else None
     base = mode.removesuffix("_nvfp4")
     target, draft = resolve_sources(checkpoint, base, None, quant)
@@ -160,13 +162,13 @@ def _peers(target_dir: Path, draft_dir: Path | None, prompts: list[list[int]], n
 
 
 def _serving(engine_dir: Path, texts: list[str], new_tokens: int, runs: int, offline_tps: float) -> dict:
-    from runtime import serve
-    from runtime.client import stream_generate
-    ports = dict(http_port=serve.free_port(), grpc_port=serve.free_port(), metrics_port=serve.free_port())
+    from serving.client import stream_generate
+    from serving.launch import free_port, serving
+    ports = dict(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
     spec_s = plain_s = 0.0
     tokens = 0
     means = []
-    with serve.serving(engine_dir, **ports) as server:
+    with serving(engine_dir, **ports) as server:
         stream_generate(server.grpc_url, texts[0], 8)                     # warm-up
         for text in texts:
             for _ in range(runs):
@@ -188,8 +190,8 @@ def run_bench(args) -> dict:
     from tokenizers import Tokenizer
 
     from builder import embedded
-    from runtime.bench_report import write_report
-    from runtime.cli import resolve_sources
+    from nemospec.bench_report import write_report
+    from builder.embedded import resolve_sources
     if args.threads:
         torch.set_num_threads(args.threads)
     quick = args.quick

@@ -8,7 +8,9 @@ import sys
 from rich.console import Console
 
 from builder.errors import NemospecError
+from builder.embedded import resolve_sources
 from runtime.draft_policy import POLICY_FLAGS, add_policy_args, policy_from
+from runtime.step_costs import cost_line
 
 err = Console(stderr=True, highlight=False)
 
@@ -70,33 +72,23 @@ def _parser():
     g.add_argument("--draft_dir", default=None, help="with a checkpoint: the draft (default with the embedded model: "
                                                      "its trained draft)")
     g.add_argument("--max_draft_len", type=int, default=4, help="with a checkpoint: K")
-    from runtime.serve import add_serve_args
+    from serving.command import add_serve_args
     add_serve_args(sub.add_parser("serve", help="serve an engine directory with Triton Inference Server"))
     _add_quantize_args(sub.add_parser("quantize", help="write an NVFP4 (ModelOpt W4A16) checkpoint"))
-    from runtime.bench import add_bench_args
+    from nemospec.bench import add_bench_args
     add_bench_args(sub.add_parser("bench", help="perf report: acceptance, tokens/s, peers, serving, build"))
     return parser
 
 
 def cmd_bench(args):
-    from runtime.bench import cmd_bench as bench
+    from nemospec.bench import cmd_bench as bench
     return bench(args)
 
 
 def cmd_serve(args):
-    from runtime.serve import cmd_serve as serve
+    from serving.command import cmd_serve as serve
     return serve(args)
 
-
-def resolve_sources(checkpoint_dir, mode=None, draft_dir=None, quantization=None):
-    """(checkpoint_dir, draft_dir) with the embedded default filled in where neither was given."""
-    if checkpoint_dir is not None:
-        return checkpoint_dir, draft_dir
-    from builder import embedded
-    target = embedded.target_dir()
-    if mode is not None and draft_dir is None:
-        draft_dir = embedded.draft_dir(mode, quantization)
-    return target, draft_dir
 
 
 def cmd_build(args):
@@ -152,14 +144,6 @@ def _prompts(args, tokenizer):
         raise NemospecError("--prompt: this model has no tokenizer.json; pass --input_ids instead")
     return [tokenizer.encode(p).ids for p in args.prompt]
 
-
-def cost_line(cost: dict) -> str:
-    """One line: a speculative step's parts beside a target-only step, and the speedup they predict."""
-    s = cost["speculative"]
-    return (f"step cost: draft {s['draft_ms']:.2f} ms ({s['draft_ms_per_proposal']:.2f} per proposal) + verify "
-            f"{s['verify_ms']:.2f} ms ({cost['verify_over_decode']:.2f}x a decode) + accept/rollback {s['accept_ms']:.2f} ms "
-            f"+ host {s['host_ms']:.2f} ms = {s['step_ms']:.2f} ms for {s['tokens_per_step']:.2f} tokens; target-only "
-            f"step {cost['target_only_step_ms']:.2f} ms; predicted speedup {cost['model_speedup']:.2f}x")
 
 
 def cmd_generate(args):

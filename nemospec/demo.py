@@ -17,7 +17,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from runtime.bench import MODES, PROMPTS, build_mode_engines
+from nemospec.bench import MODES, PROMPTS, build_mode_engines
 
 console = Console(highlight=False)
 
@@ -25,7 +25,7 @@ console = Console(highlight=False)
 def offline_cost_line(engine_dir: Path, prompt: str, max_new_tokens: int) -> str:
     from tokenizers import Tokenizer
 
-    from runtime.cli import cost_line
+    from runtime.step_costs import cost_line
     from runtime.generation import generate
     from runtime.loading import open_engine_dir
     from runtime.speculative import speculative_generate
@@ -50,8 +50,8 @@ def main(argv=None):
     p.add_argument("--prompt", default=PROMPTS[1])
     p.add_argument("--max_new_tokens", type=int, default=96)
     args = p.parse_args(argv)
-    from runtime import serve
-    from runtime.client import stream_generate
+    from serving.client import stream_generate
+    from serving.launch import free_port, serving
 
     console.rule(f"1. nemospec build: embedded target + {args.mode} draft (target, verify and draft engines)")
     start = time.perf_counter()
@@ -60,8 +60,8 @@ def main(argv=None):
     console.print(f"built {engine_dir} in {time.perf_counter() - start:.0f} s: {sizes}")
 
     console.rule("2. nemospec serve (tritonserver + model_repo ensemble)")
-    ports = dict(http_port=serve.free_port(), grpc_port=serve.free_port(), metrics_port=serve.free_port())
-    with serve.serving(engine_dir, **ports) as server:
+    ports = dict(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+    with serving(engine_dir, **ports) as server:
         console.print(f"serving: gRPC {server.grpc_url}, HTTP {server.http_url}, metrics {server.metrics_url}")
         console.rule("3. a code completion streamed over gRPC (greedy)")
         console.print(args.prompt, end="", style="bold")

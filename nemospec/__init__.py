@@ -1,0 +1,3 @@
+"""The `nemospec` commands: the one place that wires command lines to the modules doing the work
+(build -> builder, generate -> runtime, serve -> serving, bench and demo -> all three). Top of the
+import graph: nothing in builder, runtime or serving imports it."""

@@ -1,0 +1,203 @@
+"""Starting and stopping ``tritonserver`` for an engine directory.
+
+``start_server`` fills the model repository into a run directory, starts the server and waits until
+``/v2/health/ready``. The returned handle stops it (SIGTERM, then SIGKILL after a grace period);
+``serving(...)`` is the same as a context manager. The child is also killed if this process dies
+(``PR_SET_PDEATHSIG``: call from a thread that outlives the server, e.g. the main thread) or exits
+(``atexit``).
+"""
+from __future__ import annotations
+
+import atexit
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from builder.errors import NemospecError
+from serving.repository import fill_model_repo
+from serving.tritonserver import assemble_backends, gpu_present, server_env, find_tritonserver
+
+API_KEY_HEADER = "api-key"                              # HTTP header for --api_key
+GRPC_API_KEY_HEADER = "triton-grpc-protocol-api-key"    # the same as gRPC metadata (Triton adds the prefix)
+RESTRICTED = "model-repository,shared-memory"           # what --api_key protects
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _pdeathsig():  # runs in the child: die with the parent
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+def _client_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+
+
+@dataclass
+class ServerHandle:
+    process: subprocess.Popen
+    host: str
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+    run_dir: Path
+    repo_dir: Path
+    log_path: Path
+    command: list
+    _temp: bool = False
+    _log_file: object = field(default=None, repr=False)
+
+    @property
+    def http_url(self) -> str:
+        return f"{_client_host(self.host)}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{_client_host(self.host)}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{_client_host(self.host)}:{self.metrics_port}/metrics"
+
+    def endpoints(self) -> dict:
+        return {"http": f"http://{self.http_url}", "grpc": self.grpc_url, "metrics": self.metrics_url,
+                "generate": f"http://{self.http_url}/v2/models/ensemble/generate",
+                "generate_stream": f"http://{self.http_url}/v2/models/ensemble/generate_stream"}
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def errors(self) -> str:
+        """The server log's error lines (glog ``E...``), e.g. why a model failed to load."""
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        noise = ("NVML", "DCGM", "insufficient for CUDA runtime")   # a machine without a GPU says so
+        return "\n".join(line for line in lines if re.match(r"^E\d{4} ", line) and not any(n in line for n in noise))
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.metrics_url, timeout=10) as r:
+            return r.read().decode()
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM (Triton finishes in-flight requests), SIGKILL after ``timeout`` seconds. Idempotent."""
+        if self.process.poll() is None:
+            try:
+                self.process.send_signal(signal.SIGTERM)
+                self.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+            except ProcessLookupError:
+                pass
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        if self._temp:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            self._temp = False
+        atexit.unregister(self.stop)
+        return self.process.returncode
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def _ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{url}/v2/health/ready", timeout=2) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def start_server(engine_dir, *, host: str = "127.0.0.1", http_port: int = 8000, grpc_port: int = 8001,
+                 metrics_port: int = 8002, model_repo_dir=None, api_key: str | None = None, backend: str = "auto",
+                 max_batch_size: int | None = None, max_queue: int = 64, ready_timeout: float = 600.0,
+                 extra_args=(), draft_policy: dict | None = None) -> ServerHandle:
+    """Fills the model repository, starts tritonserver and waits until it is ready.
+
+    A temporary run directory holds the assembled backend, the server log and (unless
+    ``model_repo_dir`` names one) the model repository; ``stop()`` removes it. Any error, Ctrl-C
+    included, kills the child before it propagates.
+    """
+    server = find_tritonserver()
+    run_dir = Path(tempfile.mkdtemp(prefix="nemospec-serve-"))
+    handle = None
+    try:
+        repo_dir = fill_model_repo(engine_dir, Path(model_repo_dir).resolve() if model_repo_dir else run_dir / "models",
+                                   backend=backend, max_batch_size=max_batch_size, max_queue=max_queue,
+                                   cancel_dir=run_dir / "cancel", draft_policy=draft_policy)
+        backend_dir = assemble_backends(server, run_dir)
+        cmd = [str(server.binary), "--model-repository", str(repo_dir), "--model-control-mode", "none",
+               "--strict-model-config", "true", "--exit-timeout-secs", "15",
+               "--http-address", host, "--http-port", str(http_port),
+               "--grpc-address", host, "--grpc-port", str(grpc_port),
+               "--allow-metrics", "true", "--metrics-address", host, "--metrics-port", str(metrics_port),
+               "--allow-gpu-metrics", "true" if gpu_present() else "false", "--log-verbose", "0"]
+        if backend_dir is not None:
+            cmd += ["--backend-directory", str(backend_dir)]
+        if api_key:
+            cmd += [f"--http-restricted-api={RESTRICTED}:{API_KEY_HEADER}={api_key}",
+                    f"--grpc-restricted-protocol={RESTRICTED}:{API_KEY_HEADER}={api_key}"]
+        cmd += list(extra_args)
+        log_path = run_dir / "tritonserver.log"
+        log_file = open(log_path, "wb")
+        process = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   env=server_env(server), cwd=str(run_dir), start_new_session=True,
+                                   preexec_fn=_pdeathsig)
+        handle = ServerHandle(process, host, http_port, grpc_port, metrics_port, run_dir, repo_dir, log_path, cmd,
+                              True, log_file)
+        atexit.register(handle.stop)
+        deadline = time.monotonic() + ready_timeout
+        while not _ready(handle.http_url):
+            if process.poll() is not None:
+                raise NemospecError(f"tritonserver exited with code {process.returncode} before it was ready:\n"
+                                    f"{handle.errors() or handle.log_tail()}")
+            if time.monotonic() > deadline:
+                raise NemospecError(f"tritonserver not ready after {ready_timeout:.0f} s; last log lines:\n"
+                                    f"{handle.log_tail()}")
+            time.sleep(0.25)
+        return handle
+    except BaseException:
+        if handle is not None:
+            handle.stop(timeout=10)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+
+
+
+@contextmanager
+def serving(engine_dir, **kwargs):
+    """``with serving(engine_dir, http_port=..., ...) as server:`` - always stopped on exit."""
+    handle = start_server(engine_dir, **kwargs)
+    try:
+        yield handle
+    finally:
+        handle.stop()

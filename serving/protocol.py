@@ -1,0 +1,82 @@
+"""Wire helpers the ``model_repo`` Python models share, kept here so tests reach them without Triton:
+stop/bad word lists (TensorRT-LLM's CSV convention and its [2, N] id layout) and incremental
+detokenization for streaming."""
+from __future__ import annotations
+
+import csv
+import os
+
+#: tokens of already-streamed text sent back with each new chunk: an incomplete UTF-8 character spans
+#: at most 3 bytes (3 tokens), so 4 tokens of context always reach back past the held-back bytes
+CONTEXT_TOKENS = 4
+REPLACEMENT = "\ufffd"
+
+
+def split_words(values) -> list[str]:
+    """Each element may hold several comma-separated words (CSV quoting allowed, as TensorRT-LLM)."""
+    words = []
+    for value in values:
+        text = value.decode("utf-8") if isinstance(value, bytes) else str(value)
+        if not text:
+            continue
+        for row in csv.reader([text]):
+            words.extend(w for w in row if w)
+    return words
+
+
+def pack_word_ids(lists):
+    """Token-id sequences -> int32 [2, N]: row 0 the ids back to back, row 1 each sequence's end
+    offset; padded with 0 / -1 (never empty: N >= 1)."""
+    import numpy as np
+    flat = [t for ids in lists for t in ids]
+    ends, total = [], 0
+    for ids in lists:
+        total += len(ids)
+        ends.append(total)
+    n = max(1, len(flat), len(ends))
+    out = np.zeros((2, n), dtype=np.int32)
+    out[1, :] = -1
+    out[0, :len(flat)] = flat
+    out[1, :len(ends)] = ends
+    return out
+
+
+def unpack_word_ids(array) -> tuple[tuple[int, ...], ...]:
+    import numpy as np
+    a = np.asarray(array).reshape(2, -1)
+    words, start = [], 0
+    for end in a[1]:
+        end = int(end)
+        if end < 0:
+            break
+        if end > start:
+            words.append(tuple(int(t) for t in a[0, start:end]))
+        start = end
+    return tuple(words)
+
+
+def stream_window(emitted, new) -> tuple[list[int], int]:
+    """What the speculative model sends with ``new`` tokens after ``emitted`` ones were streamed:
+    (the last CONTEXT_TOKENS emitted ids + new ids, how many of them were emitted before)."""
+    context = list(emitted[-CONTEXT_TOKENS:]) if CONTEXT_TOKENS else []
+    return context + list(new), len(context)
+
+
+def stream_text(tokenizer, ids, prefix_len: int, finished: bool) -> str:
+    """The text that ``ids[prefix_len:]`` adds after ``ids[:prefix_len]`` was already streamed.
+
+    An incomplete UTF-8 character at the end (one trailing U+FFFD from the lossy decode) is held back
+    until its remaining bytes arrive, so no chunk ever splits a character; ``finished`` flushes it.
+    """
+    ids = [int(t) for t in ids]
+    before = tokenizer.decode(ids[:prefix_len]) if prefix_len else ""
+    if before.endswith(REPLACEMENT):
+        before = before[:-1]
+    full = tokenizer.decode(ids)
+    if not finished and full.endswith(REPLACEMENT):
+        full = full[:-1]
+    if full.startswith(before):
+        return full[len(before):]
+    # a decoder that is not prefix-stable (rare): fall back to the common prefix
+    common = os.path.commonprefix([before, full])
+    return full[len(common):]

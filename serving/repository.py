@@ -1,0 +1,89 @@
+"""The Triton model repository for one engine directory: ``model_repo/`` templates filled with the
+engine directory, backend, batch limits and the adaptive draft-length overrides."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import string
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
+from builder.errors import NemospecError
+from runtime.draft_policy import POLICY_FLAGS, policy_from
+
+ROOT = Path(__file__).resolve().parent.parent          # the directory holding serving/ and model_repo/
+TEMPLATES = ROOT / "model_repo"
+MODELS = ("ensemble", "preprocessing", "speculative", "postprocessing")
+BACKENDS = ("auto", "torch", "compiled", "tensorrt")
+
+
+def read_engine_meta(engine_dir) -> dict:
+    engine_dir = Path(engine_dir)
+    path = engine_dir / "config.json"
+    if not path.is_file():
+        raise NemospecError(f"--engine_dir: {path} missing; build one with `nemospec build`")
+    meta = json.loads(path.read_text())
+    if "target" not in meta.get("engines", {}):
+        raise NemospecError(f"--engine_dir: {path} has no 'engines.target'; not a nemospec engine directory")
+    if not meta.get("tokenizer") or not (engine_dir / meta["tokenizer"]).is_file():
+        raise NemospecError(f"--engine_dir: {engine_dir} has no tokenizer.json; the server takes and returns text, "
+                            "so build from a checkpoint that has one")
+    return meta
+
+
+def encode_policy(overrides: dict) -> str:
+    """Adaptive draft-length flags as one model-config string parameter: 'flag=value;...'."""
+    return ";".join(f"{k}={v}" for k, v in overrides.items())
+
+
+def decode_policy(text: str) -> SimpleNamespace:
+    pairs = [item.split("=", 1) for item in text.split(";") if item]
+    return SimpleNamespace(**{k: POLICY_FLAGS[k][0](v) for k, v in pairs})
+
+
+def fill_model_repo(engine_dir, repo_dir, *, backend: str = "auto", max_batch_size: int | None = None,
+                    max_queue: int = 64, cancel_dir=None, draft_policy: dict | None = None) -> Path:
+    """Writes the four models of ``model_repo/`` for ``engine_dir`` into ``repo_dir`` (replacing them).
+
+    ``cancel_dir`` is where the speculative model listens for cancellations the postprocessing model
+    sees (default: a per-user directory under the system temp dir)."""
+    if not (TEMPLATES / "ensemble" / "config.pbtxt").is_file():
+        raise NemospecError(f"model_repo templates missing at {TEMPLATES}: install nemospec from a source checkout "
+                            "(`pip install -e .`)")
+    engine_dir = Path(engine_dir).resolve()
+    meta = read_engine_meta(engine_dir)
+    if backend not in BACKENDS:
+        raise NemospecError(f"--backend: expected one of {', '.join(BACKENDS)}, got {backend}")
+    if backend == "auto":
+        # resolved here: without a GPU the server runs eagerly for now. The compiled path
+        # (--backend compiled) compiles its steps inside the first requests, tens of seconds per step
+        # on a cold cache, which would stall them (and readiness checks) behind it.
+        import torch
+        backend = "tensorrt" if torch.cuda.is_available() else "torch"
+    engine_batch = int(meta["build"]["max_batch_size"])
+    if max_batch_size is not None and not 1 <= max_batch_size <= engine_batch:
+        raise NemospecError(f"--max_batch_size: expected 1..{engine_batch} (the engine's max_batch_size), got {max_batch_size}")
+    if max_queue < 0:
+        raise NemospecError(f"--max_queue: expected >= 0, got {max_queue}")
+    cancel_dir = Path(cancel_dir) if cancel_dir else Path(tempfile.gettempdir()) / f"nemospec-cancel-{os.getuid()}"
+    cancel_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    overrides = {k: v for k, v in (draft_policy or {}).items() if v is not None}
+    if meta.get("speculative"):  # a bad flag exits 2 here, not inside the model
+        policy_from(int(meta["build"]["max_draft_len"]), meta["build"], SimpleNamespace(**overrides))
+    values = dict(engine_dir=str(engine_dir), backend=backend, nemospec_root=str(ROOT), cancel_dir=str(cancel_dir.resolve()),
+                  max_batch_size=str(max_batch_size or engine_batch), max_queue=str(max_queue),
+                  draft_policy=encode_policy(overrides))
+    repo_dir = Path(repo_dir)
+    repo_dir.mkdir(parents=True, exist_ok=True)
+    for name in MODELS:
+        src, dst = TEMPLATES / name, repo_dir / name
+        if dst.exists():
+            shutil.rmtree(dst)
+        (dst / "1").mkdir(parents=True)
+        text = (src / "config.pbtxt").read_text()
+        (dst / "config.pbtxt").write_text(string.Template(text).substitute(values))
+        if (src / "1" / "model.py").is_file():
+            shutil.copy2(src / "1" / "model.py", dst / "1" / "model.py")
+    return repo_dir
