@@ -21,9 +21,9 @@ def greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor):
     return m, best.gather(1, m[:, None])[:, 0]
 
 
-def rejection(draft_tokens, draft_probs, target_logits, temperature, top_p, generator=None):
+def rejection(draft_tokens, draft_probs, target_logits, temperature, top_p, generator=None, top_k=0):
     """draft_probs [B, K, V] is q (the distribution each draft token was drawn from)."""
-    p = probabilities(target_logits, temperature, top_p).cpu()       # [B, K+1, V]
+    p = probabilities(target_logits, temperature, top_p, top_k).cpu()  # [B, K+1, V]
     q = draft_probs.float().cpu()
     d = draft_tokens.long().cpu()
     batch, k = d.shape
@@ -57,6 +57,6 @@ def accept(draft_tokens, draft_probs, target_logits, params: list[SamplingParams
             n = draft_tokens.shape[1] if lengths is None else int(lengths[row])
             r = slice(row, row + 1)
             m_r, t_r = rejection(draft_tokens[r, :n], draft_probs[r, :n], target_logits[r, :n + 1], prm.temperature,
-                                 prm.top_p, prm.generator)
+                                 prm.top_p, prm.generator, prm.top_k)
             m[row], nxt[row] = m_r[0], t_r[0]
     return m, nxt

@@ -16,7 +16,8 @@ import torch
 from runtime import acceptance
 from runtime.generation import prefill
 from runtime.draft_policy import AcceptanceTracker, DraftPolicy
-from runtime.sampling import SamplingParams, ban, draw
+from runtime.logits_shaping import shape, token_logprobs
+from runtime.sampling import SamplingParams, draw
 from runtime.step_costs import StepCosts, Stopwatch
 
 
@@ -33,11 +34,15 @@ class Sequence:
     last: int = 0
     finished: bool = False
     gained: Counter = field(default_factory=Counter)   # verify steps by tokens gained
+    drafted: int = 0                                    # draft tokens proposed for it (verified or not)
+    max_draft: int | None = None                        # its own K (None: the group's)
+    logprobs: list = field(default_factory=list)        # per emitted token, when params.logprobs
     request_id: int = -1
     on_tokens: object = None                            # the scheduler's callback for this request
     acceptance: AcceptanceTracker | None = None         # set by a speculative group
 
-    def emit(self, tokens) -> list[int]:
+    def emit(self, tokens, logprobs=None) -> list[int]:
+        """Appends tokens (and their log-probabilities, if given) up to the first that finishes it."""
         kept = []
         for t in tokens:
             self.outputs.append(t)
@@ -46,12 +51,30 @@ class Sequence:
                     or any(tuple(self.outputs[-len(s):]) == tuple(s) for s in self.stop_words if s)):
                 self.finished = True
                 break
+        if logprobs:
+            self.logprobs.extend(logprobs[:len(kept)])
         return kept
 
     @property
     def mean_accepted_tokens(self) -> float:
         total = sum(self.gained.values())
         return sum(n * c for n, c in self.gained.items()) / total if total else 0.0
+
+    def speculation_stats(self) -> dict:
+        """This sequence's verify steps, draft tokens proposed and accepted, and the histogram of
+        accepted drafts per step (index j: steps that kept exactly j drafts)."""
+        steps = sum(self.gained.values())
+        accepted = sum((n - 1) * c for n, c in self.gained.items())
+        top = max(self.gained, default=1)
+        return {"steps": steps, "draft_tokens": self.drafted, "accepted_draft_tokens": accepted,
+                "histogram": [self.gained.get(j + 1, 0) for j in range(top)]}
+
+
+def _logprobs(logits, tokens, seqs) -> list:
+    """Per sequence: log-probabilities of its tokens (None for those that did not ask)."""
+    if not any(s.params.logprobs for s in seqs):
+        return [None] * len(seqs)
+    return [lp or None for lp in token_logprobs(logits, tokens, [s.params for s in seqs])]
 
 
 def _rows(state: dict, index) -> dict:
@@ -80,11 +103,13 @@ class PlainGroup:
         logits, state, forwards, features = prefill(self.target, [s.prompt for s in seqs], state,
                                                     self.prefill_chunk, self.features)
         self.forwards += forwards
+        logits = shape(logits[:, None], seqs)[:, 0]
         first, _ = draw(logits, [s.params for s in seqs])
+        logprobs = _logprobs(logits[:, None], first[:, None], seqs)
         emitted = []
-        for s, t in zip(seqs, first.tolist()):
+        for s, t, lp in zip(seqs, first.tolist(), logprobs):
             s.position, s.last = len(s.prompt), t
-            emitted.append(s.emit([t]))
+            emitted.append(s.emit([t], lp))
         return state, features, emitted
 
     def add(self, seqs: list[Sequence]) -> list[list[int]]:
@@ -113,16 +138,18 @@ class PlainGroup:
                                                             torch.zeros(n, 1, dtype=torch.int32, device=dev), self.state)
         decode = watch.lap()
         self.forwards += 1
+        logits = shape(logits[:, :1], self.seqs)
         tokens, _ = draw(logits[:, 0], [s.params for s in self.seqs])
+        logprobs = _logprobs(logits, tokens[:, None], self.seqs)
         draft = 0.0
         if on_features is not None:
             watch.lap()
             on_features(tokens, features)
             draft = watch.lap()
         out = []
-        for s, t in zip(self.seqs, tokens.tolist()):
+        for s, t, lp in zip(self.seqs, tokens.tolist(), logprobs):
             s.position, s.last = s.position + 1, t
-            out.append(s.emit([t]))
+            out.append(s.emit([t], lp))
         self.costs.add(watch.total(), tokens=n, rows=n, draft=draft, verify=decode)
         return out
 
@@ -145,6 +172,8 @@ class SpeculativeGroup(PlainGroup):
         self.proposer = None
         self.verifies = 0
         self.histogram = Counter()
+        self.draft_tokens = 0                # proposed over all verify rows
+        self.accepted_at = Counter()         # draft position j (0-based) -> rows that accepted it
 
     @property
     def draft_seconds(self) -> float:
@@ -170,7 +199,8 @@ class SpeculativeGroup(PlainGroup):
 
     def _draft_len(self) -> int:
         n = len(self.seqs)
-        k = min(self.draft_len, self.policy.k_for_batch(n), self.capacity - 1 - max(s.position for s in self.seqs))
+        k = min(self.draft_len, self.policy.k_for_batch(n), self.capacity - 1 - max(s.position for s in self.seqs),
+                max(self.draft_len if s.max_draft is None else s.max_draft for s in self.seqs))
         return k if any(s.acceptance.speculating for s in self.seqs) else 0
 
     def _target_only_step(self, watch):
@@ -193,6 +223,7 @@ class SpeculativeGroup(PlainGroup):
         drafts, q, conf = self.proposer.propose(k, params, self.policy.confidence_threshold)
         proposed = self.policy.confident_lengths(conf) if conf is not None else torch.full((n,), drafts.shape[1])
         proposed = torch.where(torch.tensor([s.acceptance.speculating for s in self.seqs]), proposed, 0)
+        proposed = torch.minimum(proposed, torch.tensor([k if s.max_draft is None else s.max_draft for s in self.seqs]))
         k = int(proposed.max())
         drafts, q = drafts[:, :k], None if q is None else q[:, :k]
         draft = watch.lap()
@@ -206,7 +237,8 @@ class SpeculativeGroup(PlainGroup):
                                                           verify=True)
         verify = watch.lap()
         limit = None if bool((proposed == k).all()) else proposed
-        m, nxt = acceptance.accept(drafts.to(logits.device), q, ban(logits, params), params, limit)
+        logits = shape(logits, self.seqs, drafts)
+        m, nxt = acceptance.accept(drafts.to(logits.device), q, logits, params, limit)
         self.state = self.target.rollback(self.state, new_state, m.to(dev))
         accept = watch.lap()
         self.proposer.accept(m, nxt, drafts, features)
@@ -215,14 +247,21 @@ class SpeculativeGroup(PlainGroup):
         self.forwards += 1
         self.draft_lens[k] += 1
         out, tokens = [], 0
-        for s, d, kept, t, made in zip(self.seqs, drafts.tolist(), m.tolist(), nxt.tolist(), proposed.tolist()):
+        want_logprobs = any(p.logprobs for p in params)
+        for b, (s, d, kept, t, made) in enumerate(zip(self.seqs, drafts.tolist(), m.tolist(), nxt.tolist(),
+                                                      proposed.tolist())):
             gained = d[:kept] + [t]                                      # one host copy of each tensor
+            lp = _logprobs(logits[b:b + 1, :kept + 1], torch.tensor([gained]), [s])[0] if want_logprobs else None
             tokens += len(gained)
             s.gained[len(gained)] += 1
+            s.drafted += made
             self.histogram[len(gained)] += 1
+            self.draft_tokens += made
+            for j in range(kept):
+                self.accepted_at[j] += 1
             s.acceptance.record(kept, made)
             s.position, s.last = s.position + len(gained), t
-            out.append(s.emit(gained))
+            out.append(s.emit(gained, lp))
         self.costs.add(watch.total(), tokens=tokens, rows=n, proposals=int(proposed.sum()), draft=draft,
                        verify=verify, accept=accept)
         return out

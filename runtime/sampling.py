@@ -1,4 +1,4 @@
-"""Token choice from logits: greedy, temperature and nucleus (top-p) sampling, per sequence."""
+"""Token choice from logits: greedy, temperature, top-k and nucleus (top-p) sampling, per sequence."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,11 +13,27 @@ class SamplingParams:
     top_p: float = 1.0
     generator: torch.Generator | None = None
     banned: tuple[int, ...] = ()        # token ids whose logits are forced to -inf
+    top_k: int = 0                      # 0: no top-k cut
+    repetition_penalty: float = 1.0     # TensorRT-LLM's three penalties over prompt + generated tokens
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_length: int = 0                 # end ids are banned until this many tokens were generated
+    logprobs: bool = False              # record each generated token's log-probability
+
+    @property
+    def uses_history(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.min_length > 0)
 
 
-def probabilities(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """The distribution sampling draws from: softmax(logits / T) restricted to the top-p nucleus."""
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+def probabilities(logits: torch.Tensor, temperature: float, top_p: float, top_k: int = 0) -> torch.Tensor:
+    """The distribution sampling draws from: softmax(logits / T) restricted to the top-k tokens, then
+    to the top-p nucleus."""
+    logits = logits.float()
+    if 0 < top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits / temperature, dim=-1)
     if top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         before = sorted_probs.cumsum(-1) - sorted_probs  # mass strictly above each token
@@ -58,6 +74,6 @@ def draw(logits: torch.Tensor, params: list[SamplingParams]):
         if p.temperature:
             if q is None:
                 q = torch.zeros(logits.shape, dtype=torch.float32)
-            q[row] = probabilities(logits[row], p.temperature, p.top_p).cpu()
+            q[row] = probabilities(logits[row], p.temperature, p.top_p, p.top_k).cpu()
             tokens[row] = torch.multinomial(q[row], 1, generator=p.generator)[0].to(tokens.device)
     return tokens, q

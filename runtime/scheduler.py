@@ -128,7 +128,9 @@ class Scheduler:
     def _deliver(self, seqs, tokens):
         for seq, new in zip(seqs, tokens):
             self.metrics["generated_tokens"] += len(new)
-            info = {"mean_accepted_tokens": seq.mean_accepted_tokens} if seq.finished else {}
+            info = {"speculation": seq.speculation_stats()}
+            if seq.finished:
+                info["mean_accepted_tokens"] = seq.mean_accepted_tokens
             try:
                 seq.on_tokens(new, seq.finished, info)
             except Exception:  # a broken client must not stop the batch
@@ -171,7 +173,10 @@ class Scheduler:
         if self.spec is not None:
             self.metrics.update(draft_seconds=self.spec.draft_seconds, verify_seconds=self.spec.verify_seconds,
                                 accepted_tokens=sum(n * c for n, c in self.spec.histogram.items()),
-                                verify_rows=sum(self.spec.histogram.values()))
+                                verify_rows=sum(self.spec.histogram.values()),
+                                draft_tokens=self.spec.draft_tokens,
+                                accepted_draft_tokens=sum(self.spec.accepted_at.values()),
+                                accepted_at=dict(self.spec.accepted_at))
         self.metrics["active_sequences"] = self._active()
         with self._lock:
             return bool(self._queue) or self._active() > 0

@@ -161,3 +161,18 @@ def assert_greedy_up_to_ties(runner, prompts, outputs, what="speculative output"
                              f"where the target's argmax {int(best.indices[b, t])} has {best.values[b, t].item():.4f}, "
                              f"more than the rounding bound apart")
     return int((tokens != best.indices).sum())
+
+
+def chi_square_p(counts, expected_probs):
+    """Upper-tail p-value of Pearson's chi-square (bins with expectation < 5 merged)."""
+    n = counts.sum()
+    expected = expected_probs * n
+    order = torch.argsort(expected, descending=True)
+    counts, expected = counts[order].double(), expected[order].double()
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = exp > 0
+    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.double), stat / 2)), dof

@@ -6,7 +6,7 @@ from runtime import acceptance
 from runtime.generation import generate
 from runtime.speculative import speculative_generate
 from runtime.state import chunk_inputs
-from speculative_fixtures import assert_greedy_margin, layer_subset_draft, runners, target_with_mtp
+from speculative_fixtures import assert_greedy_margin, chi_square_p, layer_subset_draft, runners, target_with_mtp
 
 PROMPTS = [[5, 9, 17, 33, 4, 8, 11], [7], [12, 13, 14], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51], [3, 60]]
 
@@ -105,21 +105,6 @@ def test_greedy_acceptance_rule():
     assert m.tolist() == [3] and nxt.tolist() == [4]
 
 
-def _chi_square_p(counts, expected_probs):
-    """Upper-tail p-value of Pearson's chi-square (bins with expectation < 5 merged)."""
-    n = counts.sum()
-    expected = expected_probs * n
-    order = torch.argsort(expected, descending=True)
-    counts, expected = counts[order].double(), expected[order].double()
-    big = expected >= 5
-    obs = torch.cat([counts[big], counts[~big].sum()[None]])
-    exp = torch.cat([expected[big], expected[~big].sum()[None]])
-    keep = exp > 0
-    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
-    dof = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.double), stat / 2)), dof
-
-
 def test_rejection_sampling_step_is_distributed_as_the_target():
     """One verify step in isolation: the emitted token is distributed exactly as p (60k draws)."""
     g = torch.Generator().manual_seed(0)
@@ -130,10 +115,10 @@ def test_rejection_sampling_step_is_distributed_as_the_target():
     m, token = acceptance.rejection(drafts, q.expand(n, 1, 6), p_logits.expand(n, 2, 6), 1.0, 1.0, g)
     first = torch.where(m > 0, drafts[:, 0], token)
     p = torch.softmax(p_logits[0, 0], -1)
-    pvalue, _ = _chi_square_p(torch.bincount(first, minlength=6), p)
+    pvalue, _ = chi_square_p(torch.bincount(first, minlength=6), p)
     assert pvalue > 1e-3
     # the test has power: emitting the draft token itself (no rejection) is caught
-    pvalue_wrong, _ = _chi_square_p(torch.bincount(drafts[:, 0], minlength=6), p)
+    pvalue_wrong, _ = chi_square_p(torch.bincount(drafts[:, 0], minlength=6), p)
     assert pvalue_wrong < 1e-9
 
 
@@ -157,10 +142,10 @@ def test_speculative_sampling_preserves_the_target_distribution(mode, pair, monk
     marginal = _second_token_marginal(target, prompt, temperature)
     result = speculative_generate(target, proposer(mode), [prompt] * n, 3, 2, temperature=temperature, seed=11)
     second = torch.tensor([o[1] for o in result.output_ids])
-    pvalue, dof = _chi_square_p(torch.bincount(second, minlength=marginal.shape[0]), marginal)
+    pvalue, dof = chi_square_p(torch.bincount(second, minlength=marginal.shape[0]), marginal)
     assert dof >= 5 and pvalue > 1e-3, (pvalue, dof)
 
-    def accept_everything(drafts, q, target_logits, temperature, top_p, generator=None):
+    def accept_everything(drafts, q, target_logits, temperature, top_p, generator=None, top_k=0):
         m = torch.full((drafts.shape[0],), drafts.shape[1], dtype=torch.long)
         bonus = torch.multinomial(torch.softmax(target_logits[:, -1] / temperature, -1).cpu(), 1, generator=generator)[:, 0]
         return m, bonus
@@ -168,7 +153,7 @@ def test_speculative_sampling_preserves_the_target_distribution(mode, pair, monk
     monkeypatch.setattr(acceptance, "rejection", accept_everything)
     biased = speculative_generate(target, proposer(mode), [prompt] * n, 3, 2, temperature=temperature, seed=11)
     second = torch.tensor([o[1] for o in biased.output_ids])
-    pvalue, _ = _chi_square_p(torch.bincount(second, minlength=marginal.shape[0]), marginal)
+    pvalue, _ = chi_square_p(torch.bincount(second, minlength=marginal.shape[0]), marginal)
     assert pvalue < 1e-6
 
 

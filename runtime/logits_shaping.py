@@ -1,0 +1,66 @@
+"""What each sequence's settings do to the target's logits before a token is chosen or verified.
+
+Banned tokens; TensorRT-LLM's repetition, presence and frequency penalties (over the prompt and every
+token before the position scored); ``min_length`` (end ids banned while fewer tokens were generated).
+A verify chunk's row j is shaped with the history that row continues: the sequence so far plus the
+first j drafts, so speculation samples from exactly the distribution target-only decoding would, and
+greedy speculation stays equal to greedy target-only decoding. Log-probabilities of chosen tokens
+are taken from the same shaped distribution.
+"""
+from __future__ import annotations
+
+import torch
+
+from runtime.sampling import SamplingParams, probabilities
+
+
+def _penalise(row: torch.Tensor, counts: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    seen = counts > 0
+    if p.repetition_penalty != 1.0:
+        scaled = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+        row = torch.where(seen, scaled, row)
+    if p.presence_penalty:
+        row = row - p.presence_penalty * seen
+    if p.frequency_penalty:
+        row = row - p.frequency_penalty * counts
+    return row
+
+
+def shape(logits: torch.Tensor, seqs, drafts: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [B, T, V] for the next T positions of each sequence (T = 1 for a decode step; a verify
+    chunk's rows follow ``drafts`` [B, T-1]) -> shaped logits (a copy only when something applies)."""
+    params = [s.params for s in seqs]
+    if not any(p.banned or p.uses_history for p in params):
+        return logits
+    logits = logits.clone()
+    vocab = logits.shape[-1]
+    for b, s in enumerate(seqs):
+        p = s.params
+        if p.banned:
+            logits[b, :, list(p.banned)] = float("-inf")
+        if not p.uses_history:
+            continue
+        following = [] if drafts is None else drafts[b].tolist()
+        counts = torch.bincount(torch.tensor(s.prompt + s.outputs, dtype=torch.long), minlength=vocab).to(logits)
+        for t in range(logits.shape[1]):
+            if t:
+                counts[following[t - 1]] += 1
+            logits[b, t] = _penalise(logits[b, t], counts, p)
+            if len(s.outputs) + t < p.min_length and s.end_ids:
+                logits[b, t, list(s.end_ids)] = float("-inf")
+    return logits
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]) -> list[list[float]]:
+    """logits [B, T, V] (shaped), tokens [B, T] -> each row's log-probabilities of its tokens under
+    the distribution they were chosen from (temperature, top-k, top-p for sampled rows; the softmax
+    for greedy ones). Rows that did not ask get an empty list."""
+    out = []
+    for b, p in enumerate(params):
+        if not p.logprobs:
+            out.append([])
+            continue
+        row = logits[b].float()
+        probs = probabilities(row, p.temperature, p.top_p, p.top_k) if p.temperature else torch.softmax(row, -1)
+        out.append(torch.log(probs.gather(-1, tokens[b].long()[:, None].to(probs.device))[:, 0]).tolist())
+    return out

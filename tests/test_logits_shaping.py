@@ -1,0 +1,183 @@
+"""Per-request sampling settings of the TensorRT-LLM backend (top-k, min_length, the three penalties,
+log-probabilities, per-request K): transformers' logits processors are the oracle for the target-only
+path, and speculation must give exactly what target-only decoding gives with the same settings."""
+import math
+
+import pytest
+import torch
+
+from runtime.batching import PlainGroup, Sequence, SpeculativeGroup
+from runtime.draft_policy import DraftPolicy
+from runtime.logits_shaping import shape
+from runtime.sampling import SamplingParams, probabilities
+from runtime.state import chunk_inputs
+from speculative_fixtures import chi_square_p, layer_subset_draft, runners, target_with_mtp
+from tolerances import lm_head_bound
+
+PROMPTS = [[5, 9, 17, 33, 4, 8, 11], [12, 13, 14], [40, 41, 42, 43, 44]]
+N = 24
+
+
+@pytest.fixture(scope="module")
+def setup(checkpoints, tmp_path_factory):
+    root = tmp_path_factory.mktemp("shaping")
+    target_dir = target_with_mtp(checkpoints["moe"], root / "target")
+    draft_dir = layer_subset_draft(target_dir, root / "draft")
+    target, proposer = runners(target_dir, draft_dir)
+    return target_dir, target, proposer
+
+
+def _run(group, params_list, end_ids=frozenset(), max_draft=None, n=N):
+    seqs = [Sequence(list(p), n, prm, end_ids, max_draft=max_draft) for p, prm in zip(PROMPTS, params_list)]
+    group.add(seqs)
+    while True:
+        keep = [i for i, s in enumerate(group.seqs) if not s.finished]
+        if len(keep) < len(group.seqs):
+            group.drop(keep)
+        if not group.seqs:
+            return seqs
+        group.step()
+
+
+def _plain(target, params, **kw):
+    return _run(PlainGroup(target, 64), params, **kw)
+
+
+def _speculative(target, proposer, mode, params, k=4, **kw):
+    group = SpeculativeGroup(target, lambda: proposer(mode), k, 64, policy=DraftPolicy(k))
+    return _run(group, params, **kw), group
+
+
+def _hf(target_dir, target, prompt, n=N, **processors):
+    """transformers generate (greedy) with its own logits processors, and the smallest top-1/top-2 gap
+    of the processed scores along the way (no near tie may decide a token)."""
+    from transformers import NemotronHForCausalLM
+    model = NemotronHForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, output_scores=True,
+                         return_dict_in_generate=True, pad_token_id=0, **processors)
+    scores = torch.stack(out.scores)[:, 0]
+    top2 = scores.topk(2, -1).values
+    gap = float((top2[:, 0] - top2[:, 1]).min())
+    bound = 8 * float(lm_head_bound(target.module.norm_f, target.module.lm_head).max())
+    assert gap > bound, f"near tie in the oracle's trajectory: gap {gap:.3g} <= {bound:.3g}"
+    return out.sequences[0, len(prompt):].tolist(), scores
+
+
+def test_repetition_penalty_matches_transformers_and_speculation(setup):
+    target_dir, target, proposer = setup
+    params = [SamplingParams(repetition_penalty=1.8) for _ in PROMPTS]
+    plain = _plain(target, params)
+    for prompt, seq in zip(PROMPTS, plain):
+        want, _ = _hf(target_dir, target, prompt, repetition_penalty=1.8)
+        assert seq.outputs == want
+    unpenalised = _plain(target, [SamplingParams() for _ in PROMPTS])
+    assert [s.outputs for s in unpenalised] != [s.outputs for s in plain]  # the penalty changed the output
+    for mode in ("draft_target", "eagle3", "dflash"):
+        seqs, _ = _speculative(target, proposer, mode, [SamplingParams(repetition_penalty=1.8) for _ in PROMPTS])
+        assert [s.outputs for s in seqs] == [s.outputs for s in plain], mode
+
+
+def test_min_length_bans_the_end_id_like_min_new_tokens(setup):
+    target_dir, target, proposer = setup
+    free = _plain(target, [SamplingParams() for _ in PROMPTS])
+    end = free[0].outputs[2]                               # an id the first prompt produces early
+    short = _plain(target, [SamplingParams() for _ in PROMPTS], end_ids=frozenset([end]))
+    assert len(short[0].outputs) == 3
+    params = [SamplingParams(min_length=10) for _ in PROMPTS]
+    held = _plain(target, params, end_ids=frozenset([end]))
+    want, _ = _hf(target_dir, target, PROMPTS[0], min_new_tokens=10, eos_token_id=end)
+    assert held[0].outputs == want and len(want) >= 10 and end not in want[:10]
+    for mode in ("eagle", "mtp"):
+        seqs, _ = _speculative(target, proposer, mode, [SamplingParams(min_length=10) for _ in PROMPTS],
+                               end_ids=frozenset([end]))
+        assert [s.outputs for s in seqs] == [s.outputs for s in held], mode
+
+
+def test_presence_and_frequency_penalties_follow_their_formula():
+    """No transformers processor for these two: the formula itself, on a verify chunk whose rows
+    continue the drafts (row j counts the first j drafts too)."""
+    logits = torch.zeros(1, 3, 8)
+    seq = Sequence([1, 1, 2], 10, SamplingParams(presence_penalty=0.5, frequency_penalty=0.25))
+    seq.outputs = [3]
+    got = shape(logits, [seq], torch.tensor([[4, 4]]))
+    counts = [torch.bincount(torch.tensor(h), minlength=8).float() for h in ([1, 1, 2, 3], [1, 1, 2, 3, 4],
+                                                                             [1, 1, 2, 3, 4, 4])]
+    want = torch.stack([-(0.5 * (c > 0) + 0.25 * c) for c in counts])[None]
+    assert torch.equal(got, want)
+
+
+def _second_token_marginal(target, prompt, settings):
+    """Exact p(x2 | prompt) = sum_x1 p(x1 | prompt) p(x2 | prompt, x1) under the shaped sampling."""
+    def dist(history):
+        ids, positions, lengths = chunk_inputs([history], [0])
+        logits, _, _ = target.forward(ids, positions, lengths, (lengths - 1)[:, None], target.new_state(1, 16))
+        seq = Sequence(list(prompt), 2, SamplingParams(**settings))
+        seq.outputs = history[len(prompt):]
+        shaped = shape(logits, [seq])[0, 0]
+        return probabilities(shaped, settings["temperature"], 1.0, settings["top_k"])
+    p1 = dist(prompt)
+    return sum(p1[x] * dist(prompt + [x]) for x in torch.nonzero(p1)[:, 0].tolist())
+
+
+def _second_tokens(group, prompt, settings, draws):
+    gen = torch.Generator().manual_seed(3)
+    seqs = [Sequence(list(prompt), 2, SamplingParams(generator=gen, **settings)) for _ in range(draws)]
+    group.add(seqs)
+    while group.seqs:
+        group.step()
+        keep = [i for i, s in enumerate(group.seqs) if not s.finished]
+        if len(keep) < len(group.seqs):
+            group.drop(keep)
+    return torch.tensor([s.outputs[1] for s in seqs])
+
+
+def test_speculative_sampling_with_penalties_and_top_k_is_the_shaped_target(setup, monkeypatch):
+    """The 2nd token (the first a draft proposes) of 2000 speculative samples with top-k and two
+    penalties against the exact shaped target marginal (chi-square); a verify that ignores the
+    shaping is caught."""
+    _, target, proposer = setup
+    prompt, draws = PROMPTS[0], 2000
+    settings = dict(temperature=1.0, top_k=6, presence_penalty=1.5, repetition_penalty=1.3)
+    marginal = _second_token_marginal(target, prompt, settings)
+    assert int((marginal > 0).sum()) <= 36                # top-6 after each of the 6 first tokens
+
+    def speculative():
+        return SpeculativeGroup(target, lambda: proposer("draft_target"), 3, 16, policy=DraftPolicy(3))
+
+    second = _second_tokens(speculative(), prompt, settings, draws)
+    pvalue, dof = chi_square_p(torch.bincount(second, minlength=marginal.shape[0]), marginal)
+    assert dof >= 5 and pvalue > 1e-3, (pvalue, dof)
+    import runtime.batching as batching
+    real = batching.shape
+    monkeypatch.setattr(batching, "shape", lambda logits, seqs, drafts=None: real(logits, seqs) if drafts is None
+                        else logits)
+    second = _second_tokens(speculative(), prompt, settings, draws)
+    pvalue, _ = chi_square_p(torch.bincount(second, minlength=marginal.shape[0]), marginal)
+    assert pvalue < 1e-6
+
+
+def test_log_probs_are_the_shaped_distributions(setup):
+    target_dir, target, proposer = setup
+    plain = _plain(target, [SamplingParams(logprobs=True, repetition_penalty=1.8) for _ in PROMPTS])
+    _, scores = _hf(target_dir, target, PROMPTS[0], repetition_penalty=1.8)
+    want = torch.log_softmax(scores, -1).gather(1, torch.tensor(plain[0].outputs)[:, None])[:, 0]
+    got = torch.tensor(plain[0].logprobs)
+    assert got.shape == want.shape and torch.allclose(got, want, atol=1e-4, rtol=0)
+    seqs, _ = _speculative(target, proposer, "eagle3", [SamplingParams(logprobs=True, repetition_penalty=1.8)
+                                                        for _ in PROMPTS])
+    for s, p in zip(seqs, plain):
+        assert s.outputs == p.outputs and len(s.logprobs) == len(s.outputs)
+        assert torch.allclose(torch.tensor(s.logprobs), torch.tensor(p.logprobs), atol=1e-4, rtol=0)
+    assert all(math.isfinite(x) and x <= 0 for x in seqs[0].logprobs)
+
+
+def test_per_request_draft_length(setup):
+    _, target, proposer = setup
+    want = [s.outputs for s in _plain(target, [SamplingParams() for _ in PROMPTS])]
+    seqs, group = _speculative(target, proposer, "eagle3", [SamplingParams() for _ in PROMPTS], max_draft=1)
+    assert [s.outputs for s in seqs] == want
+    assert set(group.draft_lens) == {1} and all(s.drafted == sum(s.gained.values()) for s in seqs)
+    seqs, group = _speculative(target, proposer, "eagle3", [SamplingParams() for _ in PROMPTS], max_draft=0)
+    assert [s.outputs for s in seqs] == want and set(group.draft_lens) == {0}
+    stats = seqs[0].speculation_stats()
+    assert stats["draft_tokens"] == 0 and stats["steps"] == 0
