@@ -37,6 +37,8 @@ class Sequence:
     drafted: int = 0                                    # draft tokens proposed for it (verified or not)
     max_draft: int | None = None                        # its own K (None: the group's)
     logprobs: list = field(default_factory=list)        # per emitted token, when params.logprobs
+    finish_reason: str = ""                             # "stop" (end id or stop word) or "length"
+    admitted_ns: int = 0                                # wall clock when a batch took it (serving)
     request_id: int = -1
     on_tokens: object = None                            # the scheduler's callback for this request
     acceptance: AcceptanceTracker | None = None         # set by a speculative group
@@ -47,9 +49,11 @@ class Sequence:
         for t in tokens:
             self.outputs.append(t)
             kept.append(t)
-            if (t in self.end_ids or len(self.outputs) >= self.max_new_tokens
-                    or any(tuple(self.outputs[-len(s):]) == tuple(s) for s in self.stop_words if s)):
-                self.finished = True
+            if t in self.end_ids or any(tuple(self.outputs[-len(s):]) == tuple(s) for s in self.stop_words if s):
+                self.finished, self.finish_reason = True, "stop"
+                break
+            if len(self.outputs) >= self.max_new_tokens:
+                self.finished, self.finish_reason = True, "length"
                 break
         if logprobs:
             self.logprobs.extend(logprobs[:len(kept)])

@@ -30,6 +30,13 @@ class Request:
     stop_words: tuple = ()     # generation stops after any of these token sequences (kept in the output)
     bad_words: tuple = ()      # single-token entries are banned; longer sequences are not supported
     speculative: bool = True
+    top_k: int = 0
+    min_length: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: bool = False
+    max_draft: int | None = None    # this request's K (None: the engine's)
 
 
 class SchedulerError(ValueError):
@@ -75,6 +82,15 @@ class Scheduler:
             raise SchedulerError(f"temperature: expected >= 0, got {r.temperature}")
         if not 0 < r.top_p <= 1:
             raise SchedulerError(f"top_p: expected a value in (0, 1], got {r.top_p}")
+        if r.top_k < 0:
+            raise SchedulerError(f"top_k: expected >= 0 (0: no cut), got {r.top_k}")
+        if r.min_length < 0:
+            raise SchedulerError(f"min_length: expected >= 0, got {r.min_length}")
+        if not r.repetition_penalty > 0:
+            raise SchedulerError(f"repetition_penalty: expected > 0 (1: none), got {r.repetition_penalty}")
+        k = self.loaded.max_draft_len or 0
+        if r.max_draft is not None and not 0 <= r.max_draft <= k:
+            raise SchedulerError(f"num_draft_tokens: expected 0..{k} (the engine's max_draft_len), got {r.max_draft}")
 
     def submit(self, request: Request, on_tokens) -> int:
         """Queues a request; ``on_tokens(new_ids, finished, info)`` is called from the scheduler thread."""
@@ -117,9 +133,12 @@ class Scheduler:
         by_group = {}
         for request_id, r, cb in taken:
             generator = torch.Generator().manual_seed(r.seed) if r.seed is not None else None
-            params = SamplingParams(r.temperature, r.top_p, generator, tuple(w[0] for w in r.bad_words if len(w) == 1))
+            params = SamplingParams(r.temperature, r.top_p, generator, tuple(w[0] for w in r.bad_words if len(w) == 1),
+                                    r.top_k, r.repetition_penalty, r.presence_penalty, r.frequency_penalty,
+                                    r.min_length, r.logprobs)
             seq = Sequence(list(r.prompt_ids), r.max_new_tokens, params, frozenset(r.end_ids),
-                           tuple(tuple(w) for w in r.stop_words), request_id=request_id, on_tokens=cb)
+                           tuple(tuple(w) for w in r.stop_words), request_id=request_id, on_tokens=cb,
+                           max_draft=r.max_draft, admitted_ns=time.time_ns())
             group = self.spec if (r.speculative and self.spec is not None) else self.plain
             by_group.setdefault(id(group), (group, []))[1].append(seq)
         for group, seqs in by_group.values():
@@ -128,9 +147,12 @@ class Scheduler:
     def _deliver(self, seqs, tokens):
         for seq, new in zip(seqs, tokens):
             self.metrics["generated_tokens"] += len(new)
-            info = {"speculation": seq.speculation_stats()}
+            info = {"speculation": seq.speculation_stats(), "admitted_ns": seq.admitted_ns}
+            if seq.params.logprobs:
+                info["logprobs"] = seq.logprobs[len(seq.logprobs) - len(new):] if new else []
             if seq.finished:
                 info["mean_accepted_tokens"] = seq.mean_accepted_tokens
+                info["finish_reason"] = seq.finish_reason
             try:
                 seq.on_tokens(new, seq.finished, info)
             except Exception:  # a broken client must not stop the batch

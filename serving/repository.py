@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 from builder.errors import NemospecError
 from runtime.draft_policy import POLICY_FLAGS, policy_from
+from serving.tensors import template_fields
 
 ROOT = Path(__file__).resolve().parent.parent          # the directory holding serving/ and model_repo/
 TEMPLATES = ROOT / "model_repo"
@@ -74,7 +75,7 @@ def fill_model_repo(engine_dir, repo_dir, *, backend: str = "auto", max_batch_si
         policy_from(int(meta["build"]["max_draft_len"]), meta["build"], SimpleNamespace(**overrides))
     values = dict(engine_dir=str(engine_dir), backend=backend, nemospec_root=str(ROOT), cancel_dir=str(cancel_dir.resolve()),
                   max_batch_size=str(max_batch_size or engine_batch), max_queue=str(max_queue),
-                  draft_policy=encode_policy(overrides))
+                  draft_policy=encode_policy(overrides), **template_fields())
     repo_dir = Path(repo_dir)
     repo_dir.mkdir(parents=True, exist_ok=True)
     for name in MODELS:

@@ -267,14 +267,21 @@ def test_fill_model_repo(engine_dir, tmp_path):
 
 
 # --- the server --------------------------------------------------------------------------------------
-def test_http_generate_matches_offline(server, engine_dir):
+def test_http_generate_matches_offline(server, engine_dir, tokenizer):
+    """Not streaming, the TensorRT-LLM backend's default returns prompt + completion;
+    exclude_input_in_output returns the completion alone."""
     for prompt in PROMPTS[:2]:
         want = offline(engine_dir, prompt, 24)
-        status, got = generate(server, text_input=prompt, max_tokens=24)
+        status, got = generate(server, text_input=prompt, max_tokens=24, exclude_input_in_output=True)
         assert status == 200, got
         assert got["output_ids"] == want["output_ids"]
         assert got["text_output"] == want["text"]
         assert got["mean_accepted_tokens"] >= 1.0
+        assert got["finish_reason"] == "length" and got["total_draft_tokens"] > 0
+        status, full = generate(server, text_input=prompt, max_tokens=24)
+        prompt_ids = tokenizer.encode(prompt).ids
+        assert status == 200 and full["output_ids"] == prompt_ids + want["output_ids"]
+        assert full["text_output"] == tokenizer.decode(prompt_ids + want["output_ids"])
 
 
 def test_grpc_streaming_matches_offline(server, engine_dir):
@@ -299,7 +306,8 @@ def test_http_generate_stream_sse(server, engine_dir):
 
 def test_speculative_false_gives_the_same_greedy_text(server, engine_dir):
     want = offline(engine_dir, PROMPTS[0], 24)
-    status, got = generate(server, text_input=PROMPTS[0], max_tokens=24, parameters={"speculative": False})
+    status, got = generate(server, text_input=PROMPTS[0], max_tokens=24, parameters={"speculative": False},
+                           exclude_input_in_output=True)
     assert status == 200 and got["text_output"] == want["text"] and got["output_ids"] == want["output_ids"]
     assert got["mean_accepted_tokens"] == 0.0, "target only: no verify steps"
     _, ids, _, error = grpc_stream(server, PROMPTS[0], 24, parameters={"speculative": False})
@@ -373,6 +381,16 @@ BAD = [
     ({"text_input": "x = 1", "max_tokens": 8, "end_id": 100000}, "end_id"),
     ({"text_input": "x = 1", "max_tokens": 8, "parameters": {"speculative": "maybe"}}, "speculative"),
     ({"text_input": "x = 1", "max_tokens": "eight"}, ""),      # JSON of the wrong type: Triton refuses it
+    # the TensorRT-LLM backend's inputs nemospec accepts only at their neutral value
+    ({"text_input": "x = 1", "max_tokens": 8, "beam_width": 2}, "beam_width"),
+    ({"text_input": "x = 1", "max_tokens": 8, "num_return_sequences": 3}, "num_return_sequences"),
+    ({"text_input": "x = 1", "max_tokens": 8, "return_generation_logits": True}, "return_generation_logits"),
+    ({"text_input": "x = 1", "max_tokens": 8, "embedding_bias_words": ["x"], "embedding_bias_weights": [1.0]},
+     "embedding_bias"),
+    ({"text_input": "x = 1", "max_tokens": 8, "guided_decoding_guide_type": "json"}, "guided_decoding"),
+    ({"text_input": "x = 1", "max_tokens": 8, "top_k": -1}, "top_k"),
+    ({"text_input": "x = 1", "max_tokens": 8, "num_draft_tokens": 9}, "num_draft_tokens"),
+    ({"text_input": "x = 1", "max_tokens": 8, "repetition_penalty": 0.0}, "repetition_penalty"),
 ]
 
 
@@ -381,7 +399,7 @@ def test_bad_input_gets_an_error_and_the_server_keeps_serving(server, engine_dir
     status, got = generate(server, **body)
     assert status >= 400 and "error" in got, got
     assert field in got["error"]
-    status, good = generate(server, text_input=PROMPTS[0], max_tokens=6)
+    status, good = generate(server, text_input=PROMPTS[0], max_tokens=6, exclude_input_in_output=True)
     assert status == 200 and good["output_ids"] == offline(engine_dir, PROMPTS[0], 6)["output_ids"]
 
 
@@ -399,11 +417,13 @@ def test_stop_and_bad_words(server, engine_dir, tokenizer):
                  and tokenizer.encode(tokenizer.decode([t]), add_special_tokens=False).ids == [t]
                  and t not in want[:i])
     word = tokenizer.decode([want[index]])
-    status, got = generate(server, text_input=PROMPTS[0], max_tokens=24, end_id=-1, stop_words=[word])
+    status, got = generate(server, text_input=PROMPTS[0], max_tokens=24, end_id=-1, stop_words=[word],
+                           exclude_input_in_output=True)
     assert status == 200 and got["output_ids"] == want[:index + 1], (word, got)
     first = tokenizer.decode([want[0]])
     if tokenizer.encode(first, add_special_tokens=False).ids == [want[0]] and "," not in first:
-        status, got = generate(server, text_input=PROMPTS[0], max_tokens=4, end_id=-1, bad_words=[first])
+        status, got = generate(server, text_input=PROMPTS[0], max_tokens=4, end_id=-1, bad_words=[first],
+                               exclude_input_in_output=True)
         assert status == 200 and got["output_ids"][0] != want[0]
 
 
@@ -430,7 +450,7 @@ def test_queue_full_is_refused_clearly(server, engine_dir):
     # the scheduler admits queued requests between steps, so how many ran at once varies; at least
     # a full queue's worth was served
     assert done >= MAX_QUEUE and done + len(errors) == n
-    status, good = generate(server, text_input=PROMPTS[0], max_tokens=6)
+    status, good = generate(server, text_input=PROMPTS[0], max_tokens=6, exclude_input_in_output=True)
     assert status == 200 and good["output_ids"] == offline(engine_dir, PROMPTS[0], 6)["output_ids"]
 
 
@@ -493,7 +513,8 @@ def test_cli_serve_draft_target_engine_and_sigint(draft_target_engine_dir, tmp_p
         want = offline(engine_dir, PROMPTS[0], 24)
         assert want["acceptance"]["mean_accepted_tokens"] > 1.0, "the noisy-copy draft agrees often"
         request = urllib.request.Request(f"http://127.0.0.1:{ports[0]}/v2/models/ensemble/generate", method="POST",
-                                         data=json.dumps({"text_input": PROMPTS[0], "max_tokens": 24}).encode())
+                                         data=json.dumps({"text_input": PROMPTS[0], "max_tokens": 24,
+                                                              "exclude_input_in_output": True}).encode())
         with urllib.request.urlopen(request, timeout=120) as r:
             got = json.loads(r.read())
         assert got["output_ids"] == want["output_ids"] and got["text_output"] == want["text"]

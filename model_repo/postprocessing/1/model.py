@@ -4,7 +4,8 @@ Each response of the decoupled ``speculative`` model arrives here on its own, so
 stateless: ``CONTEXT_IDS`` holds up to ``serving.protocol.CONTEXT_TOKENS`` tokens already streamed
 (``PREFIX_LEN`` of them) followed by the new ones, and ``serving.protocol.stream_text`` returns what the
 new tokens add, holding back an incomplete UTF-8 character until the response that completes it.
-``output_ids`` and ``mean_accepted_tokens`` pass through (all ensemble outputs come from this step).
+Every other output (``output_ids``, log probs, perf metrics, acceptance; ``serving.tensors.PASS_OUTPUTS``)
+passes through from ``PASS_<name>`` to ``OUT_<name>``: all ensemble outputs come from this step.
 
 Cancellation: Triton hands a client's cancellation of the ensemble request to the steps it schedules
 next, i.e. to this model, not to the running ``speculative`` request. A cancelled request here
@@ -43,6 +44,8 @@ class TritonPythonModel:
         engine_dir = Path(_param(config, "engine_dir"))
         meta = json.loads((engine_dir / "config.json").read_text())
         self.tokenizer = Tokenizer.from_file(str(engine_dir / meta["tokenizer"]))
+        self.passed = [(t["name"], "OUT_" + t["name"][5:], pb_utils.triton_string_to_numpy(t["data_type"]))
+                       for t in config["input"] if t["name"].startswith("PASS_")]
 
     def _report_cancelled(self, request):
         """is_cancelled() costs a round trip to the server: asked at most every CHECK_SECONDS per
@@ -71,11 +74,12 @@ class TritonPythonModel:
         prefix_len = int(get("PREFIX_LEN").reshape(-1)[0])
         finished = bool(get("FINISHED").reshape(-1)[0])
         text = self._stream_text(self.tokenizer, context, prefix_len, finished)
-        return pb_utils.InferenceResponse([
-            pb_utils.Tensor("OUTPUT", np.array([[text.encode("utf-8")]], dtype=np.object_)),
-            pb_utils.Tensor("OUT_OUTPUT_IDS", get("OUTPUT_IDS").astype(np.int32).reshape(1, -1)),
-            pb_utils.Tensor("OUT_MEAN_ACCEPTED_TOKENS", get("MEAN_ACCEPTED_TOKENS").astype(np.float32).reshape(1, 1)),
-        ])
+        out = [pb_utils.Tensor("OUTPUT", np.array([[text.encode("utf-8")]], dtype=np.object_))]
+        for name, out_name, dtype in self.passed:
+            tensor = pb_utils.get_input_tensor_by_name(request, name)
+            if tensor is not None:
+                out.append(pb_utils.Tensor(out_name, tensor.as_numpy().astype(dtype, copy=False)))
+        return pb_utils.InferenceResponse(out)
 
     def execute(self, requests):
         responses = []

@@ -14,7 +14,6 @@ Request parameter ``speculative`` (``{"speculative": false}``) runs that request
 same engines.
 """
 import json
-import math
 import os
 import queue
 import sys
@@ -36,31 +35,22 @@ def _param(config, key, default=None):
     return config.get("parameters", {}).get(key, {}).get("string_value", default)
 
 
-class BadInput(ValueError):
-    pass
-
-
 class _Live:
     """One request in flight."""
 
-    def __init__(self, request, sender, stream):
-        self.request, self.sender, self.stream = request, sender, stream
+    def __init__(self, request, sender, options, prompt):
+        self.request, self.sender, self.options, self.prompt = request, sender, options, prompt
+        self.stream = options.stream
+        self.arrival_ns = time.time_ns()
+        self.scheduled_ns = self.first_token_ns = self.last_token_ns = 0
+        self.logprobs = []
+        self.speculation = {"steps": 0, "draft_tokens": 0, "accepted_draft_tokens": 0, "histogram": []}
         self.id = None
         self.emitted = []          # ids already sent (streaming) or collected (not streaming)
         self.steps = 0             # scheduler callbacks so far (the first one is the prefill's token)
         self.gained = 0            # tokens from the later ones: gained / (steps - 1) estimates acceptance
         self.done = False
         self.checked = time.monotonic()
-
-
-def _flag(value, name):
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, (int, float)) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
-        return value.lower() in ("true", "1")
-    raise BadInput(f"{name}: expected true or false, got {value!r}")
 
 
 class TritonPythonModel:
@@ -76,6 +66,10 @@ class TritonPythonModel:
         from serving.cancel import cancel_listener, request_key
         from serving.protocol import stream_window, unpack_word_ids
         from serving.repository import decode_policy
+        from serving import request_fields
+        from serving.tensors import REQUEST_INPUTS
+        self.fields, self.BadInput = request_fields, request_fields.BadInput
+        self.input_names = ("input_ids", "max_tokens") + tuple(t.name for t in REQUEST_INPUTS)
         self.Request, self.SchedulerError = Request, SchedulerError
         self.stream_window, self.unpack, self.request_key = stream_window, unpack_word_ids, request_key
         self.pid = os.getpid()
@@ -86,6 +80,7 @@ class TritonPythonModel:
         max_batch = int(_param(config, "max_batch_size", "0") or 0) or None
         self.scheduler = Scheduler(self.loaded, max_batch_size=max_batch, max_queue=int(_param(config, "max_queue", "64")))
         self.vocab = self.loaded.config.vocab_size
+        self.max_draft_len = int(self.loaded.max_draft_len or 0)
         eos = self.loaded.config.eos_token_id
         self.default_end = frozenset(eos if isinstance(eos, (tuple, list)) else [] if eos is None else [eos])
         self.events = queue.SimpleQueue()
@@ -174,46 +169,25 @@ class TritonPythonModel:
     _draft_before = _verify_before = 0.0
 
     # --- requests ----------------------------------------------------------------------------------
-    def _scalar(self, request, name, default=None):
-        tensor = pb_utils.get_input_tensor_by_name(request, name)
-        if tensor is None:
-            return default
-        array = tensor.as_numpy()
-        if array.size != 1:
-            raise BadInput(f"{name}: expected one value, got {array.size}")
-        return array.reshape(-1)[0].item()
-
     def _words(self, request, name):
         tensor = pb_utils.get_input_tensor_by_name(request, name)
         return () if tensor is None else self.unpack(tensor.as_numpy().reshape(2, -1))
 
     def _parse(self, request):
-        ids = pb_utils.get_input_tensor_by_name(request, "input_ids").as_numpy()
-        if ids.ndim != 2 or ids.shape[0] != 1:
-            raise BadInput(f"text_input: expected one prompt per request (batch size 1), got shape {list(ids.shape)}")
-        max_tokens = self._scalar(request, "max_tokens")
-        temperature = float(self._scalar(request, "temperature", 0.0))
-        top_p = float(self._scalar(request, "top_p", 1.0))
-        seed = self._scalar(request, "random_seed")
-        end_id = self._scalar(request, "end_id")
-        stream = bool(self._scalar(request, "stream", False))
-        if not math.isfinite(temperature) or temperature < 0:
-            raise BadInput(f"temperature: expected a finite number >= 0, got {temperature}")
-        if not (math.isfinite(top_p) and 0 < top_p <= 1):
-            raise BadInput(f"top_p: expected a value in (0, 1], got {top_p}")
-        if end_id is not None and end_id >= self.vocab:
-            raise BadInput(f"end_id: expected a token id below the vocabulary size {self.vocab} (or -1 for none), got {end_id}")
-        end_ids = self.default_end if end_id is None else frozenset() if end_id < 0 else frozenset([int(end_id)])
+        inputs = {}
+        for name in self.input_names:
+            tensor = pb_utils.get_input_tensor_by_name(request, name)
+            if tensor is not None:
+                inputs[name] = tensor.as_numpy()
         try:
             parameters = json.loads(request.parameters() or "{}")
         except ValueError:
             parameters = {}
-        speculative = _flag(parameters.get("speculative", True), "speculative")
-        r = self.Request(prompt_ids=[int(t) for t in ids[0]], max_new_tokens=int(max_tokens), temperature=temperature,
-                         top_p=top_p, seed=None if seed is None else int(seed), end_ids=end_ids,
-                         stop_words=self._words(request, "stop_words_ids"),
-                         bad_words=self._words(request, "bad_words_ids"), speculative=speculative)
-        return r, stream
+        fields, options = self.fields.parse(inputs, parameters, vocab=self.vocab, default_end=self.default_end,
+                                            max_draft_len=self.max_draft_len)
+        r = self.Request(**fields, stop_words=self._words(request, "stop_words_ids"),
+                         bad_words=self._words(request, "bad_words_ids"))
+        return r, options
 
     def _refuse(self, sender, message, outcome="rejected"):
         try:
@@ -226,12 +200,12 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                r, stream = self._parse(request)
-                entry = _Live(request, sender, stream)
+                r, options = self._parse(request)
+                entry = _Live(request, sender, options, r.prompt_ids)
                 with self.lock:
                     entry.id = self.scheduler.submit(r, lambda new, finished, info, e=entry: self._on_tokens(e, new, finished, info))
                     self.live[entry.id] = entry
-            except (BadInput, self.SchedulerError) as e:
+            except (self.BadInput, self.SchedulerError) as e:
                 self._refuse(sender, str(e))
             except Exception as e:  # never take the server down for one request
                 self._refuse(sender, f"speculative: {type(e).__name__}: {e}", "failed")
@@ -243,6 +217,12 @@ class TritonPythonModel:
         if entry.steps:
             entry.gained += len(new)
         entry.steps += 1
+        now = time.time_ns()
+        if not entry.scheduled_ns:
+            entry.scheduled_ns = info.get("admitted_ns") or now
+        if new:
+            entry.first_token_ns = entry.first_token_ns or now
+            entry.last_token_ns = now
         self.events.put((entry, list(new), bool(finished), dict(info)))
 
     @staticmethod
@@ -266,13 +246,33 @@ class TritonPythonModel:
                 if finished or "error" in info:
                     del open_[id(entry)]
         return out
-    def _tensors(self, entry, new, context, prefix_len, finished, mean):
+    def _tensors(self, entry, new, context, prefix_len, finished, mean, logprobs, reason):
+        spec = entry.speculation
+        drafts, accepted = int(spec["draft_tokens"]), int(spec["accepted_draft_tokens"])
+        one = lambda name, value, dtype: pb_utils.Tensor(name, np.array([[value]], dtype=dtype))  # noqa: E731
         return [pb_utils.Tensor("request_key", np.array([[self.request_key(self.pid, entry.id)]], dtype=np.int64)),
                 pb_utils.Tensor("output_ids", np.asarray(new, dtype=np.int32).reshape(1, -1)),
                 pb_utils.Tensor("context_ids", np.asarray(context, dtype=np.int32).reshape(1, -1)),
-                pb_utils.Tensor("prefix_len", np.array([[prefix_len]], dtype=np.int32)),
-                pb_utils.Tensor("finished", np.array([[finished]], dtype=np.bool_)),
-                pb_utils.Tensor("mean_accepted_tokens", np.array([[mean]], dtype=np.float32))]
+                one("prefix_len", prefix_len, np.int32),
+                one("finished", finished, np.bool_),
+                pb_utils.Tensor("cum_log_probs", np.array([[sum(entry.logprobs)]], dtype=np.float32)),
+                pb_utils.Tensor("output_log_probs", np.asarray(logprobs, dtype=np.float32).reshape(1, 1, -1)),
+                one("batch_index", 0, np.int32),
+                one("sequence_index", 0, np.int32),
+                # one fixed KV slot per sequence, allocated at admission, never shared
+                one("kv_cache_alloc_new_blocks", 1, np.int32),
+                one("kv_cache_reused_blocks", 0, np.int32),
+                one("kv_cache_alloc_total_blocks", 1, np.int32),
+                one("arrival_time_ns", entry.arrival_ns, np.int64),
+                one("first_scheduled_time_ns", entry.scheduled_ns, np.int64),
+                one("first_token_time_ns", entry.first_token_ns, np.int64),
+                one("last_token_time_ns", entry.last_token_ns, np.int64),
+                one("acceptance_rate", accepted / drafts if drafts else 0.0, np.float32),
+                one("total_accepted_draft_tokens", accepted, np.int32),
+                one("total_draft_tokens", drafts, np.int32),
+                pb_utils.Tensor("acceptance_histogram", np.asarray(spec["histogram"] or [0], dtype=np.int32).reshape(1, -1)),
+                one("mean_accepted_tokens", mean, np.float32),
+                pb_utils.Tensor("finish_reason", np.array([[reason.encode()]], dtype=np.object_))]
 
     def _finish(self, entry, outcome):
         entry.done = True
@@ -322,18 +322,25 @@ class TritonPythonModel:
             return
         mean = float(info["mean_accepted_tokens"]) if "mean_accepted_tokens" in info else (
             entry.gained / (entry.steps - 1) if entry.steps > 1 else 0.0)
+        if "speculation" in info:
+            entry.speculation = info["speculation"]
+        logprobs = info.get("logprobs") or []
+        entry.logprobs.extend(logprobs)
+        reason = info.get("finish_reason", "") if finished else ""
         try:
             if entry.stream:
                 if new or finished:
                     context, prefix_len = self.stream_window(entry.emitted, new)
-                    response = pb_utils.InferenceResponse(self._tensors(entry, new, context, prefix_len, finished, mean))
+                    response = pb_utils.InferenceResponse(self._tensors(entry, new, context, prefix_len, finished, mean,
+                                                                        logprobs, reason))
                     entry.emitted.extend(new)
                     entry.sender.send(response, flags=FINAL if finished else 0)
             else:
                 entry.emitted.extend(new)
                 if finished:
+                    ids = entry.emitted if entry.options.exclude_input_in_output else entry.prompt + entry.emitted
                     response = pb_utils.InferenceResponse(
-                        self._tensors(entry, entry.emitted, entry.emitted, 0, True, mean))
+                        self._tensors(entry, ids, ids, 0, True, mean, entry.logprobs, reason))
                     entry.sender.send(response, flags=FINAL)
         except Exception:  # the client went away: free its sequence
             self._cancel(entry)
