@@ -1,0 +1,119 @@
+"""One OpenAI generation through the Triton ensemble: a gRPC stream (tritonclient's asyncio client)
+that yields text deltas as the speculative model accepts tokens. Leaving the iteration early (a
+stop string matched, the HTTP client went away) cancels the gRPC call, which frees the sequence
+through the ensemble's cancellation relay."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from serving.openai.errors import APIError, from_triton
+from serving.openai.protocol import Generation
+
+OUTPUTS = ("text_output", "output_ids", "finish_reason", "total_draft_tokens", "total_accepted_draft_tokens",
+           "acceptance_histogram", "mean_accepted_tokens")
+
+
+@dataclass
+class Delta:
+    text: str
+    tokens: int
+    finish_reason: str = ""                    # "" until the last one
+    stats: dict = field(default_factory=dict)  # steps, drafts, accepted, histogram
+
+
+def _tensor(name, array, dtype):
+    from tritonclient.grpc import InferInput
+    t = InferInput(name, list(array.shape), dtype)
+    t.set_data_from_numpy(array)
+    return t
+
+
+def ensemble_inputs(g: Generation, max_tokens: int):
+    one = lambda name, value, np_type, triton: _tensor(name, np.array([[value]], dtype=np_type), triton)  # noqa: E731
+    inputs = [_tensor("text_input", np.array([[g.prompt.encode("utf-8")]], dtype=np.object_), "BYTES"),
+              one("max_tokens", max_tokens, np.int32, "INT32"),
+              one("stream", True, np.bool_, "BOOL"),
+              one("temperature", g.temperature, np.float32, "FP32"),
+              one("top_p", g.top_p, np.float32, "FP32")]
+    if g.top_k:
+        inputs.append(one("top_k", g.top_k, np.int32, "INT32"))
+    if g.seed is not None:
+        inputs.append(one("random_seed", g.seed, np.uint64, "UINT64"))
+    if g.ignore_eos:
+        inputs.append(one("end_id", -1, np.int32, "INT32"))
+    if g.min_tokens:
+        inputs.append(one("min_length", g.min_tokens, np.int32, "INT32"))
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+        value = getattr(g, name)
+        if value != (1.0 if name == "repetition_penalty" else 0.0):
+            inputs.append(one(name, value, np.float32, "FP32"))
+    return inputs
+
+
+class TritonBackend:
+    def __init__(self, grpc_url: str, model: str = "ensemble", headers: dict | None = None):
+        self.url, self.model, self.headers = grpc_url, model, headers
+        self._client = None
+        self._ids = itertools.count()
+
+    @property
+    def client(self):
+        if self._client is None:  # made inside the serving event loop (grpc.aio binds to it)
+            from tritonclient.grpc.aio import InferenceServerClient
+            self._client = InferenceServerClient(self.url)
+        return self._client
+
+    async def ready(self) -> bool:
+        try:
+            return bool(await self.client.is_server_ready(headers=self.headers)
+                        and await self.client.is_model_ready(self.model, headers=self.headers))
+        except Exception:
+            return False
+
+    async def close(self):
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+    async def generate(self, g: Generation, max_tokens: int):
+        """Yields Delta per streamed response; raises APIError for a refused or failed request."""
+        from tritonclient.grpc import InferRequestedOutput
+        request = {"model_name": self.model, "inputs": ensemble_inputs(g, max_tokens),
+                   "outputs": [InferRequestedOutput(n) for n in OUTPUTS],
+                   "request_id": f"openai-{next(self._ids)}"}
+        if not g.speculative:
+            request["parameters"] = {"speculative": False}
+
+        async def requests():
+            yield request
+
+        try:
+            call = self.client.stream_infer(requests(), headers=self.headers)
+        except Exception as e:
+            raise APIError(503, f"the Triton server cannot be reached: {e}") from None
+        try:
+            async for result, error in call:
+                if error is not None:
+                    raise from_triton(error.message() if hasattr(error, "message") else str(error))
+                reason = result.as_numpy("finish_reason")
+                reason = reason.reshape(-1)[0].decode() if reason is not None else ""
+                ids = result.as_numpy("output_ids")
+                text = result.as_numpy("text_output").reshape(-1)[0].decode("utf-8", "replace")
+                stats = {"drafts": int(result.as_numpy("total_draft_tokens").reshape(-1)[0]),
+                         "accepted": int(result.as_numpy("total_accepted_draft_tokens").reshape(-1)[0]),
+                         "histogram": [int(v) for v in result.as_numpy("acceptance_histogram").reshape(-1)]}
+                stats["steps"] = sum(stats["histogram"])
+                yield Delta(text, 0 if ids is None else int(ids.size), reason, stats)
+                if reason:
+                    return
+        except APIError:
+            raise
+        except Exception as e:
+            if type(e).__name__ in ("CancelledError", "GeneratorExit"):
+                raise
+            raise from_triton(str(e)) from None
+        finally:
+            call.cancel()

@@ -1,0 +1,31 @@
+"""OpenAI's error JSON with the right status, and what Triton's error messages map to."""
+from __future__ import annotations
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.kind = kind or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                             429: "rate_limit_error", 503: "service_unavailable"}.get(status, "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
+
+
+def bad(param: str, message: str) -> APIError:
+    return APIError(400, f"{param}: {message}", param)
+
+
+def from_triton(message: str) -> APIError:
+    """A failed ensemble request: a full queue is 429, a server that cannot serve 503, a refused
+    field 400 (the message names it), anything else 500."""
+    text = str(message)
+    if "server busy" in text:
+        return APIError(429, text)
+    if any(s in text for s in ("not ready", "Stub process", "is not healthy", "unavailable", "UNAVAILABLE",
+                               "shutting down", "failed to connect")):
+        return APIError(503, text)
+    if "generation failed" in text or "Exception" in text:
+        return APIError(500, text)
+    return APIError(400, text)

@@ -1,0 +1,180 @@
+"""OpenAI request bodies -> one generation request for the ensemble, and the response shapes.
+
+Fields: ``prompt`` (a string or a one-item list), ``messages``, ``max_tokens`` /
+``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop`` (string or list), ``n`` = 1,
+``ignore_eos`` (vLLM's), the penalties, ``top_k`` and ``min_tokens`` (vLLM's names), and nemospec's
+``speculative`` (false: this request target-only). Unknown fields are ignored, as OpenAI's own
+server ignores what it does not know; unsupported ones (n > 1, logprobs, tools, echo, ...) are 400s
+naming the field. Per-request speculative-decoding metrics use vLLM's shape:
+``metrics.speculative_decoding`` with mean_acceptance_length, draft_acceptance_rate,
+acceptance_histogram, num_spec_steps, num_accepted_draft_tokens, num_draft_tokens, num_spec_tokens.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from serving.openai.errors import bad
+
+MAX_STOPS = 4                 # OpenAI's limit on stop sequences
+
+
+@dataclass
+class Generation:
+    prompt: str
+    max_tokens: int | None            # None: the rest of the context (chat)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    speculative: bool = True
+    stream: bool = False
+    include_usage: bool = False
+
+
+def _number(body, name, default, low, high, integer=False):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not float(value).is_integer()):
+        raise bad(name, f"expected {'an integer' if integer else 'a number'}, got {value!r}")
+    if not math.isfinite(value) or not low <= value <= high:
+        raise bad(name, f"expected a value in [{low}, {high}], got {value!r}")
+    return int(value) if integer else float(value)
+
+
+def _flag(body, name, default=False):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad(name, f"expected true or false, got {value!r}")
+    return value
+
+
+def _unsupported(body, chat: bool):
+    if body.get("n", 1) not in (1, None):
+        raise bad("n", f"only n = 1 is supported, got {body.get('n')!r}")
+    if body.get("best_of", 1) not in (1, None):
+        raise bad("best_of", "only best_of = 1 is supported")
+    logprobs = body.get("logprobs")
+    if logprobs not in (None, False) and not (not chat and logprobs == 0):
+        raise bad("logprobs", "log-probabilities are not supported by this endpoint yet")
+    if body.get("top_logprobs"):
+        raise bad("top_logprobs", "not supported")
+    for name in ("tools", "functions", "logit_bias", "suffix", "prompt_logprobs"):
+        if body.get(name):
+            raise bad(name, "not supported")
+    if body.get("tool_choice") not in (None, "none"):
+        raise bad("tool_choice", "tools are not supported")
+    if body.get("echo"):
+        raise bad("echo", "not supported")
+    fmt = body.get("response_format")
+    if fmt not in (None, {"type": "text"}):
+        raise bad("response_format", "only {\"type\": \"text\"} is supported")
+
+
+def generation(body, prompt: str, chat: bool) -> Generation:
+    """The settings shared by both endpoints (the prompt already rendered)."""
+    if not isinstance(body, dict):
+        raise bad("body", "expected a JSON object")
+    _unsupported(body, chat)
+    limit = body.get("max_completion_tokens") if chat and body.get("max_completion_tokens") is not None else None
+    name = "max_completion_tokens" if limit is not None else "max_tokens"
+    max_tokens = _number(body, name, None if chat else 16, 1, 1 << 31, integer=True)
+    stop = body.get("stop")
+    stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise bad("stop", "expected a non-empty string or a list of them")
+    if len(stops) > MAX_STOPS:
+        raise bad("stop", f"at most {MAX_STOPS} stop sequences, got {len(stops)}")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise bad("stream_options", "expected an object")
+    stream = _flag(body, "stream")
+    if body.get("stream_options") is not None and not stream:
+        raise bad("stream_options", "only allowed with stream: true")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 64):
+        raise bad("seed", f"expected an integer in [0, 2^64), got {seed!r}")
+    return Generation(
+        prompt=prompt, max_tokens=max_tokens,
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
+        top_k=_number(body, "top_k", 0, -1, 1 << 31, integer=True) if body.get("top_k") != -1 else 0,
+        seed=seed, stop=stops, ignore_eos=_flag(body, "ignore_eos"),
+        min_tokens=_number(body, "min_tokens", 0, 0, 1 << 31, integer=True),
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, 1e-6, 100.0),
+        speculative=_flag(body, "speculative", True), stream=stream,
+        include_usage=_flag(options, "include_usage"))
+
+
+def completion_prompt(body) -> str:
+    prompt = body.get("prompt") if isinstance(body, dict) else None
+    if isinstance(prompt, list):
+        if len(prompt) != 1:
+            raise bad("prompt", f"expected a string or a one-item list (batches are not supported), got {len(prompt)} items")
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise bad("prompt", "expected a non-empty string (token-id prompts are not supported)")
+    return prompt
+
+
+def speculative_metrics(stats: dict, draft_len: int) -> dict:
+    """vLLM's per-request speculative-decoding metrics from the ensemble's acceptance outputs."""
+    steps, accepted, drafts = stats["steps"], stats["accepted"], stats["drafts"]
+    return {"speculative_decoding": {
+        "mean_acceptance_length": 1 + accepted / steps if steps else 0.0,
+        "draft_acceptance_rate": accepted / drafts if drafts else 0.0,
+        "acceptance_histogram": list(stats["histogram"]),
+        "num_spec_steps": steps,
+        "num_accepted_draft_tokens": accepted,
+        "num_draft_tokens": drafts,
+        "num_spec_tokens": draft_len,
+    }}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class StopMatcher:
+    """OpenAI's stop strings on streamed text: text that could still begin a stop string is held
+    back; at a match the text ends before it (the stop string is not returned)."""
+
+    def __init__(self, stops):
+        self.stops = list(stops)
+        self.held = ""
+        self.matched = False
+
+    def feed(self, text: str) -> str:
+        if not self.stops:
+            return text
+        self.held += text
+        first = min((i for i in (self.held.find(s) for s in self.stops) if i >= 0), default=-1)
+        if first >= 0:
+            self.matched = True
+            out, self.held = self.held[:first], ""
+            return out
+        keep = 0
+        for s in self.stops:  # the longest tail that is a proper prefix of a stop string
+            for n in range(min(len(s) - 1, len(self.held)), 0, -1):
+                if self.held.endswith(s[:n]):
+                    keep = max(keep, n)
+                    break
+        out = self.held[:len(self.held) - keep]
+        self.held = self.held[len(self.held) - keep:]
+        return out
+
+    def flush(self) -> str:
+        out, self.held = self.held, ""
+        return out

@@ -1,0 +1,190 @@
+"""The OpenAI-compatible frontend, through the official `openai` client against a real tritonserver:
+greedy completions equal offline `nemospec generate`, streams, chat with the checkpoint's template,
+usage counts from the tokenizer, vLLM-shaped per-request speculative metrics, each error status,
+the API key, and a stream closed early freeing its sequence."""
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from serving import launch
+from serving.openai.protocol import StopMatcher
+from serving.openai.server import OpenAIFrontend
+from test_serving import HAVE_TRITON, engine_dir, free_ports, offline, tokenizer  # noqa: F401 (fixtures)
+
+openai = pytest.importorskip("openai", reason="the official client is a dev dependency: pip install -e '.[dev]'")
+pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="needs tritonserver and tritonclient")
+
+KEY = "sk-test"
+TEMPLATE = ("{% for m in messages %}# {{ m.role }}: {{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}# assistant:\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def stack(engine_dir):  # noqa: F811
+    (engine_dir / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
+    handle = launch.start_server(engine_dir, **free_ports(), max_queue=2, ready_timeout=300)
+    frontend = OpenAIFrontend(engine_dir, handle.grpc_url, port=0, api_key=KEY).start()
+    try:
+        yield handle, frontend
+    finally:
+        frontend.stop()
+        handle.stop()
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    return openai.OpenAI(base_url=stack[1].url, api_key=KEY, max_retries=0, timeout=120)
+
+
+def _model(stack):
+    return stack[1].info.name
+
+
+def test_stop_matcher_holds_back_a_partial_stop_string():
+    m = StopMatcher(["END", "\n\n"])
+    assert m.feed("ab") == "ab" and m.feed("cE") == "c" and m.feed("N") == "" and m.feed("x") == "ENx"
+    assert m.feed("1\n") == "1" and m.feed("\nrest") == "" and m.matched
+
+
+def test_models_lists_the_engine(client, stack):
+    assert [m.id for m in client.models.list().data] == [_model(stack)]
+
+
+def test_completion_equals_offline_generate(client, stack, engine_dir, tokenizer):  # noqa: F811
+    prompt = "def fibonacci(n):"
+    want = offline(engine_dir, prompt, 24)
+    got = client.completions.create(model=_model(stack), prompt=prompt, max_tokens=24, temperature=0)
+    assert got.choices[0].text == want["text"]
+    assert got.choices[0].finish_reason == "length"
+    assert got.usage.prompt_tokens == len(tokenizer.encode(prompt).ids) and got.usage.completion_tokens == 24
+    spec = got.model_extra["metrics"]["speculative_decoding"]
+    assert spec["num_spec_tokens"] == 3 and spec["num_spec_steps"] == sum(spec["acceptance_histogram"])
+    assert spec["num_accepted_draft_tokens"] == sum(j * c for j, c in enumerate(spec["acceptance_histogram"]))
+    assert spec["mean_acceptance_length"] == pytest.approx(1 + spec["num_accepted_draft_tokens"] / spec["num_spec_steps"])
+    streamed = client.completions.create(model=_model(stack), prompt=[prompt], max_tokens=24, temperature=0,
+                                         stream=True, stream_options={"include_usage": True})
+    chunks = list(streamed)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == want["text"] and sum(1 for c in chunks if c.choices and c.choices[0].text) > 1
+    assert chunks[-1].usage.completion_tokens == 24 and not chunks[-1].choices
+    off = client.completions.create(model=_model(stack), prompt=prompt, max_tokens=24, temperature=0,
+                                    extra_body={"speculative": False})
+    assert off.choices[0].text == want["text"]
+    assert off.model_extra["metrics"]["speculative_decoding"]["num_spec_steps"] == 0
+
+
+def test_stop_strings_and_ignore_eos(client, stack, engine_dir):  # noqa: F811
+    prompt = "import os\nimport sys\n"
+    want = offline(engine_dir, prompt, 32, "--ignore_eos")["text"]
+    stop = next(want[i:i + 2] for i in range(4, len(want) - 2) if want[i:i + 2].strip())
+    got = client.completions.create(model=_model(stack), prompt=prompt, max_tokens=32, temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True})
+    assert got.choices[0].text == want[:want.index(stop)] and got.choices[0].finish_reason == "stop"
+    chunks = client.completions.create(model=_model(stack), prompt=prompt, max_tokens=32, temperature=0, stop=stop,
+                                       stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want[:want.index(stop)]
+
+
+def test_chat_uses_the_template(client, stack, engine_dir):  # noqa: F811
+    messages = [{"role": "user", "content": "write a loop"}]
+    rendered = "# user: write a loop\n# assistant:\n"
+    want = offline(engine_dir, rendered, 16)
+    got = client.chat.completions.create(model=_model(stack), messages=messages, max_completion_tokens=16,
+                                         temperature=0)
+    assert got.choices[0].message.content == want["text"] and got.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(model=_model(stack), messages=messages, max_tokens=16, temperature=0,
+                                            stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want["text"]
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("kwargs,param", [
+    (dict(n=2), "n"), (dict(logprobs=2), "logprobs"), (dict(temperature=5.0), "temperature"),
+    (dict(max_tokens=100000), "max_seq_len"), (dict(stop=["a", "b", "c", "d", "e"]), "stop"),
+    (dict(extra_body={"top_p": "high"}), "top_p"), (dict(extra_body={"tools": [{"type": "function"}]}), "tools"),
+])
+def test_bad_fields_are_400_naming_them(client, stack, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=_model(stack), prompt="x = 1", **kwargs)
+    assert param in str(e.value)
+
+
+def test_statuses(stack, client):
+    _, frontend = stack
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="x", max_tokens=2)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=frontend.url, api_key="wrong", max_retries=0).models.list()
+    with urllib.request.urlopen(frontend.url.rsplit("/v1", 1)[0] + "/health/ready", timeout=10) as r:
+        assert r.status == 200
+    request = urllib.request.Request(frontend.url + "/completions", data=b"{not json",
+                                     headers={"Authorization": f"Bearer {KEY}"}, method="POST")
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(request, timeout=10)
+    assert e.value.code == 400 and json.loads(e.value.read())["error"]["param"] == "body"
+
+
+def test_a_model_without_template_refuses_chat(stack, engine_dir):  # noqa: F811
+    handle, _ = stack
+    (engine_dir / "tokenizer_config.json").rename(engine_dir / "tokenizer_config.json.off")
+    try:
+        bare = OpenAIFrontend(engine_dir, handle.grpc_url, port=0).start()
+    finally:
+        (engine_dir / "tokenizer_config.json.off").rename(engine_dir / "tokenizer_config.json")
+    try:
+        c = openai.OpenAI(base_url=bare.url, api_key="none", max_retries=0)
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model=bare.info.name, messages=[{"role": "user", "content": "hi"}])
+        assert "chat template" in str(e.value)
+    finally:
+        bare.stop()
+
+
+def _active(handle) -> float:
+    for line in handle.metrics().splitlines():
+        if line.startswith("nemospec_active_sequences"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_queue_full_is_429_and_closing_a_stream_frees_its_sequence(stack, client):
+    handle, _ = stack
+    streams = [client.completions.create(model=_model(stack), prompt=f"x{i} = 1", max_tokens=120, stream=True,
+                                         extra_body={"ignore_eos": True}) for i in range(4)]
+    for s in streams:
+        next(iter(s))                                  # each one has started
+    refused = []
+
+    def extra():                                       # batch 4 running, queue of 2: some are refused
+        try:
+            s = client.completions.create(model=_model(stack), prompt="y = 2", max_tokens=120, stream=True,
+                                          extra_body={"ignore_eos": True})
+            streams.append(s)
+        except openai.RateLimitError as e:
+            refused.append(str(e))
+
+    threads = [threading.Thread(target=extra) for _ in range(6)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while len(refused) < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for s in list(streams):
+        s.close()                                      # the client goes away mid-stream
+    for t in threads:
+        t.join(60)
+    assert len(refused) >= 4 and all("busy" in r for r in refused), refused
+    for s in streams:
+        s.close()
+    deadline = time.monotonic() + 30
+    while _active(handle) > 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _active(handle) == 0
+    got = client.completions.create(model=_model(stack), prompt="x = 1", max_tokens=4, temperature=0)
+    assert got.usage.completion_tokens == 4
