@@ -188,7 +188,7 @@ def grpc_stream(server, text, max_tokens, parameters=None, **fields):
 def metrics(server) -> dict:
     values = {}
     for line in server.metrics().splitlines():
-        m = re.match(r"^(nemospec_[a-z_]+)(\{[^}]*\})? ([0-9.eE+-]+)$", line)
+        m = re.match(r"^(nemospec_[a-z0-9_]+)(\{[^}]*\})? ([0-9.eE+-]+)$", line)
         if m:
             values[m.group(1) + (m.group(2) or "")] = float(m.group(3))
     return values
@@ -463,6 +463,19 @@ def test_metrics_exported(server):
         assert any(k.startswith(name + "{") for k in m), name
     assert metric(server, "nemospec_generated_tokens_total") > 0
     assert metric(server, "nemospec_accepted_tokens_total") >= metric(server, "nemospec_verify_rows_total") > 0
+    # the speculative-decoding families dashboards read (vLLM's and TensorRT-LLM's, nemospec_ prefix)
+    drafts = metric(server, "nemospec_spec_decode_num_drafts_total")
+    draft_tokens = metric(server, "nemospec_spec_decode_num_draft_tokens_total")
+    accepted = metric(server, "nemospec_spec_decode_num_accepted_tokens_total")
+    assert drafts == metric(server, "nemospec_verify_rows_total") and draft_tokens >= drafts > 0
+    assert accepted == metric(server, "nemospec_accepted_tokens_total") - drafts  # gained = accepted + one bonus
+    per_position = [metric(server, "nemospec_spec_decode_num_accepted_tokens_per_pos_total", position=str(j))
+                    for j in range(OPTIONS["max_draft_len"])]
+    assert sum(per_position) == accepted and per_position == sorted(per_position, reverse=True)
+    assert metric(server, "nemospec_prompt_tokens_total") > 0
+    for name in ("nemospec_e2e_request_latency_seconds_count", "nemospec_time_to_first_token_seconds_count",
+                 "nemospec_inter_token_latency_seconds_count"):
+        assert any(k.startswith(name + "{") for k in m), name
 
 
 def test_api_key_guards_model_repository_only(server):
@@ -494,12 +507,12 @@ def test_cli_serve_draft_target_engine_and_sigint(draft_target_engine_dir, tmp_p
         ports = [launch.free_port() for _ in range(3)]
         cmd = [sys.executable, "-m", "nemospec.cli", "serve", "--engine_dir", str(engine_dir),
                "--http_port", str(ports[0]), "--grpc_port", str(ports[1]), "--metrics_port", str(ports[2]),
-               "--max_batch_size", "2", "--model_repo_dir", str(tmp_path / "repo")]
+               "--max_batch_size", "2", "--model_repo_dir", str(tmp_path / "repo"), "--openai_port", "0"]
         process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         lines = []
         for line in process.stdout:
             lines.append(line)
-            if line.startswith("generate_stream"):
+            if line.startswith("openai"):
                 break
         if lines or attempt == 2:
             break
@@ -507,6 +520,9 @@ def test_cli_serve_draft_target_engine_and_sigint(draft_target_engine_dir, tmp_p
         assert "already in use" in " ".join(stderr.split()), stderr  # (rich wraps long lines)
     try:
         assert any(f"127.0.0.1:{ports[0]}" in line for line in lines), (lines, process.poll())
+        openai_url = next(line.split()[1] for line in lines if line.startswith("openai"))
+        with urllib.request.urlopen(f"{openai_url}/models", timeout=10) as r:
+            assert json.loads(r.read())["data"][0]["id"] == "engine_dt"
         with urllib.request.urlopen(f"http://127.0.0.1:{ports[0]}/v2/health/ready", timeout=10) as r:
             assert r.status == 200
         assert (tmp_path / "repo" / "speculative" / "config.pbtxt").is_file()

@@ -28,6 +28,7 @@ CANCEL_POLL_SECONDS = 0.1        # is_cancelled() per request, at most this ofte
 SWEEP_SECONDS = 0.1              # every live request (queued ones too), and the metric gauges
 METRICS_SECONDS = 0.1            # Prometheus updates, at most this often: each is a round trip to the
                                  # server (~0.1 ms), too dear per step for a small model
+REQUEST_BUCKETS = [0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0]
 LATENCY_BUCKETS = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0]
 
 
@@ -42,7 +43,7 @@ class _Live:
         self.request, self.sender, self.options, self.prompt = request, sender, options, prompt
         self.stream = options.stream
         self.arrival_ns = time.time_ns()
-        self.scheduled_ns = self.first_token_ns = self.last_token_ns = 0
+        self.scheduled_ns = self.first_token_ns = self.last_token_ns = self.sent_ns = 0
         self.logprobs = []
         self.speculation = {"steps": 0, "draft_tokens": 0, "accepted_draft_tokens": 0, "histogram": []}
         self.id = None
@@ -127,23 +128,47 @@ class TritonPythonModel:
             "draft_latency": metric("nemospec_draft_latency_seconds", "Draft seconds per speculative step (mean over each update interval)", MF.HISTOGRAM, LATENCY_BUCKETS),
             "verify_latency": metric("nemospec_verify_latency_seconds", "Verify seconds per speculative step (mean over each update interval)", MF.HISTOGRAM, LATENCY_BUCKETS),
         }
+        # vLLM's / TensorRT-LLM's speculative-decoding families, under nemospec_
+        self.m.update({
+            "spec_drafts": metric("nemospec_spec_decode_num_drafts_total", "Draft proposals verified (one per sequence per speculative step)", MF.COUNTER),
+            "spec_draft_tokens": metric("nemospec_spec_decode_num_draft_tokens_total", "Draft tokens proposed and verified", MF.COUNTER),
+            "spec_accepted_tokens": metric("nemospec_spec_decode_num_accepted_tokens_total", "Draft tokens the target accepted", MF.COUNTER),
+            "prompt_tokens": metric("nemospec_prompt_tokens_total", "Prompt tokens of admitted requests", MF.COUNTER),
+            "e2e_latency": metric("nemospec_e2e_request_latency_seconds", "Arrival to last response, per completed request", MF.HISTOGRAM, REQUEST_BUCKETS),
+            "ttft": metric("nemospec_time_to_first_token_seconds", "Arrival to the first generated token", MF.HISTOGRAM, REQUEST_BUCKETS),
+            "itl": metric("nemospec_inter_token_latency_seconds", "Time between responses per token they carry", MF.HISTOGRAM, LATENCY_BUCKETS),
+        })
+        family = MF(name="nemospec_spec_decode_num_accepted_tokens_per_pos_total",
+                    description="Rows that accepted the draft token at each position (0-based)", kind=MF.COUNTER)
+        self._families.append(family)
+        self.per_position = [family.Metric(labels={"model": self.name, "position": str(j)}) for j in range(k)]
+        self._last_at = [0] * k
         family = MF(name="nemospec_requests_total", description="Requests by outcome", kind=MF.COUNTER)
         self._families.append(family)
         self.outcomes = {o: family.Metric(labels={"model": self.name, "outcome": o})
                          for o in ("completed", "cancelled", "rejected", "failed")}
         self._last = {"steps": 0, "verify_rows": 0, "accepted_tokens": 0, "generated_tokens": 0,
-                      "draft_seconds": 0.0, "verify_seconds": 0.0}
+                      "draft_seconds": 0.0, "verify_seconds": 0.0, "draft_tokens": 0, "accepted_draft_tokens": 0}
         self._gauges = {}
 
     def _refresh_metrics(self):
         s = dict(self.scheduler.metrics)
         last = self._last
         steps = s.get("steps", 0) - last["steps"]
-        for key in ("steps", "verify_rows", "accepted_tokens", "generated_tokens", "draft_seconds", "verify_seconds"):
+        for key, name in (("steps", "steps"), ("verify_rows", "verify_rows"), ("accepted_tokens", "accepted_tokens"),
+                          ("generated_tokens", "generated_tokens"), ("draft_seconds", "draft_seconds"),
+                          ("verify_seconds", "verify_seconds"), ("draft_tokens", "spec_draft_tokens"),
+                          ("accepted_draft_tokens", "spec_accepted_tokens")):
             delta = s.get(key, 0) - last[key]
             if delta > 0:
-                self.m[key].increment(delta)
+                self.m[name].increment(delta)
+                if key == "verify_rows":
+                    self.m["spec_drafts"].increment(delta)
             last[key] = s.get(key, 0)
+        for j, count in (s.get("accepted_at") or {}).items():
+            if j < len(self.per_position) and count > self._last_at[j]:
+                self.per_position[j].increment(count - self._last_at[j])
+                self._last_at[j] = count
         if steps > 0:
             rows = s.get("verify_rows", 0) - self._rows_before
             accepted = s.get("accepted_tokens", 0) - self._accepted_before
@@ -205,6 +230,7 @@ class TritonPythonModel:
                 with self.lock:
                     entry.id = self.scheduler.submit(r, lambda new, finished, info, e=entry: self._on_tokens(e, new, finished, info))
                     self.live[entry.id] = entry
+                self.m["prompt_tokens"].increment(len(r.prompt_ids))
             except (self.BadInput, self.SchedulerError) as e:
                 self._refuse(sender, str(e))
             except Exception as e:  # never take the server down for one request
@@ -327,6 +353,7 @@ class TritonPythonModel:
         logprobs = info.get("logprobs") or []
         entry.logprobs.extend(logprobs)
         reason = info.get("finish_reason", "") if finished else ""
+        self._observe_latency(entry, len(new), finished)
         try:
             if entry.stream:
                 if new or finished:
@@ -347,6 +374,17 @@ class TritonPythonModel:
             return
         if finished:
             self._finish(entry, "completed")
+
+    def _observe_latency(self, entry, tokens, finished):
+        now = time.time_ns()
+        if tokens:
+            if entry.sent_ns:
+                self.m["itl"].observe((now - entry.sent_ns) / 1e9 / tokens)
+            else:
+                self.m["ttft"].observe((now - entry.arrival_ns) / 1e9)
+            entry.sent_ns = now
+        if finished:
+            self.m["e2e_latency"].observe((now - entry.arrival_ns) / 1e9)
 
     def _sweep(self):
         now = time.monotonic()
