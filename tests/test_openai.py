@@ -188,3 +188,16 @@ def test_queue_full_is_429_and_closing_a_stream_frees_its_sequence(stack, client
     assert _active(handle) == 0
     got = client.completions.create(model=_model(stack), prompt="x = 1", max_tokens=4, temperature=0)
     assert got.usage.completion_tokens == 4
+
+
+def test_the_embedded_model_ships_a_chat_template():
+    """Documented in the README: a chat turn becomes a comment, the assistant's reply is code."""
+    from builder import embedded
+    from serving.openai.chat_template import ChatTemplate
+    template = ChatTemplate.from_engine_dir(embedded.target_dir())
+    text = template.render([{"role": "system", "content": "Python only.\nShort."},
+                            {"role": "user", "content": "a loop"},
+                            {"role": "assistant", "content": "for i in x:\n    pass"},
+                            {"role": "user", "content": "again"}])
+    assert text == ("# system: Python only.\n# Short.\n# user: a loop\nfor i in x:\n    pass</s>\n"
+                    "# user: again\n# assistant:\n")
