@@ -2,12 +2,19 @@
 
 1. single stream: greedy tokens/s of one gRPC streaming request against `nemospec generate` on the
    same engine directory in this process (ratio; goal >= 0.9);
-2. aggregate tokens/s with 1, 4 and 16 concurrent gRPC streams (goal: 16 streams >= 4x one stream).
+2. aggregate tokens/s with 1, 4 and 16 concurrent gRPC streams (goal: 16 streams >= 4x one stream),
+   every level over the same prompt set (stream i sends PROMPTS[i % 4], so the 1-stream level is
+   the single-stream line's request) and a fixed number of tokens per stream;
+3. the OpenAI-compatible frontend against Triton's gRPC generate_stream at the same concurrency,
+   prompts and tokens (output tokens/s ratio; goal >= 0.95 at 1 and 16), and with --aiperf NVIDIA's
+   aiperf (its own venv, --aiperf_venv) in chat streaming mode at each level: TTFT, inter-token
+   latency, output tokens/s, errors.
 
 Outputs are checked equal to offline generation first. Times are wall clock from sending the
 request to its final response (what a client sees), medians over --runs.
 
     python benchmarks/serving.py [--engine_dir E] [--new_tokens 64] [--runs 3] [--streams 1,4,16] [--threads 1]
+        [--aiperf] [--aiperf_venv build/aiperf-venv] [--json FILE]
 
 Offline and served single-stream runs alternate, so load from other work on the machine hits both
 alike; --threads sets torch's threads here and (OMP_NUM_THREADS) in the server's model process.
@@ -30,10 +37,13 @@ import time
 from pathlib import Path
 
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+HERE = Path(__file__).resolve().parent
+# this file's own directory comes first on sys.path when it runs as a script, and its name would
+# shadow the `serving` package: the checkout first, benchmarks/ (for aiperf_run) last
+sys.path[:] = [str(HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != HERE] + [str(HERE)]
 from nemospec import cli  # noqa: E402
 from serving.client import stream_generate  # noqa: E402
-from serving.launch import free_port, serving  # noqa: E402
+from serving.launch import free_port  # noqa: E402
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Parser(object):", "# utilities\nfrom re import"]
 
@@ -65,12 +75,39 @@ def stream(url, prompt, new_tokens):
     return result.ids, result.seconds
 
 
-def concurrent(url, n, new_tokens):
-    """n streams at once with different prompts: aggregate tokens/s over the wall time."""
+def openai_stream(base_url, model, prompt, new_tokens):
+    """One streamed OpenAI completion (greedy, ignore_eos) read as raw server-sent events (a light
+    client, as the gRPC side's): (tokens per the usage chunk, seconds to the last event)."""
+    import http.client
+    from urllib.parse import urlparse
+    url = urlparse(base_url)
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "stream": True,
+                       "stream_options": {"include_usage": True}, "ignore_eos": True})
+    start = time.perf_counter()
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=600)
+    connection.request("POST", f"{url.path}/completions", body, {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    if response.status != 200:
+        raise RuntimeError(f"{base_url}: {response.status} {response.read()[:300]!r}")
+    tokens = 0
+    for line in response:
+        if line.startswith(b"data: {") and b'"usage"' in line:
+            usage = json.loads(line[6:]).get("usage")
+            tokens = usage["completion_tokens"] if usage else tokens
+        elif line.startswith(b"data: [DONE]"):
+            break
+    connection.close()
+    return [0] * tokens, time.perf_counter() - start
+
+
+def concurrent(url, n, new_tokens, one=None):
+    """n streams at once, stream i on PROMPTS[i % 4] (the same set at every level): aggregate
+    tokens/s over the wall time. ``one(prompt)`` makes one request (default: gRPC to ``url``)."""
     results = [None] * n
+    one = one or (lambda prompt: stream(url, prompt, new_tokens))
 
     def run(i):
-        results[i] = stream(url, PROMPTS[i % len(PROMPTS)] + f" # {i}", new_tokens)
+        results[i] = one(PROMPTS[i % len(PROMPTS)])
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
     start = time.perf_counter()
@@ -92,6 +129,9 @@ def main():
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--streams", default="1,4,16")
     p.add_argument("--threads", type=int, default=1, help="torch threads, offline and in the server")
+    p.add_argument("--aiperf", action="store_true", help="also run NVIDIA aiperf (chat, streaming) at each level")
+    p.add_argument("--aiperf_venv", default="build/aiperf-venv", help="aiperf's own venv (made once if missing)")
+    p.add_argument("--json", default=None, help="also write the numbers to this JSON file")
     args = p.parse_args()
     os.environ["OMP_NUM_THREADS"] = str(args.threads)   # inherited by tritonserver's python stubs
     import torch
@@ -102,22 +142,63 @@ def main():
         run(args, engine_dir, streams)
 
 
+@contextlib.contextmanager
+def nemospec_serve(engine_dir):
+    """`nemospec serve` as a user runs it (its own process: the OpenAI frontend does not share this
+    process's GIL with the benchmark's client threads); yields its printed endpoints."""
+    import signal
+    import subprocess
+    cmd = [sys.executable, "-m", "nemospec.cli", "serve", "--engine_dir", str(engine_dir), "--http_port",
+           str(free_port()), "--grpc_port", str(free_port()), "--metrics_port", str(free_port()), "--openai_port", "0"]
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                               cwd=str(Path(__file__).resolve().parents[1]))
+    endpoints = {}
+    try:
+        for line in process.stdout:
+            name, _, url = line.strip().partition(" ")
+            endpoints[name] = url.strip()
+            if name == "openai":
+                break
+        if "openai" not in endpoints:
+            raise SystemExit(f"nemospec serve did not start (exit {process.wait()})")
+        yield endpoints
+    finally:
+        process.send_signal(signal.SIGINT)
+        process.wait(timeout=60)
+
+
+def metrics_text(url):
+    import urllib.request
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return r.read().decode()
+
+
 def run(args, engine_dir, streams):
     prompt = PROMPTS[0]
     reference = offline(engine_dir, prompt, args.new_tokens)            # warm-up and the expected ids
-    ports = dict(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
-    with serving(engine_dir, **ports) as server:
-        ids, _ = stream(server.grpc_url, prompt, args.new_tokens)        # warm-up
+    report = {"engine_dir": engine_dir.name, "new_tokens": args.new_tokens, "runs": args.runs, "threads": args.threads}
+    with nemospec_serve(engine_dir) as endpoints:
+        grpc_url, openai_url = endpoints["grpc"], endpoints["openai"]
+        import openai
+        model = openai.OpenAI(base_url=openai_url, api_key="unused").models.list().data[0].id
+        ids, _ = stream(grpc_url, prompt, args.new_tokens)           # warm-up
         if ids != reference["output_ids"]:
             raise SystemExit("served output differs from offline generation")
         offline_runs, single_runs = [], []
         for _ in range(args.runs):
             offline_runs.append(offline(engine_dir, prompt, args.new_tokens)["tokens_per_second"])
-            single_runs.append(args.new_tokens / stream(server.grpc_url, prompt, args.new_tokens)[1])
+            single_runs.append(args.new_tokens / stream(grpc_url, prompt, args.new_tokens)[1])
         offline_tps, single = statistics.median(offline_runs), statistics.median(single_runs)
-        aggregate = {n: statistics.median(concurrent(server.grpc_url, n, args.new_tokens) for _ in range(args.runs))
-                     for n in streams}
-        max_batch = next((line.split()[-1] for line in server.metrics().splitlines()
+        via_openai = lambda p: openai_stream(openai_url, model, p, args.new_tokens)  # noqa: E731
+        aggregate, frontend_tps = {}, {}
+        for n in streams:              # Triton direct and the OpenAI frontend alternate per run
+            direct, front = [], []
+            for _ in range(args.runs):
+                direct.append(concurrent(grpc_url, n, args.new_tokens))
+                front.append(concurrent(None, n, args.new_tokens, via_openai))
+            aggregate[n], frontend_tps[n] = statistics.median(direct), statistics.median(front)
+        aiperf = run_aiperf(args, openai_url, model, engine_dir, streams) if args.aiperf else None
+        max_batch = next((line.split()[-1] for line in metrics_text(endpoints["metrics"]).splitlines()
                           if line.startswith("nemospec_max_batch_seen")), "?")
     print(f"engine {engine_dir} ({reference['backend']} backend), {args.new_tokens} new tokens, median of {args.runs}, "
           f"{args.threads} torch thread{'s' if args.threads > 1 else ''}")
@@ -125,9 +206,31 @@ def run(args, engine_dir, streams):
     print(f"gRPC streaming, one stream          {single:8.1f} tokens/s   ratio {single / offline_tps:.2f} (goal >= 0.9)")
     for n, tps in aggregate.items():
         print(f"gRPC streaming, {n:2d} concurrent      {tps:8.1f} tokens/s   {tps / aggregate[streams[0]]:.2f}x "
-              f"{streams[0]} stream{'s' if streams[0] > 1 else ''}")
+              f"{streams[0]} stream{'s' if streams[0] > 1 else ''}; OpenAI frontend {frontend_tps[n]:8.1f} tokens/s "
+              f"= {frontend_tps[n] / tps:.2f}x Triton direct (goal >= 0.95)")
     if 16 in aggregate and 1 in aggregate:
         print(f"16 streams / 1 stream: {aggregate[16] / aggregate[1]:.2f}x (goal >= 4); largest batch {max_batch}")
+    for row in aiperf or []:
+        print(f"aiperf chat streaming, concurrency {row['concurrency']:2d}: {row['output_tokens_per_s']:.1f} output "
+              f"tokens/s, TTFT p50 {row['ttft_ms_p50']:.1f} ms, ITL p50 {row['itl_ms_p50']:.2f} ms, errors {row['errors']}")
+    report.update(offline_tokens_per_s=offline_tps, single_stream_tokens_per_s=single,
+                  triton_direct={str(n): v for n, v in aggregate.items()},
+                  openai_frontend={str(n): v for n, v in frontend_tps.items()},
+                  openai_over_triton={str(n): frontend_tps[n] / aggregate[n] for n in aggregate},
+                  max_batch_seen=max_batch, aiperf=aiperf)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+
+
+def run_aiperf(args, openai_url, model, engine_dir, streams):
+    from aiperf_run import ensure_venv, profile
+    binary = ensure_venv(Path(args.aiperf_venv).resolve())
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="nemospec-aiperf-") as artifacts:
+        for n in streams:
+            rows.append(profile(binary, openai_url.rsplit("/v1", 1)[0], model, engine_dir, n,
+                                max(8, 2 * n), 24, args.new_tokens, Path(artifacts) / f"c{n}"))
+    return rows
 
 
 if __name__ == "__main__":

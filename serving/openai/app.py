@@ -15,6 +15,8 @@ from serving.openai.chat_template import ChatTemplate
 from serving.openai.errors import APIError
 from serving.openai.protocol import (StopMatcher, completion_prompt, generation, speculative_metrics, usage)
 
+READY_SECONDS = 0.5
+
 
 @dataclass
 class ModelInfo:
@@ -55,8 +57,17 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
         if api_key and request.headers.get("authorization", "") != f"Bearer {api_key}":
             raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'")
 
-    async def is_ready() -> bool:
-        return (ready is None or bool(ready())) and await backend.ready()
+    checked = {"at": -1.0, "ready": False}
+
+    async def is_ready(fresh: bool = False) -> bool:
+        """Triton's readiness is asked at most every READY_SECONDS for requests (two round trips
+        each), always for /health/ready; the supervisor's check (``ready``) every time."""
+        if ready is not None and not ready():
+            return False
+        now = time.monotonic()
+        if fresh or now - checked["at"] > READY_SECONDS or not checked["ready"]:
+            checked["ready"], checked["at"] = await backend.ready(), now
+        return checked["ready"]
 
     async def body_of(request: Request) -> dict:
         authorise(request)
@@ -79,7 +90,7 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
 
     @app.get("/health/ready")
     async def health_ready():
-        if await is_ready():
+        if await is_ready(fresh=True):
             return JSONResponse({"status": "ready"})
         return JSONResponse({"status": "not ready"}, status_code=503)
 

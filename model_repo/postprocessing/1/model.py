@@ -74,7 +74,8 @@ class TritonPythonModel:
         prefix_len = int(get("PREFIX_LEN").reshape(-1)[0])
         finished = bool(get("FINISHED").reshape(-1)[0])
         text = self._stream_text(self.tokenizer, context, prefix_len, finished)
-        out = [pb_utils.Tensor("OUTPUT", np.array([[text.encode("utf-8")]], dtype=np.object_))]
+        # shape [batch * beams] = [1], as the TensorRT-LLM backend returns it: its clients read text_output[0]
+        out = [pb_utils.Tensor("OUTPUT", np.array([text.encode("utf-8")], dtype=np.object_))]
         for name, out_name, dtype in self.passed:
             tensor = pb_utils.get_input_tensor_by_name(request, name)
             if tensor is not None:

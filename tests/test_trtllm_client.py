@@ -1,0 +1,127 @@
+"""The TensorRT-LLM backend's clients, unchanged: a client written the way that backend's stock
+`end_to_end_grpc_client.py` is (our own code): one gRPC stream per request, the inputs it sends
+(beam_width, num_return_sequences, exclude_input_in_output, return_log_probs, return_perf_metrics,
+penalties, ...) and the outputs it asks for (text_output, log probs, batch/sequence index and every
+perf metric)."""
+import queue
+
+import numpy as np
+import pytest
+
+from serving import launch, tensors
+from test_serving import HAVE_TRITON, engine_dir, free_ports, offline, tokenizer  # noqa: F401 (fixtures)
+
+pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="needs tritonserver and tritonclient")
+
+PERF = ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks", "arrival_time_ns",
+        "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns", "acceptance_rate",
+        "total_accepted_draft_tokens", "total_draft_tokens")
+
+
+@pytest.fixture(scope="module")
+def server(engine_dir):  # noqa: F811
+    handle = launch.start_server(engine_dir, **free_ports(), ready_timeout=300)
+    try:
+        yield handle
+    finally:
+        handle.stop()
+
+
+def prepare_inputs(prompt, output_len, streaming, **optional):
+    """The stock client's request: always these five, the rest when given."""
+    inputs = {"text_input": np.array([[prompt]]).astype(object),
+              "max_tokens": np.ones((1, 1), np.int32) * output_len,
+              "stream": np.array([[streaming]], dtype=bool),
+              "beam_width": np.array([[1]], dtype=np.int32),
+              "temperature": np.array([[0.0]], dtype=np.float32),
+              "num_return_sequences": np.array([[1]], dtype=np.int32)}
+    for name, value in optional.items():
+        inputs[name] = value
+    return inputs
+
+
+def run_inference(server, inputs, outputs):
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import np_to_triton_dtype
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    completed = queue.Queue()
+    client.start_stream(callback=lambda result, error: completed.put(error or result))
+    tensors_in = []
+    for name, value in inputs.items():
+        t = grpcclient.InferInput(name, value.shape, np_to_triton_dtype(value.dtype))
+        t.set_data_from_numpy(value)
+        tensors_in.append(t)
+    client.async_stream_infer("ensemble", tensors_in, outputs=[grpcclient.InferRequestedOutput(o) for o in outputs],
+                              request_id="1")
+    client.stop_stream()                                  # waits for the server to close the stream
+    results = []
+    while not completed.empty():
+        results.append(completed.get())
+    client.close()
+    return results
+
+
+def test_the_ensemble_declares_every_input_of_the_trtllm_ensemble(server):
+    import tritonclient.grpc as grpcclient
+    config = grpcclient.InferenceServerClient(server.grpc_url).get_model_config("ensemble", as_json=True)["config"]
+    declared = {i["name"]: (i["data_type"], [int(d) for d in i["dims"]]) for i in config["input"]}
+    names = ("text_input decoder_text_input max_tokens num_return_sequences bad_words stop_words "
+             "exclude_input_in_output end_id pad_id top_k top_p temperature length_penalty repetition_penalty "
+             "min_length presence_penalty frequency_penalty random_seed return_log_probs return_context_logits "
+             "return_generation_logits return_perf_metrics beam_width stream prompt_embedding_table "
+             "prompt_table_extra_id prompt_vocab_size embedding_bias_words embedding_bias_weights lora_task_id "
+             "lora_weights lora_config guided_decoding_guide_type guided_decoding_guide").split()
+    assert len(names) == 34 and set(names) <= set(declared)
+    assert declared["lora_config"] == ("TYPE_INT32", [-1, 3]) and declared["max_tokens"] == ("TYPE_INT32", [1])
+    assert declared["prompt_embedding_table"] == ("TYPE_FP16", [-1, -1])
+    outputs = {o["name"] for o in config["output"]}
+    assert {"text_output", "cum_log_probs", "output_log_probs", "batch_index", "sequence_index", *PERF} <= outputs
+    assert {t.name for t in tensors.PASS_OUTPUTS} | {"text_output"} == outputs
+
+
+def test_non_streaming_returns_prompt_and_completion(server, engine_dir, tokenizer):  # noqa: F811
+    prompt = "def fibonacci(n):"
+    want = offline(engine_dir, prompt, 16)
+    outputs = ["text_output", "cum_log_probs", "output_log_probs", "batch_index", *PERF]
+    (result,) = run_inference(server, prepare_inputs(prompt, 16, False, return_log_probs=np.array([[True]]),
+                                                     return_perf_metrics=np.array([[True]])), outputs)
+    assert not isinstance(result, Exception), result
+    assert result.as_numpy("text_output")[0].decode() == tokenizer.decode(tokenizer.encode(prompt).ids
+                                                                          + want["output_ids"])
+    logprobs = result.as_numpy("output_log_probs")
+    assert logprobs.shape == (1, 1, 16) and (logprobs <= 0).all()
+    assert result.as_numpy("cum_log_probs").reshape(-1)[0] == pytest.approx(float(logprobs.sum()), rel=1e-5)
+    assert int(result.as_numpy("batch_index").reshape(-1)[0]) == 0
+    t = {n: int(result.as_numpy(n).reshape(-1)[0]) for n in PERF if n.endswith("_ns")}
+    assert 0 < t["arrival_time_ns"] <= t["first_scheduled_time_ns"] <= t["first_token_time_ns"] <= t["last_token_time_ns"]
+    drafts = int(result.as_numpy("total_draft_tokens").reshape(-1)[0])
+    accepted = int(result.as_numpy("total_accepted_draft_tokens").reshape(-1)[0])
+    assert 0 <= accepted <= drafts and drafts > 0
+    assert result.as_numpy("acceptance_rate").reshape(-1)[0] == pytest.approx(accepted / drafts)
+    (excluded,) = run_inference(server, prepare_inputs(prompt, 16, False,
+                                                       exclude_input_in_output=np.array([[True]])), ["text_output"])
+    assert excluded.as_numpy("text_output")[0].decode() == want["text"]
+
+
+def test_streaming_with_penalties_and_per_request_k(server, engine_dir):  # noqa: F811
+    prompt = "import os\nimport sys\n"
+    want = offline(engine_dir, prompt, 24)["text"]
+    results = run_inference(server, prepare_inputs(prompt, 24, True, num_draft_tokens=np.array([[1]], np.int32)),
+                            ["text_output", "total_draft_tokens", "sequence_index"])
+    assert all(not isinstance(r, Exception) for r in results) and len(results) > 1
+    assert "".join(r.as_numpy("text_output")[0].decode() for r in results) == want
+    steps = int(results[-1].as_numpy("total_draft_tokens").reshape(-1)[0])   # K = 1: one draft per verify
+    assert 0 < steps <= 24
+    penalised = run_inference(server, prepare_inputs(prompt, 24, True, repetition_penalty=np.array([[2.0]], np.float32),
+                                                     presence_penalty=np.array([[0.5]], np.float32)), ["text_output"])
+    assert "".join(r.as_numpy("text_output")[0].decode() for r in penalised) != want
+
+
+def test_neutral_values_pass_and_others_name_the_field(server):
+    ok = run_inference(server, prepare_inputs("x = 1", 4, False, length_penalty=np.array([[1.0]], np.float32),
+                                              return_context_logits=np.array([[False]]),
+                                              lora_task_id=np.array([[0]], np.uint64)), ["text_output"])
+    assert not isinstance(ok[0], Exception), ok[0]
+    (error,) = run_inference(server, prepare_inputs("x = 1", 4, False, beam_width=np.array([[4]], np.int32)),
+                             ["text_output"])
+    assert isinstance(error, Exception) and "beam_width" in str(error)
