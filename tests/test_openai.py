@@ -201,3 +201,19 @@ def test_the_embedded_model_ships_a_chat_template():
                             {"role": "user", "content": "again"}])
     assert text == ("# system: Python only.\n# Short.\n# user: a loop\nfor i in x:\n    pass</s>\n"
                     "# user: again\n# assistant:\n")
+
+
+def test_not_ready_is_503(engine_dir):  # noqa: F811
+    """A frontend whose Triton is gone (nothing listens on its gRPC port) is not ready and refuses
+    requests with 503 instead of hanging."""
+    frontend = OpenAIFrontend(engine_dir, f"127.0.0.1:{launch.free_port()}", port=0).start()
+    try:
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(frontend.url.rsplit("/v1", 1)[0] + "/health/ready", timeout=30)
+        assert e.value.code == 503
+        c = openai.OpenAI(base_url=frontend.url, api_key="none", max_retries=0, timeout=30)
+        with pytest.raises(openai.InternalServerError) as e:
+            c.completions.create(model=frontend.info.name, prompt="x = 1", max_tokens=2)
+        assert e.value.status_code == 503 and "not ready" in str(e.value)
+    finally:
+        frontend.stop()
