@@ -43,6 +43,29 @@ def offline_cost_line(engine_dir: Path, prompt: str, max_new_tokens: int) -> str
             f"target-only = {runs[0].tokens_per_second / runs[1].tokens_per_second:.2f}x measured\n" + cost_line(cost))
 
 
+def openai_chat(engine_dir: Path, grpc_url: str) -> str:
+    """One chat completion through the OpenAI frontend (as `nemospec serve` runs it), with the
+    request's usage and vLLM-style speculative metrics."""
+    import json
+    import urllib.request
+
+    from serving.openai.server import OpenAIFrontend
+    frontend = OpenAIFrontend(engine_dir, grpc_url, port=0).start()
+    try:
+        body = {"model": frontend.info.name, "max_tokens": 48, "temperature": 0,
+                "messages": [{"role": "user", "content": "a function that reverses a list"}]}
+        request = urllib.request.Request(f"{frontend.url}/chat/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"}, method="POST")
+        with urllib.request.urlopen(request, timeout=120) as r:
+            reply = json.loads(r.read())
+    finally:
+        frontend.stop()
+    spec = reply["metrics"]["speculative_decoding"]
+    return (f"{frontend.url}  ->  {reply['choices'][0]['message']['content']!r}\n"
+            f"usage {reply['usage']}; mean acceptance length {spec['mean_acceptance_length']:.2f}, "
+            f"draft acceptance rate {spec['draft_acceptance_rate']:.2f}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workdir", default="build/demo")
@@ -76,8 +99,10 @@ def main(argv=None):
                       f"tokens per target forward {spec.mean_accepted_tokens:.2f} (K=4)")
         console.print(f"target only: {len(plain.ids)} tokens, {plain.tokens_per_second:.1f} tokens/s")
         console.print(f"speedup {spec.tokens_per_second / plain.tokens_per_second:.2f}x; outputs {same}")
-        console.rule("5. stopping the server")
-    console.rule("6. offline on the same engines: where a step's time goes")
+        console.rule("5. the OpenAI-compatible API beside it (POST /v1/chat/completions)")
+        console.print(openai_chat(engine_dir, server.grpc_url), markup=False)
+        console.rule("6. stopping the server")
+    console.rule("7. offline on the same engines: where a step's time goes")
     console.print(offline_cost_line(engine_dir, args.prompt, args.max_new_tokens))
     console.print("done")
     return 0 if spec.ids == plain.ids else 1
