@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime import acceptance
-from runtime.generation import prefill
+from runtime.prefill import prefill
 from runtime.draft_policy import AcceptanceTracker, DraftPolicy
 from runtime.logits_shaping import shape, token_logprobs
 from runtime.sampling import SamplingParams, draw

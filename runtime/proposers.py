@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.generation import prefill
+from runtime.prefill import prefill
 from runtime.rollback import select_snapshots
 from runtime.sampling import draw
 from runtime.state import chunk_inputs, keep_rows
