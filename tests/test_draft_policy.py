@@ -10,7 +10,8 @@ from runtime.batching import SpeculativeGroup
 from runtime.generation import run_group
 from runtime.sampling import SamplingParams
 from runtime.speculative import speculative_generate
-from test_speculative import PROMPTS, _chi_square_p, pair, reference  # noqa: F401 (fixtures)
+from speculative_fixtures import chi_square_p
+from test_speculative import PROMPTS, pair, reference  # noqa: F401 (fixtures)
 
 
 def test_schedule_follows_tensorrt_llm():
@@ -109,5 +110,5 @@ def test_rejection_with_fewer_proposals_is_distributed_as_the_target():
         if int(m) == 1:
             seconds.append(int(t))
     p0, p1 = torch.softmax(p_logits[0, 0], -1), torch.softmax(p_logits[0, 1], -1)
-    assert _chi_square_p(torch.bincount(torch.tensor(firsts), minlength=6), p0)[0] > 1e-3
-    assert _chi_square_p(torch.bincount(torch.tensor(seconds), minlength=6), p1)[0] > 1e-3
+    assert chi_square_p(torch.bincount(torch.tensor(firsts), minlength=6), p0)[0] > 1e-3
+    assert chi_square_p(torch.bincount(torch.tensor(seconds), minlength=6), p1)[0] > 1e-3
