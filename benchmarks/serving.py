@@ -8,7 +8,10 @@
 3. the OpenAI-compatible frontend against Triton's gRPC generate_stream at the same concurrency,
    prompts and tokens (output tokens/s ratio; goal >= 0.95 at 1 and 16), and with --aiperf NVIDIA's
    aiperf (its own venv, --aiperf_venv) in chat streaming mode at each level: TTFT, inter-token
-   latency, output tokens/s, errors.
+   latency, output tokens/s, errors;
+4. at each level the same streams target-only (the per-request `speculative: false` on the same
+   server): the speculative aggregate over the target-only one (goal at 16 streams >= 1.0; serve's
+   --draft_len_schedule, passed with --serve_args, may switch speculation off for large batches).
 
 Outputs are checked equal to offline generation first. Times are wall clock from sending the
 request to its final response (what a client sees), medians over --runs.
@@ -69,9 +72,9 @@ def offline(engine_dir, prompt, new_tokens):
     return json.loads(out.getvalue().strip().splitlines()[-1])
 
 
-def stream(url, prompt, new_tokens):
+def stream(url, prompt, new_tokens, speculative=True):
     """One gRPC streaming request: (ids, seconds from send to the final response)."""
-    result = stream_generate(url, prompt, new_tokens)
+    result = stream_generate(url, prompt, new_tokens, speculative=speculative)
     return result.ids, result.seconds
 
 
@@ -132,6 +135,7 @@ def main():
     p.add_argument("--aiperf", action="store_true", help="also run NVIDIA aiperf (chat, streaming) at each level")
     p.add_argument("--aiperf_venv", default="build/aiperf-venv", help="aiperf's own venv (made once if missing)")
     p.add_argument("--json", default=None, help="also write the numbers to this JSON file")
+    p.add_argument("--serve_args", default="", help="extra `nemospec serve` flags, e.g. '--draft_len_schedule 1:4,8:2,16:0'")
     args = p.parse_args()
     os.environ["OMP_NUM_THREADS"] = str(args.threads)   # inherited by tritonserver's python stubs
     import torch
@@ -143,13 +147,14 @@ def main():
 
 
 @contextlib.contextmanager
-def nemospec_serve(engine_dir):
+def nemospec_serve(engine_dir, extra=()):
     """`nemospec serve` as a user runs it (its own process: the OpenAI frontend does not share this
     process's GIL with the benchmark's client threads); yields its printed endpoints."""
     import signal
     import subprocess
     cmd = [sys.executable, "-m", "nemospec.cli", "serve", "--engine_dir", str(engine_dir), "--http_port",
-           str(free_port()), "--grpc_port", str(free_port()), "--metrics_port", str(free_port()), "--openai_port", "0"]
+           str(free_port()), "--grpc_port", str(free_port()), "--metrics_port", str(free_port()), "--openai_port", "0",
+           *extra]
     process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                cwd=str(Path(__file__).resolve().parents[1]))
     endpoints = {}
@@ -177,7 +182,7 @@ def run(args, engine_dir, streams):
     prompt = PROMPTS[0]
     reference = offline(engine_dir, prompt, args.new_tokens)            # warm-up and the expected ids
     report = {"engine_dir": engine_dir.name, "new_tokens": args.new_tokens, "runs": args.runs, "threads": args.threads}
-    with nemospec_serve(engine_dir) as endpoints:
+    with nemospec_serve(engine_dir, args.serve_args.split()) as endpoints:
         grpc_url, openai_url = endpoints["grpc"], endpoints["openai"]
         import openai
         model = openai.OpenAI(base_url=openai_url, api_key="unused").models.list().data[0].id
@@ -207,7 +212,8 @@ def run(args, engine_dir, streams):
     for n, tps in aggregate.items():
         print(f"gRPC streaming, {n:2d} concurrent      {tps:8.1f} tokens/s   {tps / aggregate[streams[0]]:.2f}x "
               f"{streams[0]} stream{'s' if streams[0] > 1 else ''}; OpenAI frontend {frontend_tps[n]:8.1f} tokens/s "
-              f"= {frontend_tps[n] / tps:.2f}x Triton direct (goal >= 0.95)")
+              f"= {frontend_tps[n] / tps:.2f}x Triton direct (goal >= 0.95); target-only {plain_tps[n]:8.1f} "
+              f"tokens/s: speculative {tps / plain_tps[n]:.2f}x")
     if 16 in aggregate and 1 in aggregate:
         print(f"16 streams / 1 stream: {aggregate[16] / aggregate[1]:.2f}x (goal >= 4); largest batch {max_batch}")
     for row in aiperf or []:
@@ -217,6 +223,8 @@ def run(args, engine_dir, streams):
                   triton_direct={str(n): v for n, v in aggregate.items()},
                   openai_frontend={str(n): v for n, v in frontend_tps.items()},
                   openai_over_triton={str(n): frontend_tps[n] / aggregate[n] for n in aggregate},
+                  target_only={str(n): v for n, v in plain_tps.items()},
+                  speculative_over_target_only={str(n): aggregate[n] / plain_tps[n] for n in aggregate},
                   max_batch_seen=max_batch, aiperf=aiperf)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
