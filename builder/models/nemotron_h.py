@@ -38,27 +38,34 @@ class Mamba2Mixer:
         self.out_proj = w[p + "out_proj.weight"].to(dtype)
         self.out_proj_bias = _bind(w, p + "out_proj.bias", dtype)
 
-    def __call__(self, x, conv_state, ssm_state, lengths, verify=False):
+    def __call__(self, x, conv_state, ssm_state, lengths, verify=False, tree=None):
         """(out, conv_state, ssm_state) after the chunk; with ``verify`` (out, kept) instead, where
         ``kept`` holds the chunk's conv inputs and SSM inputs, from which :meth:`rollback` computes
-        the state at whichever position acceptance keeps (no per-position states are formed)."""
+        the state at whichever position acceptance keeps (no per-position states are formed).
+        ``tree`` (parents, ancestors): a token-tree verify chunk, each row along its ancestor path."""
         c = self.cfg
         inner, heads, state_size = c.mamba_intermediate_size, c.mamba_num_heads, c.ssm_state_size
         gn = c.n_groups * state_size
         z, xbc_in, dt = F.split(F.linear(x, self.in_proj, self.in_proj_bias), [inner, c.conv_dim, heads])
-        conv = F.causal_conv1d(xbc_in, conv_state, self.conv_weight, self.conv_bias, lengths)
+        if tree is not None:
+            conv = (F.tree_conv1d(xbc_in, conv_state, self.conv_weight, self.conv_bias, tree[0]),)
+        else:
+            conv = F.causal_conv1d(xbc_in, conv_state, self.conv_weight, self.conv_bias, lengths)
         xbc = F.activation(conv[0], c.mamba_hidden_act)
         xs, B, C = F.split(xbc, [inner, gn, gn])
         dt = F.clamp(F.activation(dt + self.dt_bias, "softplus"), *c.time_step_limit)
         dt = F.mask_padding(dt, lengths)  # padding leaves the state untouched
         xs = F.reshape(xs, [0, 0, heads, c.mamba_head_dim])
         B = F.reshape(B, [0, 0, c.n_groups, state_size])
-        scan = F.ssm_scan(xs, dt, self.A, B, F.reshape(C, [0, 0, c.n_groups, state_size]), self.D, ssm_state,
-                          c.chunk_size)
+        C = F.reshape(C, [0, 0, c.n_groups, state_size])
+        if tree is not None:
+            scan = (F.tree_ssm_scan(xs, dt, self.A, B, C, self.D, ssm_state, tree[1]),)
+        else:
+            scan = F.ssm_scan(xs, dt, self.A, B, C, self.D, ssm_state, c.chunk_size)
         y = F.gated_rms_norm(F.reshape(scan[0], [0, 0, inner]), z, self.norm, c.layer_norm_epsilon,
                              inner // c.n_groups)
         out = F.linear(y, self.out_proj, self.out_proj_bias)
-        if verify:
+        if verify or tree is not None:
             return out, {"conv_inputs": xbc_in, "ssm_x": xs, "ssm_B": B, "ssm_dt": dt}
         return out, conv[1], scan[1]
 
@@ -80,14 +87,17 @@ class Attention:
         self.q_bias, self.k_bias, self.v_bias, self.o_bias = (
             _bind(w, p + n + "_proj.bias", dtype) for n in "qkvo")
 
-    def __call__(self, x, key_cache, value_cache, positions):
+    def __call__(self, x, key_cache, value_cache, positions, tree=None):
         c = self.cfg
         q = F.reshape(F.linear(x, self.q, self.q_bias), [0, 0, c.num_attention_heads, c.head_dim])
         k = F.reshape(F.linear(x, self.k, self.k_bias), [0, 0, c.num_key_value_heads, c.head_dim])
         v = F.reshape(F.linear(x, self.v, self.v_bias), [0, 0, c.num_key_value_heads, c.head_dim])
         key_cache = F.kv_cache_update(key_cache, k, positions)
         value_cache = F.kv_cache_update(value_cache, v, positions)
-        y = F.attention(q, key_cache, value_cache, positions, c.head_dim ** -0.5)
+        if tree is not None:  # no positional encoding: a node's cache row is all that places it
+            y = F.tree_attention(q, key_cache, value_cache, positions, tree[1], c.head_dim ** -0.5)
+        else:
+            y = F.attention(q, key_cache, value_cache, positions, c.head_dim ** -0.5)
         y = F.reshape(y, [0, 0, c.num_attention_heads * c.head_dim])
         return F.linear(y, self.o, self.o_bias), key_cache, value_cache
 
@@ -131,18 +141,18 @@ class MoE:
 MIXERS = {"mamba": Mamba2Mixer, "attention": Attention, "mlp": MLP, "moe": MoE}
 
 
-def run_block(kind, mixer, x, lengths, positions, state, new_state, p, verify=False):
+def run_block(kind, mixer, x, lengths, positions, state, new_state, p, verify=False, tree=None):
     """One mixer on the normed stream; state names under prefix ``p``. Returns the mixer output."""
     if kind == "mamba":
-        out = mixer(x, state[p + "conv_state"], state[p + "ssm_state"], lengths, verify)
-        if verify:
+        out = mixer(x, state[p + "conv_state"], state[p + "ssm_state"], lengths, verify, tree)
+        if verify or tree is not None:
             new_state.update({p + k: v for k, v in out[1].items()})
         else:
             new_state[p + "conv_state"], new_state[p + "ssm_state"] = out[1:]
         return out[0]
     if kind == "attention":
         h, new_state[p + "key_cache"], new_state[p + "value_cache"] = mixer(
-            x, state[p + "key_cache"], state[p + "value_cache"], positions)
+            x, state[p + "key_cache"], state[p + "value_cache"], positions, tree)
         return h
     return mixer(x)
 
@@ -185,11 +195,13 @@ class NemotronH:
             spec.update(block_state_spec(self.cfg, kind, f"layers.{i}.", batch, capacity, self.dtype))
         return spec
 
-    def forward(self, input_ids, positions, lengths, logit_index, state: dict, verify=False):
+    def forward(self, input_ids, positions, lengths, logit_index, state: dict, verify=False, tree=None):
         """Returns (logits [B, G, V] fp32 at chunk rows logit_index [B, G], new state, features).
 
         A ``verify`` pass (a speculative chunk) returns, for each Mamba layer, what :meth:`rollback`
         needs (``KEPT_FOR_ROLLBACK``) instead of its conv and SSM state; attention caches as usual.
+        ``tree`` = (parents [B, T], ancestors [B, T, T]) makes the chunk a token tree (a verify:
+        every row valid, written at cache rows ``positions``; :meth:`tree_rollback` keeps one path).
         ``features`` holds ``aux_hidden`` and ``hidden`` for every row when the module captures them.
         """
         c = self.cfg
@@ -201,7 +213,7 @@ class NemotronH:
         new_state = {}
         for i, (kind, norm, mixer) in enumerate(self.layers):
             h = run_block(kind, mixer, F.rms_norm(x, norm, c.layer_norm_epsilon), lengths, positions, state,
-                          new_state, f"layers.{i}.", verify)
+                          new_state, f"layers.{i}.", verify, tree)
             if i + 1 in slots:  # fused: residual add + write into the capture buffer
                 x, aux = F.hidden_capture(x, h, aux, slots[i + 1])
             else:
@@ -231,4 +243,26 @@ class NemotronH:
                     state[p + "conv_state"], state[p + "ssm_state"], kept, lengths)
             elif kind == "attention":
                 out[p + "key_cache"], out[p + "value_cache"] = verified[p + "key_cache"], verified[p + "value_cache"]
+        return out
+
+    def tree_rollback(self, state: dict, verified: dict, paths, lengths, base):
+        """The state after the root path ``paths[b, :lengths[b]]`` (tree rows, root first) of a tree
+        verify that began from ``state`` at cache row ``base[b]``: Mamba layers run the chain
+        rollback over the path's kept rows; attention rows of the path move to base .. base+len-1
+        (rows past them are stale and masked by later positions)."""
+        paths = paths.long()
+        out = {}
+        for i, (kind, _, mixer) in enumerate(self.layers):
+            p = f"layers.{i}."
+            if kind == "mamba":
+                kept = {k: F.gather_rows(verified[p + k], paths) for k in KEPT_FOR_ROLLBACK}
+                out[p + "conv_state"], out[p + "ssm_state"] = mixer.rollback(
+                    state[p + "conv_state"], state[p + "ssm_state"], kept, lengths)
+            elif kind == "attention":
+                rows = base.long()[:, None] + paths
+                for name in ("key_cache", "value_cache"):
+                    cache = verified[p + name]
+                    moved = F.gather_rows(cache, rows)
+                    out[p + name] = F.kv_cache_update(cache, moved, base.long()[:, None] + torch.arange(
+                        paths.shape[1], device=rows.device))
         return out
