@@ -216,23 +216,32 @@ def fp4_markov_head(logits, prev_ids, w1, w2_packed, w2_scale, w2_scale_2):
 
 
 # --- token trees (tree speculation) -------------------------------------------------------------
+# (lowered by backends/torch_tree.py and backends/trt_tree.py)
+def _tree_backend(*xs):
+    if _backend(*xs) is torch_backend:
+        from builder.backends import torch_tree
+        return torch_tree
+    from builder.backends import trt_tree
+    return trt_tree
+
+
 # A verify chunk may hold a token tree instead of a chain: row 0 is the last accepted token (the
 # root), every other row r has ``parents[b, r]`` < r, and ``ancestors[b, i, j]`` is true when row j
 # is row i or one of its ancestors. A chain is parents = r - 1, ancestors = lower triangle.
 def tree_conv1d(x, conv_state, weight, bias, parents):
     """Depthwise causal conv along each row's ancestor path: row i's window is its K-1 nearest
     ancestors (then the conv state before the root) and itself. Returns y [B, T, C]."""
-    return _backend(x, conv_state, parents).tree_conv1d(x, conv_state, weight, bias, parents)
+    return _tree_backend(x, conv_state, parents).tree_conv1d(x, conv_state, weight, bias, parents)
 
 
 def tree_ssm_scan(x, dt, A, B, C, D, state, ancestors):
     """Mamba-2's scan along each row's ancestor path (the SSD quadratic form with the causal mask
     replaced by ``ancestors`` and the decay summed along the path). Returns y [B, T, H, P]; the state
     of an accepted path comes from :func:`ssm_state` over that path's rows."""
-    return _backend(x, dt, B, C, state).tree_ssm_scan(x, dt, A, B, C, D, state, ancestors)
+    return _tree_backend(x, dt, B, C, state, ancestors).tree_ssm_scan(x, dt, A, B, C, D, state, ancestors)
 
 
 def tree_attention(q, k_cache, v_cache, positions, ancestors, scale):
     """GQA for a tree chunk written at cache rows positions[b, t] (= base + t): query (b, t) sees the
     rows before the chunk's first one and the rows of its own ancestors. Returns [B, T, Hq, D]."""
-    return _backend(q, k_cache, positions).tree_attention(q, k_cache, v_cache, positions, ancestors, scale)
+    return _tree_backend(q, k_cache, positions, ancestors).tree_attention(q, k_cache, v_cache, positions, ancestors, scale)

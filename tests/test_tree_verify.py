@@ -113,3 +113,30 @@ def test_greedy_acceptance_keeps_the_longest_agreeing_path():
     logits[0, 0, 9] = 1.0                                           # nothing agrees at the root
     paths, lengths, bonus = tree.greedy_accept(tokens, parents, logits)
     assert lengths.tolist() == [1] and bonus.tolist() == [9]
+
+
+def test_tree_verify_network_interprets_like_eager(target):
+    """The tree verify recorded as a TensorRT network (every layer of the target, tree ops included)
+    evaluates on the CPU interpreter to the eager logits and kept rollback inputs."""
+    from test_trt_ops import check
+    module = target.module
+    capacity, t = 16, len(PARENTS)
+    spec = module.state_spec(1, capacity)
+    names = sorted(spec)
+
+    def fn(ids, positions, lengths, index, parents, anc, *state):
+        logits, new_state, _ = module.forward(ids, positions, lengths, index, dict(zip(names, state)), verify=True,
+                                              tree=(parents, anc))
+        return [logits] + [new_state[k] for k in sorted(new_state)]
+
+    state = _prefill(target, PROMPT, capacity)
+    parents = torch.tensor([PARENTS], dtype=torch.int32)
+    base = len(PROMPT)
+    case = [torch.tensor([[8, 21, 22, 23, 24, 25, 26, 27]], dtype=torch.int32),
+            base + torch.arange(t, dtype=torch.int32)[None], torch.tensor([t], dtype=torch.int32),
+            torch.arange(t, dtype=torch.int32)[None], parents, tree.ancestors(parents),
+            *[state[k].clone() for k in names]]
+    specs = [("ids", torch.int32, (-1, -1)), ("positions", torch.int32, (-1, -1)), ("lengths", torch.int32, (-1,)),
+             ("index", torch.int32, (-1, -1)), ("parents", torch.int32, (-1, -1)), ("anc", torch.bool, (-1, -1, -1))]
+    specs += [(k, spec[k][1], (-1,) + tuple(spec[k][0][1:])) for k in names]
+    check(fn, specs, [case], tol=dict(rtol=1e-4, atol=1e-4))

@@ -74,12 +74,13 @@ def test_trt_import():
 def test_backend_mirrors_torch_backend_signatures():
     import inspect
 
-    from builder.backends import torch_backend, trt_backend
+    from builder.backends import torch_backend, torch_tree, trt_backend, trt_tree
     ops = [n for n, f in vars(F).items() if callable(f) and getattr(f, "__module__", "") == F.__name__
            and not n.startswith("_")]
     assert len(ops) >= 18
     for name in ops:
-        assert inspect.signature(getattr(trt_backend, name)) == inspect.signature(getattr(torch_backend, name)), name
+        eager, symbolic = (torch_tree, trt_tree) if name.startswith("tree_") else (torch_backend, trt_backend)
+        assert inspect.signature(getattr(symbolic, name)) == inspect.signature(getattr(eager, name)), name
 
 
 # --- dense algebra -----------------------------------------------------------------------------------

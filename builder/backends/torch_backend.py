@@ -346,6 +346,3 @@ def linear_nvfp4(x, packed, scale, scale_2, shape, bias=None):
 def fp4_markov_head(logits, prev_ids, w1, w2_packed, w2_scale, w2_scale_2):
     """The plugin's torch reference."""
     return _fp4_markov_head_reference(logits, prev_ids, w1, w2_packed, w2_scale, w2_scale_2)
-
-
-from builder.backends.torch_tree import tree_attention, tree_conv1d, tree_ssm_scan  # noqa: E402,F401
