@@ -1,7 +1,8 @@
 """Starting and stopping ``tritonserver`` for an engine directory.
 
 ``start_server`` fills the model repository into a run directory, starts the server and waits until
-``/v2/health/ready``. The returned handle stops it (SIGTERM, then SIGKILL after a grace period);
+``/v2/health/ready``. The returned handle stops it (SIGTERM, then SIGKILL of its whole process group,
+the Python stubs included, after ``shutdown_timeout``) or kills it at once (``kill``, for a restart);
 ``serving(...)`` is the same as a context manager. The child is also killed if this process dies
 (``PR_SET_PDEATHSIG``: call from a thread that outlives the server, e.g. the main thread) or exits
 (``atexit``).
@@ -9,6 +10,7 @@
 from __future__ import annotations
 
 import atexit
+import os
 import re
 import shutil
 import signal
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from builder.errors import NemospecError
+from serving.health import stub_processes, triton_ready
 from serving.repository import fill_model_repo
 from serving.tritonserver import assemble_backends, gpu_present, server_env, find_tritonserver
 
@@ -62,6 +65,9 @@ class ServerHandle:
     command: list
     _temp: bool = False
     _log_file: object = field(default=None, repr=False)
+    shutdown_timeout: float = 8.0
+    stubs: dict = field(default_factory=dict)    # {pid: model} of the Python stubs when it became ready
+    _group_killed: bool = field(default=False, repr=False)
 
     @property
     def http_url(self) -> str:
@@ -102,17 +108,42 @@ class ServerHandle:
         with urllib.request.urlopen(self.metrics_url, timeout=10) as r:
             return r.read().decode()
 
-    def stop(self, timeout: float = 30.0) -> int | None:
-        """SIGTERM (Triton finishes in-flight requests), SIGKILL after ``timeout`` seconds. Idempotent."""
+    def _kill_group(self) -> None:
+        """SIGKILL to the server's process group (it leads one: start_new_session) and to every stub
+        seen, so no child outlives it, then reap the server. Once only: the pids may be reused later."""
+        if self._group_killed:
+            return
+        self._group_killed = True
+        for kill, pid in [(os.killpg, self.process.pid)] + [(os.kill, pid) for pid in self.stubs]:
+            try:
+                kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def kill(self) -> int | None:
+        """At once, no grace (a server that cannot serve any more): requests in flight get a
+        connection error. Then cleans up as ``stop``."""
+        self._kill_group()
+        return self.stop()
+
+    def stop(self, timeout: float | None = None) -> int | None:
+        """SIGTERM (Triton finishes in-flight requests for up to its exit timeout, then unloads the
+        models, whose ``finalize`` answers what is left with an error), SIGKILL of the process group
+        after ``timeout`` seconds (default ``shutdown_timeout``). Idempotent."""
+        timeout = self.shutdown_timeout if timeout is None else timeout
         if self.process.poll() is None:
             try:
                 self.process.send_signal(signal.SIGTERM)
                 self.process.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
+                pass
             except ProcessLookupError:
                 pass
+        self._kill_group()       # stubs left behind (e.g. after the server was killed) go too
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
@@ -129,23 +160,18 @@ class ServerHandle:
         self.stop()
 
 
-def _ready(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://{url}/v2/health/ready", timeout=2) as r:
-            return r.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
-
-
 def start_server(engine_dir, *, host: str = "127.0.0.1", http_port: int = 8000, grpc_port: int = 8001,
                  metrics_port: int = 8002, model_repo_dir=None, api_key: str | None = None, backend: str = "auto",
                  max_batch_size: int | None = None, max_queue: int = 64, ready_timeout: float = 600.0,
-                 extra_args=(), draft_policy: dict | None = None) -> ServerHandle:
+                 extra_args=(), draft_policy: dict | None = None, shutdown_timeout: float = 8.0,
+                 limits: dict | None = None) -> ServerHandle:
     """Fills the model repository, starts tritonserver and waits until it is ready.
 
     A temporary run directory holds the assembled backend, the server log and (unless
     ``model_repo_dir`` names one) the model repository; ``stop()`` removes it. Any error, Ctrl-C
-    included, kills the child before it propagates.
+    included, kills the child before it propagates. ``shutdown_timeout``: how long ``stop()`` lets
+    in-flight requests run (Triton's exit timeout is 3 s shorter, so its models answer what is left).
+    ``limits``: request limits for the models (``serving.limits``).
     """
     server = find_tritonserver()
     run_dir = Path(tempfile.mkdtemp(prefix="nemospec-serve-"))
@@ -153,10 +179,11 @@ def start_server(engine_dir, *, host: str = "127.0.0.1", http_port: int = 8000, 
     try:
         repo_dir = fill_model_repo(engine_dir, Path(model_repo_dir).resolve() if model_repo_dir else run_dir / "models",
                                    backend=backend, max_batch_size=max_batch_size, max_queue=max_queue,
-                                   cancel_dir=run_dir / "cancel", draft_policy=draft_policy)
+                                   cancel_dir=run_dir / "cancel", draft_policy=draft_policy, limits=limits)
         backend_dir = assemble_backends(server, run_dir)
         cmd = [str(server.binary), "--model-repository", str(repo_dir), "--model-control-mode", "none",
-               "--strict-model-config", "true", "--exit-timeout-secs", "15",
+               "--strict-model-config", "true",
+               "--exit-timeout-secs", str(max(1, int(shutdown_timeout) - 3)),
                "--http-address", host, "--http-port", str(http_port),
                "--grpc-address", host, "--grpc-port", str(grpc_port),
                "--allow-metrics", "true", "--metrics-address", host, "--metrics-port", str(metrics_port),
@@ -173,10 +200,10 @@ def start_server(engine_dir, *, host: str = "127.0.0.1", http_port: int = 8000, 
                                    env=server_env(server), cwd=str(run_dir), start_new_session=True,
                                    preexec_fn=_pdeathsig)
         handle = ServerHandle(process, host, http_port, grpc_port, metrics_port, run_dir, repo_dir, log_path, cmd,
-                              True, log_file)
+                              True, log_file, shutdown_timeout)
         atexit.register(handle.stop)
         deadline = time.monotonic() + ready_timeout
-        while not _ready(handle.http_url):
+        while not triton_ready(handle.http_url):
             if process.poll() is not None:
                 raise NemospecError(f"tritonserver exited with code {process.returncode} before it was ready:\n"
                                     f"{handle.errors() or handle.log_tail()}")
@@ -184,10 +211,11 @@ def start_server(engine_dir, *, host: str = "127.0.0.1", http_port: int = 8000, 
                 raise NemospecError(f"tritonserver not ready after {ready_timeout:.0f} s; last log lines:\n"
                                     f"{handle.log_tail()}")
             time.sleep(0.25)
+        handle.stubs = stub_processes(process.pid)
         return handle
     except BaseException:
         if handle is not None:
-            handle.stop(timeout=10)
+            handle.kill()
         shutil.rmtree(run_dir, ignore_errors=True)
         raise
 
