@@ -137,6 +137,7 @@ class Supervisor:
             self._phase = "restarting"
         if len(self._recent) > self.max_restarts:
             self._set("crash loop")
+            self.handle.kill()
             self._log(f"supervisor: crash loop: {len(self._recent)} crashes within {self.restart_window:.0f} s "
                       f"(--max_restarts {self.max_restarts}); last: {cause}; stopping (exit {EXIT_CRASH_LOOP})")
             return EXIT_CRASH_LOOP
