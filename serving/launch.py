@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from builder.errors import NemospecError
+from serving.cancel import notify_shutdown
 from serving.health import stub_processes, triton_ready
 from serving.repository import fill_model_repo
 from serving.tritonserver import assemble_backends, gpu_present, server_env, find_tritonserver
@@ -32,6 +33,7 @@ from serving.tritonserver import assemble_backends, gpu_present, server_env, fin
 API_KEY_HEADER = "api-key"                              # HTTP header for --api_key
 GRPC_API_KEY_HEADER = "triton-grpc-protocol-api-key"    # the same as gRPC metadata (Triton adds the prefix)
 RESTRICTED = "model-repository,shared-memory"           # what --api_key protects
+ABORT_SECONDS = 2.5      # the last part of a stop: requests still in flight are ended with an error
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -65,7 +67,7 @@ class ServerHandle:
     command: list
     _temp: bool = False
     _log_file: object = field(default=None, repr=False)
-    shutdown_timeout: float = 8.0
+    shutdown_timeout: float = 7.0
     stubs: dict = field(default_factory=dict)    # {pid: model} of the Python stubs when it became ready
     _group_killed: bool = field(default=False, repr=False)
 
@@ -131,16 +133,24 @@ class ServerHandle:
         return self.stop()
 
     def stop(self, timeout: float | None = None) -> int | None:
-        """SIGTERM (Triton finishes in-flight requests for up to its exit timeout, then unloads the
-        models, whose ``finalize`` answers what is left with an error), SIGKILL of the process group
-        after ``timeout`` seconds (default ``shutdown_timeout``). Idempotent."""
+        """SIGTERM (Triton refuses new requests, finishes those in flight), after ``timeout`` minus
+        ABORT_SECONDS seconds (default ``shutdown_timeout``) the speculative model ends the rest with
+        an error, after ``timeout`` SIGKILL of the process group. Idempotent."""
         timeout = self.shutdown_timeout if timeout is None else timeout
         if self.process.poll() is None:
             try:
                 self.process.send_signal(signal.SIGTERM)
-                self.process.wait(timeout=timeout)
+                self.process.wait(timeout=max(0.0, timeout - ABORT_SECONDS))
             except subprocess.TimeoutExpired:
-                pass
+                # still draining: the speculative stubs answer what is left with an error, so Triton
+                # (whose own exit timeout, once expired, left it hanging in 2.51) exits by itself
+                for pid, model in self.stubs.items():
+                    if model == "speculative":
+                        notify_shutdown(self.run_dir / "cancel", pid)
+                try:
+                    self.process.wait(timeout=min(ABORT_SECONDS, timeout))
+                except subprocess.TimeoutExpired:
+                    pass
             except ProcessLookupError:
                 pass
         self._kill_group()       # stubs left behind (e.g. after the server was killed) go too
@@ -163,14 +173,15 @@ class ServerHandle:
 def start_server(engine_dir, *, host: str = "127.0.0.1", http_port: int = 8000, grpc_port: int = 8001,
                  metrics_port: int = 8002, model_repo_dir=None, api_key: str | None = None, backend: str = "auto",
                  max_batch_size: int | None = None, max_queue: int = 64, ready_timeout: float = 600.0,
-                 extra_args=(), draft_policy: dict | None = None, shutdown_timeout: float = 8.0,
+                 extra_args=(), draft_policy: dict | None = None, shutdown_timeout: float = 7.0,
                  limits: dict | None = None) -> ServerHandle:
     """Fills the model repository, starts tritonserver and waits until it is ready.
 
     A temporary run directory holds the assembled backend, the server log and (unless
     ``model_repo_dir`` names one) the model repository; ``stop()`` removes it. Any error, Ctrl-C
     included, kills the child before it propagates. ``shutdown_timeout``: how long ``stop()`` lets
-    in-flight requests run (Triton's exit timeout is 3 s shorter, so its models answer what is left).
+    in-flight requests run (the last ABORT_SECONDS of it, the speculative model ends what is left with an
+    error; Triton's own exit timeout is longer: once expired, it left Triton 2.51 hanging).
     ``limits``: request limits for the models (``serving.limits``).
     """
     server = find_tritonserver()
@@ -183,7 +194,7 @@ def start_server(engine_dir, *, host: str = "127.0.0.1", http_port: int = 8000, 
         backend_dir = assemble_backends(server, run_dir)
         cmd = [str(server.binary), "--model-repository", str(repo_dir), "--model-control-mode", "none",
                "--strict-model-config", "true",
-               "--exit-timeout-secs", str(max(1, int(shutdown_timeout) - 3)),
+               "--exit-timeout-secs", str(int(shutdown_timeout) + 10),   # ours comes first (stop())
                "--http-address", host, "--http-port", str(http_port),
                "--grpc-address", host, "--grpc-port", str(grpc_port),
                "--allow-metrics", "true", "--metrics-address", host, "--metrics-port", str(metrics_port),

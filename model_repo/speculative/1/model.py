@@ -97,7 +97,8 @@ class TritonPythonModel:
         self.dispatcher = threading.Thread(target=self._dispatch, name="nemospec-dispatch", daemon=True)
         self.dispatcher.start()
         cancel_dir = _param(config, "cancel_dir")
-        self._close_listener = cancel_listener(cancel_dir, lambda rid: self.events.put(("cancel", rid, True, {}))) if cancel_dir else None
+        self._close_listener = cancel_listener(cancel_dir, lambda rid: self.events.put(("cancel", rid, True, {})),
+                                               lambda: self.events.put(("shutdown", None, True, {}))) if cancel_dir else None
         pb_utils.Logger.log_info(f"nemospec speculative: {self.loaded.backend} backend, mode "
                                  f"{(self.loaded.speculative or {}).get('mode', 'none')}, "
                                  f"max_batch_size {self.scheduler.max_batch_size}, max_queue {self.scheduler.max_queue}")
@@ -201,7 +202,7 @@ class TritonPythonModel:
             raise BadInput(f"temperature: expected a finite number >= 0, got {temperature}")
         if not (math.isfinite(top_p) and 0 < top_p <= 1):
             raise BadInput(f"top_p: expected a value in (0, 1], got {top_p}")
-        if end_id is not None and end_id >= self.vocab:
+        if end_id is not None and not -1 <= end_id < self.vocab:
             raise BadInput(f"end_id: expected a token id below the vocabulary size {self.vocab} (or -1 for none), got {end_id}")
         end_ids = self.default_end if end_id is None else frozenset() if end_id < 0 else frozenset([int(end_id)])
         try:
@@ -299,6 +300,8 @@ class TritonPythonModel:
             return True
 
     def _deliver(self, entry, new, finished, info):
+        if entry == "shutdown":     # the server stops: what is in flight ends with an error now
+            return self._abort_all()
         if isinstance(entry, str):  # ("cancel", request id) from the cancel listener
             with self.lock:
                 entry = self.live.get(new)
@@ -382,8 +385,14 @@ class TritonPythonModel:
             self._close_listener()
         self.scheduler.stop()
         self.dispatcher.join(timeout=5)
+        self._abort_all()
+
+    def _abort_all(self):
         with self.lock:
             entries = list(self.live.values())
             self.live.clear()
         for entry in entries:
+            if entry.id is not None:
+                self.scheduler.cancel(entry.id)
+            entry.done = True
             self._refuse(entry.sender, "speculative: the server is shutting down", "failed")
