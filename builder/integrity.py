@@ -47,6 +47,9 @@ def verify_engine_dir(engine_dir, hashes: bool = True) -> str | None:
     Raises IntegrityError naming the first bad file, NemospecError for an unreadable config.json."""
     engine_dir = Path(engine_dir)
     meta_path = engine_dir / "config.json"
+    if not meta_path.is_file():
+        raise NemospecError(f"--engine_dir: {meta_path} missing; is {engine_dir} an engine directory built by "
+                            "`nemospec build`?")
     try:
         meta = json.loads(meta_path.read_text())
     except (OSError, ValueError) as e:
