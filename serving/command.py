@@ -42,7 +42,7 @@ def add_serve_args(p) -> None:
     p.add_argument("--max_restarts", type=int, default=5,
                    help="restarts after a crash allowed within --restart_window; one more is a crash loop (exit 3)")
     p.add_argument("--restart_window", type=float, default=300.0, help="seconds (see --max_restarts)")
-    p.add_argument("--shutdown_timeout", type=float, default=7.0,
+    p.add_argument("--shutdown_timeout", type=float, default=6.0,
                    help="seconds requests in flight get after SIGTERM/SIGINT; then the server and its stubs are killed")
     add_limit_args(p)
     add_policy_args(p, build=False)

@@ -67,7 +67,7 @@ class ServerHandle:
     command: list
     _temp: bool = False
     _log_file: object = field(default=None, repr=False)
-    shutdown_timeout: float = 7.0
+    shutdown_timeout: float = 6.0
     stubs: dict = field(default_factory=dict)    # {pid: model} of the Python stubs when it became ready
     _group_killed: bool = field(default=False, repr=False)
 
@@ -173,7 +173,7 @@ class ServerHandle:
 def start_server(engine_dir, *, host: str = "127.0.0.1", http_port: int = 8000, grpc_port: int = 8001,
                  metrics_port: int = 8002, model_repo_dir=None, api_key: str | None = None, backend: str = "auto",
                  max_batch_size: int | None = None, max_queue: int = 64, ready_timeout: float = 600.0,
-                 extra_args=(), draft_policy: dict | None = None, shutdown_timeout: float = 7.0,
+                 extra_args=(), draft_policy: dict | None = None, shutdown_timeout: float = 6.0,
                  limits: dict | None = None) -> ServerHandle:
     """Fills the model repository, starts tritonserver and waits until it is ready.
 
