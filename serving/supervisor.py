@@ -37,15 +37,16 @@ HTTP_GRACE_SECONDS = 15.0    # Triton's readiness failing this long with its pro
 
 class Supervisor:
     def __init__(self, start, *, check_interval: float = 0.5, max_restarts: int = 5, restart_window: float = 300.0,
-                 restart_timeout: float = 60.0, log=None):
-        """``start()``: starts a server and returns its ``serving.launch.ServerHandle`` once ready."""
+                 restart_timeout: float = 60.0, log=None, check=check_server):
+        """``start()``: starts a server and returns its ``serving.launch.ServerHandle`` once ready;
+        ``check(handle, stubs, timeout) -> Health`` (``serving.health.check_server``)."""
         if max_restarts < 0:
             raise NemospecError(f"--max_restarts: expected >= 0, got {max_restarts}")
         if restart_window <= 0:
             raise NemospecError(f"--restart_window: expected > 0 seconds, got {restart_window}")
         self._start = start
         self.check_interval, self.max_restarts, self.restart_window = check_interval, max_restarts, restart_window
-        self.restart_timeout = restart_timeout
+        self.restart_timeout, self._check = restart_timeout, check
         self._log = log or (lambda message: print(message, file=sys.stderr, flush=True))
         self.handle = None
         self._lock = threading.Lock()
@@ -112,7 +113,7 @@ class Supervisor:
         if self.handle is None:
             self.start()
         while not self._stop.wait(self.check_interval):
-            health = check_server(self.handle, self.handle.stubs, timeout=max(1.0, self.check_interval * 2))
+            health = self._check(self.handle, self.handle.stubs, timeout=max(1.0, self.check_interval * 2))
             if health.ready:
                 self._unready_since = None
                 self._set(health=health)
