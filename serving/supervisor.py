@@ -15,8 +15,9 @@ flight at the dead stub then hang forever and keep the server's shutdown waiting
 timeout, so a restart of the server is what this does. More than ``max_restarts`` restarts within
 ``restart_window`` seconds is a crash loop: ``run()`` returns EXIT_CRASH_LOOP instead of spinning.
 
-An in-process frontend (the OpenAI one) asks ``supervisor.is_ready()``; another process asks
-``serving.health.is_ready("http://HOST:HEALTH_PORT/health/ready")``.
+An in-process frontend (the OpenAI one) calls ``serving.supervisor.is_ready()`` (the supervisor
+``nemospec serve`` runs in this process; False when there is none) or ``supervisor.state()``;
+another process calls ``serving.health.is_ready("http://HOST:HEALTH_PORT/health/ready")``.
 """
 from __future__ import annotations
 
@@ -33,6 +34,20 @@ from serving.health import Health, check_server
 EXIT_RESTART_FAILED = 1      # the server could not be started again within restart_timeout
 EXIT_CRASH_LOOP = 3          # more than max_restarts restarts within restart_window seconds
 HTTP_GRACE_SECONDS = 15.0    # Triton's readiness failing this long with its processes alive: restart too
+_current = None              # the Supervisor started last in this process
+
+
+def current():
+    """The supervisor started last in this process (``nemospec serve``'s), or None."""
+    return _current
+
+
+def is_ready(target=None, timeout: float = 2.0) -> bool:
+    """True only while a request can be served: ``target`` None asks this process's supervisor;
+    else as ``serving.health.is_ready`` (a Supervisor, or a readiness URL)."""
+    from serving.health import is_ready as ask
+    target = _current if target is None else target
+    return target is not None and ask(target, timeout)
 
 
 class Supervisor:
@@ -101,8 +116,10 @@ class Supervisor:
     # --- the loop ------------------------------------------------------------------------------------
     def start(self):
         """The first start: its errors (bad input, a port in use) propagate to the caller."""
+        global _current
         self.handle = self._start()
         self._set("serving", Health(True))
+        _current = self
         return self.handle
 
     def request_stop(self):

@@ -93,11 +93,12 @@ def test_readiness_endpoint_and_is_ready():
         with urllib.request.urlopen(f"{url}/health/ready", timeout=5) as r:
             assert r.status == 200 and json.loads(r.read())["ready"] is True
         assert health.is_ready(f"{url}/health/ready") and health.is_ready(s)
+        assert supervisor.current() is s and supervisor.is_ready(), "this process's supervisor"
         s._set(health=health.Health(False, DIED))
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(f"{url}/health/ready", timeout=5)
         assert e.value.code == 503 and json.loads(e.value.read())["reason"] == DIED
-        assert not health.is_ready(f"{url}/health/ready") and not health.is_ready(s)
+        assert not health.is_ready(f"{url}/health/ready") and not health.is_ready(s) and not supervisor.is_ready()
         with urllib.request.urlopen(f"{url}/health/live", timeout=5) as r:
             assert r.status == 200
         s.restarts, s.last_cause = 2, 'a "quoted" cause'
