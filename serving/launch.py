@@ -27,6 +27,8 @@ from pathlib import Path
 from builder.errors import NemospecError
 from serving.cancel import notify_shutdown
 from serving.health import stub_processes, triton_ready
+from serving.http_guard import HttpGuard
+from serving.limits import limits_from
 from serving.repository import fill_model_repo
 from serving.tritonserver import assemble_backends, gpu_present, server_env, find_tritonserver
 
@@ -70,6 +72,7 @@ class ServerHandle:
     shutdown_timeout: float = 6.0
     stubs: dict = field(default_factory=dict)    # {pid: model} of the Python stubs when it became ready
     _group_killed: bool = field(default=False, repr=False)
+    guard: object = field(default=None, repr=False)   # serving.http_guard.HttpGuard on http_port, if any
 
     @property
     def http_url(self) -> str:
@@ -154,6 +157,9 @@ class ServerHandle:
             except ProcessLookupError:
                 pass
         self._kill_group()       # stubs left behind (e.g. after the server was killed) go too
+        if self.guard is not None:
+            self.guard.close()
+            self.guard = None
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
@@ -182,12 +188,19 @@ def start_server(engine_dir, *, host: str = "127.0.0.1", http_port: int = 8000, 
     included, kills the child before it propagates. ``shutdown_timeout``: how long ``stop()`` lets
     in-flight requests run (the last ABORT_SECONDS of it, the speculative model ends what is left with an
     error; Triton's own exit timeout is longer: once expired, it left Triton 2.51 hanging).
-    ``limits``: request limits for the models (``serving.limits``).
+    ``limits``: request limits (``serving.limits``). Triton's own HTTP port is a free loopback port
+    behind an ``HttpGuard`` on ``host:http_port`` that refuses bodies over ``max_body_bytes``.
     """
     server = find_tritonserver()
+    limits = limits_from(limits)
     run_dir = Path(tempfile.mkdtemp(prefix="nemospec-serve-"))
-    handle = None
+    handle = guard = None
     try:
+        triton_host, triton_http = "127.0.0.1", free_port()
+        try:
+            guard = HttpGuard(host, http_port, triton_http, limits["max_body_bytes"])
+        except OSError as e:
+            raise NemospecError(f"--http_port: cannot bind {host}:{http_port}: {e.strerror or e}") from None
         repo_dir = fill_model_repo(engine_dir, Path(model_repo_dir).resolve() if model_repo_dir else run_dir / "models",
                                    backend=backend, max_batch_size=max_batch_size, max_queue=max_queue,
                                    cancel_dir=run_dir / "cancel", draft_policy=draft_policy, limits=limits)
@@ -195,7 +208,7 @@ def start_server(engine_dir, *, host: str = "127.0.0.1", http_port: int = 8000, 
         cmd = [str(server.binary), "--model-repository", str(repo_dir), "--model-control-mode", "none",
                "--strict-model-config", "true",
                "--exit-timeout-secs", str(int(shutdown_timeout) + 10),   # ours comes first (stop())
-               "--http-address", host, "--http-port", str(http_port),
+               "--http-address", triton_host, "--http-port", str(triton_http),
                "--grpc-address", host, "--grpc-port", str(grpc_port),
                "--allow-metrics", "true", "--metrics-address", host, "--metrics-port", str(metrics_port),
                "--allow-gpu-metrics", "true" if gpu_present() else "false", "--log-verbose", "0"]
@@ -211,7 +224,7 @@ def start_server(engine_dir, *, host: str = "127.0.0.1", http_port: int = 8000, 
                                    env=server_env(server), cwd=str(run_dir), start_new_session=True,
                                    preexec_fn=_pdeathsig)
         handle = ServerHandle(process, host, http_port, grpc_port, metrics_port, run_dir, repo_dir, log_path, cmd,
-                              True, log_file, shutdown_timeout)
+                              True, log_file, shutdown_timeout, guard=guard)
         atexit.register(handle.stop)
         deadline = time.monotonic() + ready_timeout
         while not triton_ready(handle.http_url):
@@ -227,6 +240,8 @@ def start_server(engine_dir, *, host: str = "127.0.0.1", http_port: int = 8000, 
     except BaseException:
         if handle is not None:
             handle.kill()
+        elif guard is not None:
+            guard.close()
         shutil.rmtree(run_dir, ignore_errors=True)
         raise
 

@@ -1,8 +1,9 @@
 """Bounded input: request limits the ``preprocessing`` model enforces before tokenizing anything.
 
 Triton 2.51 has no flag for the HTTP body or gRPC message size (its gRPC server accepts up to 2 GiB;
-``--http-max-input-size`` came in later releases), so the limits apply to the tensors a request
-carries: all its text (``text_input`` + ``stop_words`` + ``bad_words``), the prompt's bytes, and the
+``--http-max-input-size`` came in later releases) and segfaults on an HTTP body over ~4 MB, so
+``max_body_bytes`` is enforced in front of it (``serving.http_guard``); the others apply to the
+tensors a request carries: all its text (``text_input`` + ``stop_words`` + ``bad_words``), the prompt's bytes, and the
 number and length of stop/bad words. The prompt's tokens are bounded by the engine's
 ``max_input_len`` and prompt + ``max_tokens`` by ``max_seq_len`` (errors, never a silent cut).
 Each refusal is one line naming the field and the limit's flag; the server keeps serving.
@@ -13,6 +14,8 @@ from builder.errors import NemospecError
 
 #: flag -> (default, help)
 LIMITS = {
+    "max_body_bytes": (2 << 20, "bytes of HTTP request body (refused with 413 before Triton, which crashed on "
+                                "bodies over ~4 MB in 2.51)"),
     "max_request_bytes": (1 << 20, "bytes of text per request: text_input + stop_words + bad_words"),
     "max_prompt_bytes": (64 << 10, "bytes of text_input (checked before tokenizing)"),
     "max_stop_words": (32, "words in stop_words, and in bad_words"),

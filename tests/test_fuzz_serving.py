@@ -157,6 +157,15 @@ def test_limits_name_their_flag(server):
         assert status == 400 and field in got["error"] and flag in got["error"], got
 
 
+def test_http_body_over_the_cap_is_refused_before_triton(server, before):
+    """Triton 2.51 segfaulted on an HTTP body over ~4 MB (any endpoint): the guard in front of it
+    answers 413 naming --max_body_bytes, and the server lives on."""
+    for path in ("/v2/models/ensemble/generate", "/v2/models/ensemble/infer"):
+        status, text = http_post(server, path, {"text_input": "x", "max_tokens": 4, "junk": "y" * (6 << 20)})
+        assert status == 413 and "request body" in text and "--max_body_bytes" in text, text
+    _still_serving(server, before)
+
+
 def test_limits_from_flags():
     assert limits.decode_limits(limits.encode_limits({"max_stop_words": 3}))["max_stop_words"] == 3
     with pytest.raises(Exception, match="--max_prompt_bytes: expected a positive integer"):
