@@ -144,17 +144,45 @@ class Stream:
                 pass
 
 
+def _active_sequences(serve):
+    _, text = _get(f"http://127.0.0.1:{serve.ports[2]}/metrics")
+    return next((float(line.split()[-1]) for line in text.splitlines() if line.startswith("nemospec_active_sequences{")), 0)
+
+
+def _http_generate(serve, max_tokens):
+    """(status or exception name, body) of an HTTP generate through the server's guard."""
+    request = urllib.request.Request(f"http://{serve.http_url}/v2/models/ensemble/generate", method="POST",
+                                     data=json.dumps({"text_input": PROMPTS[1], "max_tokens": max_tokens,
+                                                      "end_id": -1}).encode())
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+    except OSError as e:
+        return type(e).__name__, str(e)
+
+
 def _kill_and_recover(serve, engine_dir, pid, cause):
     want = offline(engine_dir, PROMPTS[0], 12)["output_ids"]
     restarts = serve.state()["restarts"]
     stream = Stream(serve)
     assert stream.first.wait(60), "the stream started"
+    http_result = {}
+    http = threading.Thread(target=lambda: http_result.update(r=_http_generate(serve, 140)), daemon=True)
+    http.start()
+    deadline = time.monotonic() + 20     # both requests running: the stream's and the HTTP one's sequences
+    while _active_sequences(serve) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _active_sequences(serve) == 2
     os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()
     assert serve.wait_not_ready(5), "readiness false within 5 s"
     MEASURED[f"{cause}_not_ready_s"] = time.monotonic() - killed
     assert stream.done.wait(30), "the in-flight stream ended (no hang)"
     assert stream.error is not None and not stream.final, "the in-flight stream got an error"
+    http.join(30)
+    assert not http.is_alive() and http_result["r"][0] != 200, http_result    # an error, not a hang
     assert serve.wait_ready(60), f"serving again within 60 s:\n{serve.log()[-2000:]}"
     MEASURED[f"{cause}_serving_again_s"] = time.monotonic() - killed
     status, got = generate(SimpleNamespace(http_url=serve.http_url), text_input=PROMPTS[0], max_tokens=12)
