@@ -6,7 +6,8 @@ prompt lengths up to max_input_len, ~10% streams cancelled mid-stream, ~5% malfo
 must get an error naming its field). Clients, like a load balancer, send only while the supervisor's
 /health/ready is 200. Every greedy answer is checked against offline generation (`nemospec generate`,
 one prompt at a time). Reports requests per kind, errors by cause (those overlapping the kill
-window apart), p50/p99 latency, the RSS of every process at start (after warm-up) and end, active
+window apart), p50/p99 latency, the RSS of every process at start (after warm-up), 10 s after the
+restart and at the end (growth: each process against its first snapshot), active
 sequences after the run, the kill's time to not-ready and to serving again, and SIGTERM's exit time.
 
     python benchmarks/soak.py --minutes 2 [--engine_dir E] [--concurrency 4] [--output soak.json]
@@ -261,10 +262,14 @@ def soak(args, engine_dir, scratch):
             time.sleep(0.1)
         events["recovered_at"] = time.monotonic()
         events["recovery_s"] = events["recovered_at"] - killed
+        while time.monotonic() < min(deadline, events["recovered_at"] + 10):   # the restarted processes warm up
+            time.sleep(0.2)
+        rss["after_restart"] = rss_snapshot()
 
     def rss_snapshot():  # by role: the processes the kill restarted are compared with their predecessors
         return {role: {"pid": pid, "kib": rss_kib(pid)} for role, pid in server.processes().items()}
 
+    rss = {}
     threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(args.concurrency)]
     for t in threads:
         t.start()
@@ -290,10 +295,11 @@ def soak(args, engine_dir, scratch):
     code = server.process.wait(timeout=60)
     sigterm_s = time.monotonic() - stop_start
     left = [pid for pid in processes if process_alive(pid)]
-    return report(records, events, rss_start, rss_end, active, sigterm_s, code, left, len(expected))
+    return report(records, events, rss_start, rss.get("after_restart", {}), rss_end, active, sigterm_s, code, left,
+                  len(expected))
 
 
-def report(records, events, rss_start, rss_end, active, sigterm_s, code, left, greedy_prompts) -> dict:
+def report(records, events, rss_start, rss_restart, rss_end, active, sigterm_s, code, left, greedy_prompts) -> dict:
     window = (events.get("kill_at", float("inf")), events.get("recovered_at", float("inf")) + 1.0)
     kinds = {}
     for kind in MIX:
@@ -308,13 +314,18 @@ def report(records, events, rss_start, rss_end, active, sigterm_s, code, left, g
         if not r["ok"]:
             bucket = at_kill if r["start"] <= window[1] and r["end"] >= window[0] else unexpected
             bucket[r["cause"]] = bucket.get(r["cause"], 0) + 1
-    growth = {role: round(100.0 * (rss_end[role]["kib"] - start["kib"]) / start["kib"], 1)
-              for role, start in rss_start.items() if start["kib"] and (rss_end.get(role) or {}).get("kib")}
+    growth = {}       # against the same process: its first snapshot (at start, or after the restart)
+    for role, end in rss_end.items():
+        first = next((snap[role] for snap in (rss_start, rss_restart) if (snap.get(role) or {}).get("pid") == end["pid"]),
+                     None)
+        if first and first["kib"] and end["kib"]:
+            growth[role] = round(100.0 * (end["kib"] - first["kib"]) / first["kib"], 1)
     return {"requests": len(records), "kinds": kinds, "errors_unexpected": unexpected, "errors_at_kill": at_kill,
             "wrong_greedy_answers": unexpected.get("wrong greedy answer", 0) + at_kill.get("wrong greedy answer", 0),
             "greedy_prompts_checked": greedy_prompts,
             "kill": {k: round(v, 2) for k, v in events.items() if k.endswith("_s")},
-            "rss_kib_start": rss_start, "rss_kib_end": rss_end, "rss_growth_percent": growth,
+            "rss_kib_start": rss_start, "rss_kib_after_restart": rss_restart, "rss_kib_end": rss_end,
+            "rss_growth_percent": growth,
             "active_sequences_after": active, "sigterm_exit_s": round(sigterm_s, 2), "exit_code": code,
             "processes_left": left}
 
