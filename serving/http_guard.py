@@ -6,7 +6,9 @@ cleanly by the model, 4 MiB and more a segfault), and has no flag to cap the bod
 (``--http-max-input-size`` came in later releases). So ``nemospec serve`` binds the HTTP port itself:
 this guard refuses a body over ``max_body_bytes`` with 413 and a JSON error naming the limit, and
 forwards everything else to Triton's HTTP port on loopback, streaming responses through
-(``generate_stream``'s server-sent events arrive as Triton sends them). A connection lost to Triton
+(``generate_stream``'s server-sent events arrive as Triton sends them). The ensemble's generate
+requests get their JSON fields checked first (``serving.generate_fields``: Triton wraps INT32
+silently and names no field for a wrong JSON type). A connection lost to Triton
 (it died) answers 502, or ends a response already under way.
 """
 from __future__ import annotations
@@ -15,6 +17,8 @@ import http.client
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from serving.generate_fields import GENERATE_PATH, check_generate_body
 
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade",
               "content-length"}
@@ -77,6 +81,10 @@ def make_handler(upstream: tuple[str, int], max_body_bytes: int):
                                    close=True)
             except ValueError:
                 return self._error(400, "request body: malformed Content-Length or chunk size", close=True)
+            if self.command == "POST" and GENERATE_PATH.match(self.path):
+                error = check_generate_body(body)
+                if error:
+                    return self._error(400, error)
             headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP}
             headers["Content-Length"] = str(len(body))
             upstream_conn = http.client.HTTPConnection(*upstream, timeout=None)

@@ -373,7 +373,7 @@ BAD = [
     ({"text_input": "x = 1", "max_tokens": 8, "top_p": 1.5}, "top_p"),
     ({"text_input": "x = 1", "max_tokens": 8, "end_id": 100000}, "end_id"),
     ({"text_input": "x = 1", "max_tokens": 8, "parameters": {"speculative": "maybe"}}, "speculative"),
-    ({"text_input": "x = 1", "max_tokens": "eight"}, ""),      # JSON of the wrong type: Triton refuses it
+    ({"text_input": "x = 1", "max_tokens": "eight"}, "max_tokens"),   # wrong JSON type: refused before Triton
 ]
 
 
