@@ -14,12 +14,12 @@ from builder.errors import NemospecError
 
 #: flag -> (default, help)
 LIMITS = {
-    "max_body_bytes": (2 << 20, "bytes of HTTP request body (refused with 413 before Triton, which crashed on "
-                                "bodies over ~4 MB in 2.51)"),
-    "max_request_bytes": (1 << 20, "bytes of text per request: text_input + stop_words + bad_words"),
-    "max_prompt_bytes": (64 << 10, "bytes of text_input (checked before tokenizing)"),
+    "max_body_bytes": (2 << 20, "bytes in an HTTP request body, answered 413 before Triton (Triton 2.51 crashed on "
+                                "bodies over ~4 MB: keep it under that)"),
+    "max_request_bytes": (1 << 20, "bytes of text in a request: text_input + stop_words + bad_words"),
+    "max_prompt_bytes": (64 << 10, "bytes in text_input (checked before tokenizing)"),
     "max_stop_words": (32, "words in stop_words, and in bad_words"),
-    "max_stop_word_bytes": (256, "bytes of one stop or bad word"),
+    "max_stop_word_bytes": (256, "bytes in one stop or bad word"),
 }
 
 
@@ -29,7 +29,7 @@ class LimitError(ValueError):
 
 def add_limit_args(p) -> None:
     for flag, (default, text) in LIMITS.items():
-        p.add_argument(f"--{flag}", type=int, default=default, help=f"refuse requests with more {text} (default {default})")
+        p.add_argument(f"--{flag}", type=int, default=default, help=f"at most this many {text} (default {default})")
 
 
 def limits_from(values: dict | None) -> dict:
