@@ -42,6 +42,9 @@ def add_serve_args(p) -> None:
     p.add_argument("--max_restarts", type=int, default=5,
                    help="restarts after a crash allowed within --restart_window; one more is a crash loop (exit 3)")
     p.add_argument("--restart_window", type=float, default=300.0, help="seconds (see --max_restarts)")
+    p.add_argument("--stall_timeout", type=float, default=120.0,
+                   help="seconds without a scheduler step while requests are in flight after which the speculative "
+                        "model counts as hung: not ready, restarted (0: off)")
     p.add_argument("--shutdown_timeout", type=float, default=6.0,
                    help="seconds requests in flight get after SIGTERM/SIGINT; then the server and its stubs are killed")
     add_limit_args(p)
@@ -68,7 +71,8 @@ def cmd_serve(args, out=print) -> int:
                             draft_policy={f: getattr(args, f, None) for f in POLICY_FLAGS},
                             shutdown_timeout=args.shutdown_timeout, limits=limits)
 
-    supervisor = Supervisor(start, max_restarts=args.max_restarts, restart_window=args.restart_window)
+    supervisor = Supervisor(start, max_restarts=args.max_restarts, restart_window=args.restart_window,
+                            stall_timeout=args.stall_timeout)
     try:
         health = serve_health(supervisor, args.host, args.health_port)
     except OSError as e:

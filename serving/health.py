@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -81,6 +83,35 @@ def check_server(handle, stubs: dict[int, str], timeout: float = 2.0) -> Health:
     if not triton_ready(handle.http_url, timeout):
         return Health(False, "tritonserver: /v2/health/ready is not 200")
     return Health(True)
+
+
+class StallWatch:
+    """A stub that is alive but stuck (a deadlocked scheduler, a stopped process): requests are in
+    flight (``nemospec_active_sequences`` + ``nemospec_queued_requests`` > 0 on the metrics port) and
+    ``nemospec_steps_total`` has not moved for ``timeout`` seconds. No request in flight: no verdict."""
+
+    METRIC = re.compile(r'^(nemospec_steps_total|nemospec_active_sequences|nemospec_queued_requests)'
+                        r'\{[^}]*model="speculative"[^}]*\} ([0-9.eE+-]+)$', re.M)
+
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+        self._steps = None
+        self._since = None
+
+    def update(self, metrics_text: str, now: float | None = None) -> str | None:
+        """The stall's reason, or None."""
+        now = time.monotonic() if now is None else now
+        values = {name: float(value) for name, value in self.METRIC.findall(metrics_text)}
+        if "nemospec_steps_total" not in values:
+            return None
+        busy = values.get("nemospec_active_sequences", 0) + values.get("nemospec_queued_requests", 0)
+        if not busy or values["nemospec_steps_total"] != self._steps:
+            self._steps, self._since = values["nemospec_steps_total"], now
+            return None
+        if now - self._since >= self.timeout:
+            return (f"the speculative model stalled: {busy:.0f} requests in flight and no scheduler step for "
+                    f"{now - self._since:.0f} s (--stall_timeout {self.timeout:g})")
+        return None
 
 
 def is_ready(target, timeout: float = 2.0) -> bool:

@@ -7,7 +7,8 @@ Every ``check_interval`` seconds (0.5) the supervisor checks what it started
 reason). This is the URL a load balancer or Kubernetes readiness probe should use: Triton 2.51's own
 ``/v2/health/ready`` stays 200 after a stub died.
 
-When a stub or the server dies, the whole server is killed (its process group: requests in flight
+A stub that is alive but stuck (requests in flight, no scheduler step for ``stall_timeout`` seconds,
+read from the metrics port) counts as dead too. When a stub or the server dies, the whole server is killed (its process group: requests in flight
 get a connection error at once, never a hang) and started again on the same ports. Triton 2.51's
 explicit model control can reload the model (``--model-control-mode explicit`` +
 ``POST /v2/repository/models/speculative/load`` served new requests ~4 s later), but the requests in
@@ -29,7 +30,7 @@ from collections import deque
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from builder.errors import NemospecError
-from serving.health import Health, check_server
+from serving.health import Health, StallWatch, check_server
 
 EXIT_RESTART_FAILED = 1      # the server could not be started again within restart_timeout
 EXIT_CRASH_LOOP = 3          # more than max_restarts restarts within restart_window seconds
@@ -52,16 +53,22 @@ def is_ready(target=None, timeout: float = 2.0) -> bool:
 
 class Supervisor:
     def __init__(self, start, *, check_interval: float = 0.5, max_restarts: int = 5, restart_window: float = 300.0,
-                 restart_timeout: float = 60.0, log=None, check=check_server):
+                 restart_timeout: float = 60.0, stall_timeout: float = 120.0, log=None, check=check_server):
         """``start()``: starts a server and returns its ``serving.launch.ServerHandle`` once ready;
-        ``check(handle, stubs, timeout) -> Health`` (``serving.health.check_server``)."""
+        ``check(handle, stubs, timeout) -> Health`` (``serving.health.check_server``);
+        ``stall_timeout``: seconds without a scheduler step while requests are in flight that count
+        as a hung model (``serving.health.StallWatch``; 0: not watched)."""
         if max_restarts < 0:
             raise NemospecError(f"--max_restarts: expected >= 0, got {max_restarts}")
+        if stall_timeout < 0:
+            raise NemospecError(f"--stall_timeout: expected >= 0 seconds (0: off), got {stall_timeout}")
         if restart_window <= 0:
             raise NemospecError(f"--restart_window: expected > 0 seconds, got {restart_window}")
         self._start = start
         self.check_interval, self.max_restarts, self.restart_window = check_interval, max_restarts, restart_window
         self.restart_timeout, self._check = restart_timeout, check
+        self.stall_timeout = stall_timeout
+        self._stall = StallWatch(stall_timeout)
         self._log = log or (lambda message: print(message, file=sys.stderr, flush=True))
         self.handle = None
         self._lock = threading.Lock()
@@ -131,19 +138,29 @@ class Supervisor:
             self.start()
         while not self._stop.wait(self.check_interval):
             health = self._check(self.handle, self.handle.stubs, timeout=max(1.0, self.check_interval * 2))
+            if health.ready and self.stall_timeout:
+                health = self._stalled() or health
             if health.ready:
                 self._unready_since = None
                 self._set(health=health)
                 continue
             self._set(health=health)
             now = time.monotonic()
-            process_died = not health.reason.startswith("tritonserver: /v2/health/ready")
+            process_died = not health.reason.startswith("tritonserver: /v2/health/ready")   # or stalled
             self._unready_since = self._unready_since or now
             if process_died or now - self._unready_since >= HTTP_GRACE_SECONDS:
                 code = self._restart(health.reason)
                 if code is not None:
                     return code
         return 0
+
+    def _stalled(self) -> Health | None:
+        try:
+            text = self.handle.metrics()
+        except (OSError, ValueError):
+            return None              # Triton's readiness check covers an unreachable server
+        reason = self._stall.update(text)
+        return Health(False, reason) if reason else None
 
     def _restart(self, cause: str) -> int | None:
         detected = time.monotonic()
@@ -182,6 +199,7 @@ class Supervisor:
             self._log(f"supervisor: tritonserver not serving {self.restart_timeout:.0f} s after the crash ({error}); "
                       f"stopping (exit {EXIT_RESTART_FAILED})")
             return EXIT_RESTART_FAILED
+        self._stall = StallWatch(self.stall_timeout)
         with self._lock:
             self.last_recovery_seconds = time.monotonic() - detected
             self._phase, self._health = "serving", Health(True)

@@ -244,6 +244,27 @@ def test_crash_loop_exits_3(engine_dir, tmp_path):
         serve.stop()
 
 
+def test_stalled_stub_is_restarted(engine_dir, tmp_path):
+    """A stub alive but stuck (SIGSTOP here; a deadlock alike): requests in flight and no scheduler
+    step for --stall_timeout seconds -> not ready, restarted, the stream gets an error."""
+    serve = Serve(engine_dir, tmp_path / "serve.log", "--stall_timeout", "2")
+    try:
+        pid = next(int(p) for p, m in serve.state()["stub_pids"].items() if m == "speculative")
+        stream = Stream(serve)
+        assert stream.first.wait(60)
+        os.kill(pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        assert serve.wait_not_ready(10), "not ready within --stall_timeout + a few checks"
+        MEASURED["stall_not_ready_s"] = time.monotonic() - stopped
+        assert stream.done.wait(30) and stream.error is not None
+        assert serve.wait_ready(60)
+        assert "stalled" in serve.state()["last_cause"] and not health.process_alive(pid)
+        status, got = generate(SimpleNamespace(http_url=serve.http_url), text_input=PROMPTS[0], max_tokens=12)
+        assert status == 200 and got["output_ids"] == offline(engine_dir, PROMPTS[0], 12)["output_ids"]
+    finally:
+        serve.stop()
+
+
 def test_stop_after_a_stub_died_is_quick(engine_dir):
     """Without the supervisor (the launch API): a stub dead with a request in flight at it used to
     keep the stop waiting its full timeout (30 s); now the process group goes after shutdown_timeout."""

@@ -28,6 +28,9 @@ class FakeHandle:
     def log_tail(self, lines=5):
         return ""
 
+    def metrics(self):
+        return ""
+
     def kill(self):
         self.killed = True
 
@@ -117,3 +120,21 @@ def test_bad_flags():
         supervisor.Supervisor(lambda: None, max_restarts=-1)
     with pytest.raises(NemospecError, match="--restart_window"):
         supervisor.Supervisor(lambda: None, restart_window=0)
+
+
+def _metrics(steps, active, queued=0):
+    return "\n".join(f'{name}{{model="speculative"}} {value}' for name, value in
+                     (("nemospec_steps_total", steps), ("nemospec_active_sequences", active),
+                      ("nemospec_queued_requests", queued))) + "\n"
+
+
+def test_stall_watch_needs_requests_in_flight_and_no_step():
+    w = health.StallWatch(5)
+    assert w.update(_metrics(10, 1), now=0) is None
+    assert w.update(_metrics(10, 1), now=4) is None
+    assert "stalled: 1 requests in flight and no scheduler step for 6 s" in w.update(_metrics(10, 1), now=6)
+    assert w.update(_metrics(11, 1), now=7) is None, "a step is progress"
+    assert w.update(_metrics(11, 0, queued=2), now=11) is None
+    assert w.update(_metrics(11, 0, queued=2), now=13) is not None, "queued requests waiting count too"
+    assert w.update(_metrics(11, 0), now=100) is None, "nothing in flight: no verdict"
+    assert w.update("", now=200) is None, "no speculative metrics (yet)"
