@@ -64,12 +64,12 @@ def cmd_serve(args, out=print) -> int:
     if not 0 < args.shutdown_timeout <= 60:
         raise NemospecError(f"--shutdown_timeout: expected 0 < seconds <= 60, got {args.shutdown_timeout}")
 
-    def start():
+    def start(ready_timeout: float = 600.0):
         return start_server(args.engine_dir, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
                             metrics_port=args.metrics_port, model_repo_dir=args.model_repo_dir, api_key=args.api_key,
                             backend=args.backend, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
                             draft_policy={f: getattr(args, f, None) for f in POLICY_FLAGS},
-                            shutdown_timeout=args.shutdown_timeout, limits=limits)
+                            shutdown_timeout=args.shutdown_timeout, limits=limits, ready_timeout=ready_timeout)
 
     supervisor = Supervisor(start, max_restarts=args.max_restarts, restart_window=args.restart_window,
                             stall_timeout=args.stall_timeout)

@@ -54,7 +54,8 @@ def is_ready(target=None, timeout: float = 2.0) -> bool:
 class Supervisor:
     def __init__(self, start, *, check_interval: float = 0.5, max_restarts: int = 5, restart_window: float = 300.0,
                  restart_timeout: float = 60.0, stall_timeout: float = 120.0, log=None, check=check_server):
-        """``start()``: starts a server and returns its ``serving.launch.ServerHandle`` once ready;
+        """``start(ready_timeout=...)``: starts a server and returns its ``serving.launch.ServerHandle``
+        once ready (a restart passes what is left of ``restart_timeout``);
         ``check(handle, stubs, timeout) -> Health`` (``serving.health.check_server``);
         ``stall_timeout``: seconds without a scheduler step while requests are in flight that count
         as a hung model (``serving.health.StallWatch``; 0: not watched)."""
@@ -186,7 +187,7 @@ class Supervisor:
         error = None
         while time.monotonic() < deadline and not self._stop.is_set():
             try:
-                self.handle = self._start()
+                self.handle = self._start(ready_timeout=max(1.0, deadline - time.monotonic()))
                 break
             except NemospecError as e:      # e.g. a port not free yet: try again until the deadline
                 error = e

@@ -45,7 +45,7 @@ def check(handle, stubs, timeout):
 def test_crash_loop_exits_3_after_max_restarts():
     handles, logs = [], []
 
-    def start():
+    def start(ready_timeout=None):
         handles.append(FakeHandle(dead_after=0.05))
         return handles[-1]
 
@@ -60,7 +60,7 @@ def test_crash_loop_exits_3_after_max_restarts():
 def test_crashes_spread_out_are_not_a_loop():
     handles = []
 
-    def start():
+    def start(ready_timeout=None):
         handles.append(FakeHandle(dead_after=0.3))
         return handles[-1]
 
@@ -74,7 +74,7 @@ def test_crashes_spread_out_are_not_a_loop():
 def test_restart_that_keeps_failing_exits_1():
     calls = []
 
-    def start():
+    def start(ready_timeout=None):
         calls.append(1)
         if len(calls) > 1:
             raise NemospecError("tritonserver exited with code 1 before it was ready: port in use")
@@ -87,7 +87,7 @@ def test_restart_that_keeps_failing_exits_1():
 
 
 def test_readiness_endpoint_and_is_ready():
-    s = supervisor.Supervisor(lambda: FakeHandle(dead_after=1e9), check_interval=0.01, check=check)
+    s = supervisor.Supervisor(lambda **kw: FakeHandle(dead_after=1e9), check_interval=0.01, check=check)
     s.start()
     port = free_port()
     server = supervisor.serve_health(s, "127.0.0.1", port)
