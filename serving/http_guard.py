@@ -21,7 +21,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from serving.generate_fields import GENERATE_PATH, check_generate_body
 
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade",
-              "content-length"}
+              "content-length", "expect"}   # (the guard answers 100-continue itself)
 CHUNK = 64 << 10
 DRAIN_BYTES = 256 << 20  # an oversized body is read and dropped up to this much, so the client sees the 413
 
