@@ -18,7 +18,6 @@ import socket
 import subprocess
 import tempfile
 import time
-import urllib.error
 import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass, field

@@ -6,7 +6,6 @@ up; a good request afterwards returns the same output as before. Example counts 
 """
 import json
 import math
-import re
 
 import numpy as np
 import pytest
@@ -171,13 +170,3 @@ def test_http_body_over_the_cap_is_refused_before_triton(server, before):
         status, text = http_post(server, path, {"text_input": "x", "max_tokens": 4, "junk": "y" * (6 << 20)})
         assert status == 413 and "request body" in text and "--max_body_bytes" in text, text
     _still_serving(server, before)
-
-
-def test_limits_from_flags():
-    assert limits.decode_limits(limits.encode_limits({"max_stop_words": 3}))["max_stop_words"] == 3
-    with pytest.raises(Exception, match="--max_prompt_bytes: expected a positive integer"):
-        limits.limits_from({"max_prompt_bytes": 0})
-    limits.check_text(limits.limits_from({}), b"x" * 10)
-    with pytest.raises(limits.LimitError, match="request: 12 bytes"):
-        limits.check_text(limits.limits_from({"max_request_bytes": 11}), b"x" * 10, [b"ab"])
-

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import pytest
 
 from serving import health, launch
-from test_serving import HAVE_TRITON, OPTIONS, PROMPTS, _grpc_inputs, engine_dir, generate, offline  # noqa: F401
+from test_serving import HAVE_TRITON, PROMPTS, _grpc_inputs, engine_dir, generate, offline  # noqa: F401
 
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="needs tritonserver and tritonclient (pip install -e '.[dev]')")
 MEASURED = {}   # seconds, printed at the end of the module (pytest -s) for the report
