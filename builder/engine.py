@@ -10,6 +10,7 @@ An engine directory is self-contained:
     draft.engine         (speculative modes) the draft network
     weights/*.safetensors  the weights in the build dtype (the TorchRunner's input)
     tokenizer.json ...   the checkpoint's tokenizer files, when it has them
+    (config.json 'files': each engine and weights file's size and sha256, see builder.integrity)
     build_report.json    per engine: layers, bytes, build time, the lowering each op got
 
 The directory is written under a temporary name next to ``output_dir`` and renamed into place
@@ -30,6 +31,7 @@ from safetensors.torch import save_file
 from builder.atomic_dir import atomic_dir
 from builder.checkpoint import checkpoint_hash, load_checkpoint
 from builder.errors import BuildError
+from builder.integrity import record_files
 from builder.models.nemotron_h import NemotronH
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
@@ -320,6 +322,7 @@ def build(checkpoint_dir, output_dir, options: BuildOptions, log=print, draft_di
             "tokenizer": "tokenizer.json" if "tokenizer.json" in tokenizer else None,
             "speculative": draft.meta if draft else None,
             "engines": contracts,
+            "files": record_files(tmp),   # sizes + sha256, checked by serve/generate (builder.integrity)
         }
         (tmp / "config.json").write_text(json.dumps(meta, indent=2))
         weight_bytes = {n: sum(w.numel() * w.element_size() for w in t.values()) for n, t in weight_files.items()}

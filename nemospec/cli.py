@@ -65,6 +65,9 @@ def _parser():
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="with --checkpoint_dir: the eager dtype")
     g.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    g.add_argument("--verify", action="store_true",
+                   help="with --engine_dir: check every engine and weights file's sha256 against config.json "
+                        "(sizes are always checked)")
     add_policy_args(g, build=False)
     g.add_argument("--speculative_decoding_mode", default=None,
                    choices=["draft_target", "eagle", "eagle3", "mtp", "dflash", "dspark", "peagle"],
@@ -165,6 +168,10 @@ def cmd_generate(args):
         loaded = open_checkpoint(args.checkpoint_dir, args.dtype, mode=args.speculative_decoding_mode,
                                  draft_dir=args.draft_dir, max_draft_len=args.max_draft_len, backend=backend)
     else:
+        from builder.integrity import verify_engine_dir
+        notice = verify_engine_dir(args.engine_dir, hashes=args.verify)
+        if notice:
+            err.print(f"warning: {notice}", markup=False)
         loaded = open_engine_dir(args.engine_dir, backend)
     tokenizer = None
     if loaded.tokenizer_path is not None:

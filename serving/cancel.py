@@ -37,9 +37,23 @@ def notify_cancel(cancel_dir, key: int) -> bool:
         return False
 
 
-def cancel_listener(cancel_dir, on_cancel) -> "callable":
+#: the datagram that tells a speculative instance the server is stopping: answer every request in
+#: flight with an error now (``serving.launch.ServerHandle.stop`` sends it when draining ran out)
+SHUTDOWN = b"shutdown"
+
+
+def notify_shutdown(cancel_dir, pid: int) -> bool:
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.sendto(SHUTDOWN, cancel_socket_path(cancel_dir, pid))
+        return True
+    except OSError:
+        return False
+
+
+def cancel_listener(cancel_dir, on_cancel, on_shutdown=None) -> "callable":
     """Binds this process's cancel socket and calls ``on_cancel(request_id)`` for each datagram from
-    a daemon thread. Returns a function that closes it."""
+    a daemon thread (``on_shutdown()`` for SHUTDOWN). Returns a function that closes it."""
     import threading
     path = cancel_socket_path(cancel_dir, os.getpid())
     Path(cancel_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -59,6 +73,9 @@ def cancel_listener(cancel_dir, on_cancel) -> "callable":
             except OSError:
                 break
             try:
+                if data == SHUTDOWN and on_shutdown is not None:
+                    on_shutdown()
+                    continue
                 on_cancel(int(data.decode()))
             except Exception:  # a malformed datagram or a failing callback must not end the listener
                 pass

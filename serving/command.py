@@ -1,13 +1,21 @@
-"""The `nemospec serve` command: start the server, print its endpoints, run until a signal."""
+"""The `nemospec serve` command: check the engine directory, start the server under a supervisor
+(``serving.supervisor``), print its endpoints, run until a signal.
+
+Exit codes: 0 after SIGINT/SIGTERM; 2 bad input (flags, a missing, truncated or altered engine
+directory file) before anything starts; 1 the server could not be started again within 60 s of a
+crash; 3 a crash loop (more than --max_restarts restarts within --restart_window seconds)."""
 from __future__ import annotations
 
-import sys
-import time
 import signal
+import sys
 
+from builder.errors import NemospecError
+from builder.integrity import verify_engine_dir
 from runtime.draft_policy import POLICY_FLAGS, add_policy_args
-from serving.launch import API_KEY_HEADER, GRPC_API_KEY_HEADER, start_server
+from serving.launch import API_KEY_HEADER, GRPC_API_KEY_HEADER, _client_host, start_server
+from serving.limits import LIMITS, add_limit_args, limits_from
 from serving.repository import BACKENDS
+from serving.supervisor import Supervisor, serve_health
 
 
 def add_serve_args(p) -> None:
@@ -16,6 +24,9 @@ def add_serve_args(p) -> None:
     p.add_argument("--http_port", type=int, default=8000)
     p.add_argument("--grpc_port", type=int, default=8001)
     p.add_argument("--metrics_port", type=int, default=8002)
+    p.add_argument("--health_port", type=int, default=8003,
+                   help="the supervisor's readiness endpoint: GET /health/ready is 200 only while a request can be "
+                        "served (probe this, not Triton's /v2/health/ready); /metrics: restarts, last cause")
     p.add_argument("--model_repo_dir", default=None, help="where to write the filled model repository (default: a temporary directory)")
     p.add_argument("--api_key", default=None,
                    help=f"require the key on the model-repository and shared-memory endpoints (HTTP header "
@@ -31,51 +42,87 @@ def add_serve_args(p) -> None:
     p.add_argument("--no_openai", action="store_true", help="serve Triton's endpoints only")
     p.add_argument("--served_model_name", default=None,
                    help="the model name of the OpenAI API (default: the engine directory's name)")
+    p.add_argument("--no_verify", dest="verify", action="store_false",
+                   help="skip the sha256 check of every engine and weights file before starting (sizes are still "
+                        "checked)")
+    p.add_argument("--max_restarts", type=int, default=5,
+                   help="restarts after a crash allowed within --restart_window; one more is a crash loop (exit 3)")
+    p.add_argument("--restart_window", type=float, default=300.0, help="seconds (see --max_restarts)")
+    p.add_argument("--stall_timeout", type=float, default=120.0,
+                   help="seconds without a scheduler step while requests are in flight after which the speculative "
+                        "model counts as hung: not ready, restarted (0: off)")
+    p.add_argument("--shutdown_timeout", type=float, default=6.0,
+                   help="seconds requests in flight get after SIGTERM/SIGINT; then the server and its stubs are killed")
+    add_limit_args(p)
     add_policy_args(p, build=False)
 
 
 def cmd_serve(args, out=print) -> int:
-    """Runs until SIGINT/SIGTERM (exit 0) or until tritonserver dies (exit 1); bad input raises
-    NemospecError (exit 2 from the CLI). The child is stopped on every path out."""
+    """Runs until SIGINT/SIGTERM (exit 0), a crash loop (3) or a failed restart (1); bad input raises
+    NemospecError (exit 2 from the CLI). The server and its stubs are stopped on every path out."""
     def on_signal(signum, frame):
         raise KeyboardInterrupt
 
+    notice = verify_engine_dir(args.engine_dir, hashes=args.verify)  # before anything starts: exit 2 naming a file
+    if notice:
+        out(f"warning: {notice}", file=sys.stderr)
+    limits = limits_from({flag: getattr(args, flag, None) for flag in LIMITS})
+    if not 0 < args.shutdown_timeout <= 60:
+        raise NemospecError(f"--shutdown_timeout: expected 0 < seconds <= 60, got {args.shutdown_timeout}")
+
+    def start(ready_timeout: float = 600.0):
+        return start_server(args.engine_dir, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
+                            metrics_port=args.metrics_port, model_repo_dir=args.model_repo_dir, api_key=args.api_key,
+                            backend=args.backend, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
+                            draft_policy={f: getattr(args, f, None) for f in POLICY_FLAGS},
+                            shutdown_timeout=args.shutdown_timeout, limits=limits, ready_timeout=ready_timeout)
+
+    supervisor = Supervisor(start, max_restarts=args.max_restarts, restart_window=args.restart_window,
+                            stall_timeout=args.stall_timeout)
+    try:
+        health = serve_health(supervisor, args.host, args.health_port)
+    except OSError as e:
+        raise NemospecError(f"--health_port: cannot bind {args.host}:{args.health_port}: {e.strerror or e}") from None
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    handle = frontend = None
+    started, frontend = False, None
     try:
         out(f"starting tritonserver for {args.engine_dir} ...", file=sys.stderr)
-        handle = start_server(args.engine_dir, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
-                              metrics_port=args.metrics_port, model_repo_dir=args.model_repo_dir, api_key=args.api_key,
-                              backend=args.backend, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
-                              draft_policy={f: getattr(args, f, None) for f in POLICY_FLAGS})
+        handle = supervisor.start()
+        started = True
         if not args.no_openai:
-            frontend = start_openai(args, handle)
-        for name, url in {**handle.endpoints(), **({"openai": frontend.url} if frontend else {})}.items():
-            out(f"{name:16s} {url}")
+            frontend = start_openai(args, handle, supervisor.is_ready)
+        health_url = f"http://{_client_host(args.host)}:{args.health_port}"
+        endpoints = handle.endpoints()
+        endpoints = {**{k: v for k, v in endpoints.items() if k in ("http", "grpc", "metrics")},
+                     "ready": f"{health_url}/health/ready", "supervisor_metrics": f"{health_url}/metrics",
+                     **{k: v for k, v in endpoints.items() if k in ("generate", "generate_stream")},
+                     **({"openai": frontend.url} if frontend else {})}
+        for name, url in endpoints.items():
+            out(f"{name:18s} {url}")
         out(f"model repository {handle.repo_dir}; server log {handle.log_path}", file=sys.stderr)
         out("ready; Ctrl-C (SIGINT) or SIGTERM stops the server", file=sys.stderr)
         sys.stdout.flush()
-        while handle.alive():
-            time.sleep(0.5)
-        out(f"tritonserver exited with code {handle.process.returncode}; last log lines:\n{handle.log_tail()}",
-            file=sys.stderr)
-        return 1
+        return supervisor.run()
     except KeyboardInterrupt:
-        if handle is not None:
+        if started:
             out("stopping tritonserver ...", file=sys.stderr)
         return 0
     finally:
+        for s in previous:               # a second signal must not cut the stop short
+            signal.signal(s, signal.SIG_IGN)
         if frontend is not None:
             frontend.stop()
-        if handle is not None:
-            handle.stop()
+        supervisor.stop()
+        health.shutdown()
+        health.server_close()
         for s, h in previous.items():
             signal.signal(s, h)
 
 
-def start_openai(args, handle):
-    """The OpenAI frontend for a started server (sends its requests to the server's gRPC port)."""
+def start_openai(args, handle, ready=None):
+    """The OpenAI frontend for a started server (sends its requests to the server's gRPC port, which a
+    restart keeps); ``ready``: the supervisor's truthful readiness, which its /health/ready joins."""
     from serving.openai.server import OpenAIFrontend
     headers = {GRPC_API_KEY_HEADER: args.api_key} if args.api_key else None
     return OpenAIFrontend(args.engine_dir, handle.grpc_url, args.host, args.openai_port, args.api_key, headers,
-                          model_name=args.served_model_name).start()
+                          ready=ready, model_name=args.served_model_name).start()

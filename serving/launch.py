@@ -1,7 +1,8 @@
 """Starting and stopping ``tritonserver`` for an engine directory.
 
 ``start_server`` fills the model repository into a run directory, starts the server and waits until
-``/v2/health/ready``. The returned handle stops it (SIGTERM, then SIGKILL after a grace period);
+``/v2/health/ready``. The returned handle stops it (SIGTERM, then SIGKILL of its whole process group,
+the Python stubs included, after ``shutdown_timeout``) or kills it at once (``kill``, for a restart);
 ``serving(...)`` is the same as a context manager. The child is also killed if this process dies
 (``PR_SET_PDEATHSIG``: call from a thread that outlives the server, e.g. the main thread) or exits
 (``atexit``).
@@ -9,6 +10,7 @@
 from __future__ import annotations
 
 import atexit
+import os
 import re
 import shutil
 import signal
@@ -16,19 +18,23 @@ import socket
 import subprocess
 import tempfile
 import time
-import urllib.error
 import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from builder.errors import NemospecError
+from serving.cancel import notify_shutdown
+from serving.health import stub_processes, triton_ready
+from serving.http_guard import HttpGuard
+from serving.limits import limits_from
 from serving.repository import fill_model_repo
 from serving.tritonserver import assemble_backends, gpu_present, server_env, find_tritonserver
 
 API_KEY_HEADER = "api-key"                              # HTTP header for --api_key
 GRPC_API_KEY_HEADER = "triton-grpc-protocol-api-key"    # the same as gRPC metadata (Triton adds the prefix)
 RESTRICTED = "model-repository,shared-memory"           # what --api_key protects
+ABORT_SECONDS = 2.5      # the last part of a stop: requests still in flight are ended with an error
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -62,6 +68,10 @@ class ServerHandle:
     command: list
     _temp: bool = False
     _log_file: object = field(default=None, repr=False)
+    shutdown_timeout: float = 6.0
+    stubs: dict = field(default_factory=dict)    # {pid: model} of the Python stubs when it became ready
+    _group_killed: bool = field(default=False, repr=False)
+    guard: object = field(default=None, repr=False)   # serving.http_guard.HttpGuard on http_port, if any
 
     @property
     def http_url(self) -> str:
@@ -102,17 +112,53 @@ class ServerHandle:
         with urllib.request.urlopen(self.metrics_url, timeout=10) as r:
             return r.read().decode()
 
-    def stop(self, timeout: float = 30.0) -> int | None:
-        """SIGTERM (Triton finishes in-flight requests), SIGKILL after ``timeout`` seconds. Idempotent."""
+    def _kill_group(self) -> None:
+        """SIGKILL to the server's process group (it leads one: start_new_session) and to every stub
+        seen, so no child outlives it, then reap the server. Once only: the pids may be reused later."""
+        if self._group_killed:
+            return
+        self._group_killed = True
+        for kill, pid in [(os.killpg, self.process.pid)] + [(os.kill, pid) for pid in self.stubs]:
+            try:
+                kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def kill(self) -> int | None:
+        """At once, no grace (a server that cannot serve any more): requests in flight get a
+        connection error. Then cleans up as ``stop``."""
+        self._kill_group()
+        return self.stop()
+
+    def stop(self, timeout: float | None = None) -> int | None:
+        """SIGTERM (Triton refuses new requests, finishes those in flight), after ``timeout`` minus
+        ABORT_SECONDS seconds (default ``shutdown_timeout``) the speculative model ends the rest with
+        an error, after ``timeout`` SIGKILL of the process group. Idempotent."""
+        timeout = self.shutdown_timeout if timeout is None else timeout
         if self.process.poll() is None:
             try:
                 self.process.send_signal(signal.SIGTERM)
-                self.process.wait(timeout=timeout)
+                self.process.wait(timeout=max(0.0, timeout - ABORT_SECONDS))
             except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
+                # still draining: the speculative stubs answer what is left with an error, so Triton
+                # (whose own exit timeout, once expired, left it hanging in 2.51) exits by itself
+                for pid, model in self.stubs.items():
+                    if model == "speculative":
+                        notify_shutdown(self.run_dir / "cancel", pid)
+                try:
+                    self.process.wait(timeout=min(ABORT_SECONDS, timeout))
+                except subprocess.TimeoutExpired:
+                    pass
             except ProcessLookupError:
                 pass
+        self._kill_group()       # stubs left behind (e.g. after the server was killed) go too
+        if self.guard is not None:
+            self.guard.close()
+            self.guard = None
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
@@ -129,35 +175,39 @@ class ServerHandle:
         self.stop()
 
 
-def _ready(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://{url}/v2/health/ready", timeout=2) as r:
-            return r.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
-
-
 def start_server(engine_dir, *, host: str = "127.0.0.1", http_port: int = 8000, grpc_port: int = 8001,
                  metrics_port: int = 8002, model_repo_dir=None, api_key: str | None = None, backend: str = "auto",
                  max_batch_size: int | None = None, max_queue: int = 64, ready_timeout: float = 600.0,
-                 extra_args=(), draft_policy: dict | None = None) -> ServerHandle:
+                 extra_args=(), draft_policy: dict | None = None, shutdown_timeout: float = 6.0,
+                 limits: dict | None = None) -> ServerHandle:
     """Fills the model repository, starts tritonserver and waits until it is ready.
 
     A temporary run directory holds the assembled backend, the server log and (unless
     ``model_repo_dir`` names one) the model repository; ``stop()`` removes it. Any error, Ctrl-C
-    included, kills the child before it propagates.
+    included, kills the child before it propagates. ``shutdown_timeout``: how long ``stop()`` lets
+    in-flight requests run (the last ABORT_SECONDS of it, the speculative model ends what is left with an
+    error; Triton's own exit timeout is longer: once expired, it left Triton 2.51 hanging).
+    ``limits``: request limits (``serving.limits``). Triton's own HTTP port is a free loopback port
+    behind an ``HttpGuard`` on ``host:http_port`` that refuses bodies over ``max_body_bytes``.
     """
     server = find_tritonserver()
+    limits = limits_from(limits)
     run_dir = Path(tempfile.mkdtemp(prefix="nemospec-serve-"))
-    handle = None
+    handle = guard = None
     try:
+        triton_host, triton_http = "127.0.0.1", free_port()
+        try:
+            guard = HttpGuard(host, http_port, triton_http, limits["max_body_bytes"])
+        except OSError as e:
+            raise NemospecError(f"--http_port: cannot bind {host}:{http_port}: {e.strerror or e}") from None
         repo_dir = fill_model_repo(engine_dir, Path(model_repo_dir).resolve() if model_repo_dir else run_dir / "models",
                                    backend=backend, max_batch_size=max_batch_size, max_queue=max_queue,
-                                   cancel_dir=run_dir / "cancel", draft_policy=draft_policy)
+                                   cancel_dir=run_dir / "cancel", draft_policy=draft_policy, limits=limits)
         backend_dir = assemble_backends(server, run_dir)
         cmd = [str(server.binary), "--model-repository", str(repo_dir), "--model-control-mode", "none",
-               "--strict-model-config", "true", "--exit-timeout-secs", "15",
-               "--http-address", host, "--http-port", str(http_port),
+               "--strict-model-config", "true",
+               "--exit-timeout-secs", str(int(shutdown_timeout) + 10),   # ours comes first (stop())
+               "--http-address", triton_host, "--http-port", str(triton_http),
                "--grpc-address", host, "--grpc-port", str(grpc_port),
                "--allow-metrics", "true", "--metrics-address", host, "--metrics-port", str(metrics_port),
                "--allow-gpu-metrics", "true" if gpu_present() else "false", "--log-verbose", "0"]
@@ -173,10 +223,10 @@ def start_server(engine_dir, *, host: str = "127.0.0.1", http_port: int = 8000, 
                                    env=server_env(server), cwd=str(run_dir), start_new_session=True,
                                    preexec_fn=_pdeathsig)
         handle = ServerHandle(process, host, http_port, grpc_port, metrics_port, run_dir, repo_dir, log_path, cmd,
-                              True, log_file)
+                              True, log_file, shutdown_timeout, guard=guard)
         atexit.register(handle.stop)
         deadline = time.monotonic() + ready_timeout
-        while not _ready(handle.http_url):
+        while not triton_ready(handle.http_url):
             if process.poll() is not None:
                 raise NemospecError(f"tritonserver exited with code {process.returncode} before it was ready:\n"
                                     f"{handle.errors() or handle.log_tail()}")
@@ -184,10 +234,13 @@ def start_server(engine_dir, *, host: str = "127.0.0.1", http_port: int = 8000, 
                 raise NemospecError(f"tritonserver not ready after {ready_timeout:.0f} s; last log lines:\n"
                                     f"{handle.log_tail()}")
             time.sleep(0.25)
+        handle.stubs = stub_processes(process.pid)
         return handle
     except BaseException:
         if handle is not None:
-            handle.stop(timeout=10)
+            handle.kill()
+        elif guard is not None:
+            guard.close()
         shutil.rmtree(run_dir, ignore_errors=True)
         raise
 

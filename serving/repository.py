@@ -13,6 +13,7 @@ from types import SimpleNamespace
 from builder.errors import NemospecError
 from runtime.draft_policy import POLICY_FLAGS, policy_from
 from serving.tensors import template_fields
+from serving.limits import encode_limits
 
 ROOT = Path(__file__).resolve().parent.parent          # the directory holding serving/ and model_repo/
 TEMPLATES = ROOT / "model_repo"
@@ -45,11 +46,13 @@ def decode_policy(text: str) -> SimpleNamespace:
 
 
 def fill_model_repo(engine_dir, repo_dir, *, backend: str = "auto", max_batch_size: int | None = None,
-                    max_queue: int = 64, cancel_dir=None, draft_policy: dict | None = None) -> Path:
+                    max_queue: int = 64, cancel_dir=None, draft_policy: dict | None = None,
+                    limits: dict | None = None) -> Path:
     """Writes the four models of ``model_repo/`` for ``engine_dir`` into ``repo_dir`` (replacing them).
 
     ``cancel_dir`` is where the speculative model listens for cancellations the postprocessing model
-    sees (default: a per-user directory under the system temp dir)."""
+    sees (default: a per-user directory under the system temp dir). ``limits``: request limits
+    (``serving.limits``; defaults for those not given)."""
     if not (TEMPLATES / "ensemble" / "config.pbtxt").is_file():
         raise NemospecError(f"model_repo templates missing at {TEMPLATES}: install nemospec from a source checkout "
                             "(`pip install -e .`)")
@@ -75,7 +78,7 @@ def fill_model_repo(engine_dir, repo_dir, *, backend: str = "auto", max_batch_si
         policy_from(int(meta["build"]["max_draft_len"]), meta["build"], SimpleNamespace(**overrides))
     values = dict(engine_dir=str(engine_dir), backend=backend, nemospec_root=str(ROOT), cancel_dir=str(cancel_dir.resolve()),
                   max_batch_size=str(max_batch_size or engine_batch), max_queue=str(max_queue),
-                  draft_policy=encode_policy(overrides), **template_fields())
+                  draft_policy=encode_policy(overrides), limits=encode_limits(limits or {}), **template_fields())
     repo_dir = Path(repo_dir)
     repo_dir.mkdir(parents=True, exist_ok=True)
     for name in MODELS:

@@ -159,14 +159,15 @@ def _grpc_inputs(text, max_tokens, stream=True, **fields):
     return inputs
 
 
-def grpc_stream(server, text, max_tokens, parameters=None, **fields):
-    """One request over a gRPC stream: (text chunks, ids, mean accepted tokens, error or None)."""
+def grpc_stream(server, text, max_tokens, parameters=None, inputs=None, **fields):
+    """One request over a gRPC stream: (text chunks, ids, mean accepted tokens, error or None);
+    ``inputs``: prepared InferInputs instead of text, max_tokens and fields."""
     import tritonclient.grpc as grpcclient
     client = grpcclient.InferenceServerClient(server.grpc_url)
     results = queue.Queue()
     client.start_stream(callback=lambda result, error: results.put((result, error)))
     try:
-        client.async_stream_infer("ensemble", _grpc_inputs(text, max_tokens, **fields), parameters=parameters,
+        client.async_stream_infer("ensemble", inputs or _grpc_inputs(text, max_tokens, **fields), parameters=parameters,
                                   enable_empty_final_response=True)
         chunks, ids, mean = [], [], None
         while True:
@@ -380,7 +381,7 @@ BAD = [
     ({"text_input": "x = 1", "max_tokens": 8, "top_p": 1.5}, "top_p"),
     ({"text_input": "x = 1", "max_tokens": 8, "end_id": 100000}, "end_id"),
     ({"text_input": "x = 1", "max_tokens": 8, "parameters": {"speculative": "maybe"}}, "speculative"),
-    ({"text_input": "x = 1", "max_tokens": "eight"}, ""),      # JSON of the wrong type: Triton refuses it
+    ({"text_input": "x = 1", "max_tokens": "eight"}, "max_tokens"),   # wrong JSON type: refused before Triton
     # the TensorRT-LLM backend's inputs nemospec accepts only at their neutral value
     ({"text_input": "x = 1", "max_tokens": 8, "beam_width": 2}, "beam_width"),
     ({"text_input": "x = 1", "max_tokens": 8, "num_return_sequences": 3}, "num_return_sequences"),

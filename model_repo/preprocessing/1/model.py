@@ -25,8 +25,10 @@ class TritonPythonModel:
             sys.path.insert(0, root)
         from tokenizers import Tokenizer
 
+        from serving import limits
         from serving.protocol import pack_word_ids, split_words
         self._pack, self._split = pack_word_ids, split_words
+        self._limits, self.limits = limits, limits.decode_limits(_param(config, "limits", ""))
         engine_dir = Path(_param(config, "engine_dir"))
         meta = json.loads((engine_dir / "config.json").read_text())
         self.tokenizer = Tokenizer.from_file(str(engine_dir / meta["tokenizer"]))
@@ -40,14 +42,20 @@ class TritonPythonModel:
             words = self._split(tensor.as_numpy().reshape(-1).tolist())
         except UnicodeDecodeError:
             raise BadInput(f"{field}: not valid UTF-8") from None
+        self._limits.check_words(self.limits, field, words)
         ids = [self.tokenizer.encode(w, add_special_tokens=False).ids for w in words]
         return self._pack([i for i in ids if i])
+
+    def _raw(self, request, name):
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        return () if tensor is None else tensor.as_numpy().reshape(-1).tolist()
 
     def _one(self, request):
         query = pb_utils.get_input_tensor_by_name(request, "QUERY").as_numpy()
         if query.shape[0] != 1 or query.size != 1:
             raise BadInput(f"text_input: expected one prompt per request (batch size 1), got shape {list(query.shape)}")
         raw = query.reshape(-1)[0]
+        self._limits.check_text(self.limits, raw, *(self._raw(request, n) for n in ("STOP_WORDS_DICT", "BAD_WORDS_DICT")))
         try:
             text = raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
         except UnicodeDecodeError:
@@ -72,7 +80,7 @@ class TritonPythonModel:
         for request in requests:
             try:
                 responses.append(self._one(request))
-            except BadInput as e:
+            except (BadInput, self._limits.LimitError) as e:
                 responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))))
             except Exception as e:  # never take the server down for one request
                 responses.append(pb_utils.InferenceResponse(

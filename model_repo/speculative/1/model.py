@@ -93,7 +93,8 @@ class TritonPythonModel:
         self.dispatcher = threading.Thread(target=self._dispatch, name="nemospec-dispatch", daemon=True)
         self.dispatcher.start()
         cancel_dir = _param(config, "cancel_dir")
-        self._close_listener = cancel_listener(cancel_dir, lambda rid: self.events.put(("cancel", rid, True, {}))) if cancel_dir else None
+        self._close_listener = cancel_listener(cancel_dir, lambda rid: self.events.put(("cancel", rid, True, {})),
+                                               lambda: self.events.put(("shutdown", None, True, {}))) if cancel_dir else None
         pb_utils.Logger.log_info(f"nemospec speculative: {self.loaded.backend} backend, mode "
                                  f"{(self.loaded.speculative or {}).get('mode', 'none')}, "
                                  f"max_batch_size {self.scheduler.max_batch_size}, max_queue {self.scheduler.max_queue}")
@@ -325,6 +326,8 @@ class TritonPythonModel:
             return True
 
     def _deliver(self, entry, new, finished, info):
+        if entry == "shutdown":     # the server stops: what is in flight ends with an error now
+            return self._abort_all()
         if isinstance(entry, str):  # ("cancel", request id) from the cancel listener
             with self.lock:
                 entry = self.live.get(new)
@@ -427,8 +430,14 @@ class TritonPythonModel:
             self._close_listener()
         self.scheduler.stop()
         self.dispatcher.join(timeout=5)
+        self._abort_all()
+
+    def _abort_all(self):
         with self.lock:
             entries = list(self.live.values())
             self.live.clear()
         for entry in entries:
+            if entry.id is not None:
+                self.scheduler.cancel(entry.id)
+            entry.done = True
             self._refuse(entry.sender, "speculative: the server is shutting down", "failed")

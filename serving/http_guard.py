@@ -1,0 +1,140 @@
+"""A request-body cap in front of Triton's HTTP port.
+
+Triton 2.51 (the nvidia-pytriton wheel's) dies with SIGSEGV on an HTTP request whose body is over
+about 4 MB, on any endpoint (``/generate``, ``/infer``, an unknown JSON field: measured 3 MiB refused
+cleanly by the model, 4 MiB and more a segfault), and has no flag to cap the body
+(``--http-max-input-size`` came in later releases). So ``nemospec serve`` binds the HTTP port itself:
+this guard refuses a body over ``max_body_bytes`` with 413 and a JSON error naming the limit, and
+forwards everything else to Triton's HTTP port on loopback, streaming responses through
+(``generate_stream``'s server-sent events arrive as Triton sends them). The ensemble's generate
+requests get their JSON fields checked first (``serving.generate_fields``: Triton wraps INT32
+silently and names no field for a wrong JSON type). A connection lost to Triton
+(it died) answers 502, or ends a response already under way.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from serving.generate_fields import GENERATE_PATH, check_generate_body
+
+HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade",
+              "content-length", "expect"}   # (the guard answers 100-continue itself)
+CHUNK = 64 << 10
+DRAIN_BYTES = 256 << 20  # an oversized body is read and dropped up to this much, so the client sees the 413
+
+
+class TooLarge(Exception):
+    pass
+
+
+def _read_chunked(rfile, limit: int) -> bytes:
+    body = bytearray()
+    while True:
+        size = int(rfile.readline().split(b";")[0].strip() or b"0", 16)
+        if size == 0:
+            while rfile.readline() not in (b"\r\n", b"\n", b""):   # trailers
+                pass
+            return bytes(body)
+        if len(body) + size > limit:
+            raise TooLarge(len(body) + size)
+        body += rfile.read(size)
+        rfile.readline()
+
+
+def make_handler(upstream: tuple[str, int], max_body_bytes: int):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def _error(self, status: int, message: str, close: bool = False):
+            body = json.dumps({"error": message}).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            if close:
+                self.send_header("Connection", "close")
+                self.close_connection = True
+            self.end_headers()
+            self.wfile.write(body)
+
+        def _body(self) -> bytes:
+            if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+                return _read_chunked(self.rfile, max_body_bytes)
+            length = int(self.headers.get("Content-Length") or 0)
+            if length > max_body_bytes:
+                raise TooLarge(length)
+            return self.rfile.read(length) if length > 0 else b""
+
+        def _drain(self):
+            left = min(int(self.headers.get("Content-Length") or 0), DRAIN_BYTES)
+            while left > 0 and (data := self.rfile.read(min(CHUNK, left))):
+                left -= len(data)
+
+        def _forward(self):
+            try:
+                body = self._body()
+            except TooLarge as e:
+                self._drain()
+                return self._error(413, f"request body: {e.args[0]} bytes exceed --max_body_bytes {max_body_bytes}",
+                                   close=True)
+            except ValueError:
+                return self._error(400, "request body: malformed Content-Length or chunk size", close=True)
+            if self.command == "POST" and GENERATE_PATH.match(self.path):
+                error = check_generate_body(body)
+                if error:
+                    return self._error(400, error)
+            headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP}
+            headers["Content-Length"] = str(len(body))
+            upstream_conn = http.client.HTTPConnection(*upstream, timeout=None)
+            started = False
+            try:
+                upstream_conn.request(self.command, self.path, body=body, headers=headers)
+                response = upstream_conn.getresponse()
+                self.send_response(response.status, response.reason)
+                started = True
+                for k, v in response.getheaders():
+                    if k.lower() not in HOP_BY_HOP and k.lower() not in ("server", "date"):
+                        self.send_header(k, v)
+                if response.length is not None or self.command == "HEAD":
+                    data = response.read()
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                    return
+                self.send_header("Transfer-Encoding", "chunked")      # streamed (server-sent events)
+                self.end_headers()
+                while data := response.read1(CHUNK):
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                    self.wfile.flush()
+                self.wfile.write(b"0\r\n\r\n")
+            except (OSError, http.client.HTTPException) as e:
+                if not started:
+                    self._error(502, f"tritonserver: connection lost ({type(e).__name__}: {e})", close=True)
+                else:
+                    self.close_connection = True
+            finally:
+                upstream_conn.close()
+
+        do_GET = do_POST = do_PUT = do_DELETE = do_HEAD = do_PATCH = _forward
+
+        def log_message(self, *args):
+            pass
+
+    return Handler
+
+
+class HttpGuard:
+    """Listens on ``(host, port)`` and forwards to ``127.0.0.1:upstream_port``; ``close()`` stops it."""
+
+    def __init__(self, host: str, port: int, upstream_port: int, max_body_bytes: int):
+        self.server = ThreadingHTTPServer((host, port), make_handler(("127.0.0.1", upstream_port), max_body_bytes))
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.1},
+                                       name="nemospec-http-guard", daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()

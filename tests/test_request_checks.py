@@ -1,0 +1,111 @@
+"""Request checks without a server: the generate JSON check, the limits, and the HTTP guard in front
+of a stand-in upstream (413 over the body cap, forwarding, streamed responses, 502 when the upstream
+is gone)."""
+import http.client
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from serving import limits
+from serving.generate_fields import GENERATE_PATH, check_generate_body
+from serving.http_guard import HttpGuard
+from serving.launch import free_port
+
+
+@pytest.mark.parametrize("body,needle", [
+    (b'{"text_input": "x", "max_tokens": 4}', None),
+    (b'{"text_input": ["x"], "max_tokens": [4], "stop_words": ["a", "b"], "unknown": {"y": 1}}', None),
+    (b'{"text_input": "x", "max_tokens": NaN}', "max_tokens: expected an integer"),
+    (b'{"text_input": "x", "max_tokens": 4294967301}', "max_tokens: 4294967301 is outside the INT32 range"),
+    (b'{"text_input": "x", "max_tokens": true}', "max_tokens: expected an integer"),
+    (b'{"text_input": "x", "random_seed": 18446744073709551616}', "random_seed: 18446744073709551616 is outside"),
+    (b'{"text_input": "x", "temperature": Infinity}', None),          # a number: the model names it
+    (b'{"text_input": "\\ud800"}', "text_input: not valid UTF-8"),
+    (b'{"text_input": "x", "stop_words": [["a"]]}', "stop_words: expected a string or a flat list"),
+    (b'{"text_input": "x", "parameters": []}', "parameters: expected a JSON object"),
+    (b'[1]', "request body: expected a JSON object"),
+    (b'\xff{', "request body: not valid JSON"),
+])
+def test_check_generate_body(body, needle):
+    error = check_generate_body(body)
+    assert (error is None) if needle is None else (needle in error), error
+
+
+def test_generate_path_is_the_ensembles():
+    assert GENERATE_PATH.match("/v2/models/ensemble/generate") and GENERATE_PATH.match("/v2/models/ensemble/generate_stream")
+    assert GENERATE_PATH.match("/v2/models/ensemble/versions/1/generate")
+    assert not GENERATE_PATH.match("/v2/models/preprocessing/generate") and not GENERATE_PATH.match("/v2/models/ensemble/infer")
+
+
+def test_limits():
+    assert limits.decode_limits(limits.encode_limits({"max_stop_words": 3}))["max_stop_words"] == 3
+    with pytest.raises(Exception, match="--max_prompt_bytes: expected a positive integer"):
+        limits.limits_from({"max_prompt_bytes": 0})
+    with pytest.raises(limits.LimitError, match="request: 12 bytes"):
+        limits.check_text(limits.limits_from({"max_request_bytes": 11}), b"x" * 10, [b"ab"])
+    with pytest.raises(limits.LimitError, match="text_input: 10 bytes exceed --max_prompt_bytes 9"):
+        limits.check_text(limits.limits_from({"max_prompt_bytes": 9}), b"x" * 10)
+    with pytest.raises(limits.LimitError, match="bad_words: 3 words exceed --max_stop_words 2"):
+        limits.check_words(limits.limits_from({"max_stop_words": 2}), "bad_words", ["a", "b", "c"])
+    with pytest.raises(limits.LimitError, match="a word of 4 bytes exceeds --max_stop_word_bytes 3"):
+        limits.check_words(limits.limits_from({"max_stop_word_bytes": 3}), "stop_words", ["é" * 2])
+
+
+class Upstream(BaseHTTPRequestHandler):
+    """Echoes POST bodies (length-delimited) and streams three chunks for /stream."""
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        if self.path == "/stream":
+            self.send_response(200)
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for part in (b"data: 1\n\n", b"data: 2\n\n", b"data: 3\n\n"):
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(part), part))
+            self.wfile.write(b"0\r\n\r\n")
+            return
+        reply = json.dumps({"path": self.path, "bytes": len(body), "key": self.headers.get("api-key")}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(reply)))
+        self.end_headers()
+        self.wfile.write(reply)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def guard():
+    upstream = ThreadingHTTPServer(("127.0.0.1", 0), Upstream)
+    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    g = HttpGuard("127.0.0.1", free_port(), upstream.server_address[1], max_body_bytes=1000)
+    yield g, upstream
+    g.close()
+    upstream.shutdown()
+    upstream.server_close()
+
+
+def _post(g, path, body, headers=None):
+    conn = http.client.HTTPConnection("127.0.0.1", g.server.server_address[1], timeout=10)
+    conn.request("POST", path, body=body, headers=headers or {})
+    response = conn.getresponse()
+    return response.status, response.read()
+
+
+def test_guard_forwards_caps_and_streams(guard):
+    g, upstream = guard
+    status, body = _post(g, "/v2/x", b"a" * 1000, {"api-key": "k"})
+    assert status == 200 and json.loads(body) == {"path": "/v2/x", "bytes": 1000, "key": "k"}
+    status, body = _post(g, "/v2/x", b"a" * 5000)
+    assert status == 413 and "request body: 5000 bytes exceed --max_body_bytes 1000" in json.loads(body)["error"]
+    status, body = _post(g, "/stream", b"{}")
+    assert status == 200 and body == b"data: 1\n\ndata: 2\n\ndata: 3\n\n"
+    status, body = _post(g, "/v2/models/ensemble/generate", b'{"text_input": "x", "max_tokens": 4294967296}')
+    assert status == 400 and "max_tokens" in json.loads(body)["error"]
+    upstream.shutdown()
+    upstream.server_close()
+    status, body = _post(g, "/v2/x", b"{}")
+    assert status == 502 and "tritonserver: connection lost" in json.loads(body)["error"]

@@ -1,0 +1,284 @@
+"""`nemospec serve` under faults, as an operator meets them: kill -9 of the speculative model's stub,
+kill -9 of tritonserver, SIGTERM with streams in flight, a crash loop. Readiness (the supervisor's
+/health/ready) goes false within 5 s, in-flight streams get an error, the server serves the same
+greedy output again within 60 s, and nothing is left running after it exits.
+
+One `serve` process for the module (the mtp engine of tests/test_serving.py, built once); the last
+test stops it with SIGTERM.
+"""
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from types import SimpleNamespace
+
+import pytest
+
+from serving import health, launch
+from test_serving import HAVE_TRITON, PROMPTS, _grpc_inputs, engine_dir, generate, offline  # noqa: F401
+
+pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="needs tritonserver and tritonclient (pip install -e '.[dev]')")
+MEASURED = {}   # seconds, printed at the end of the module (pytest -s) for the report
+
+
+def _get(url, timeout=3):
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+    except OSError:
+        return None, ""
+
+
+class Serve:
+    """A `nemospec serve` child process with its ports; stderr goes to a file (never a full pipe)."""
+
+    def __init__(self, engine_dir, log_path, *extra):
+        for attempt in range(3):  # a port picked free may be taken before the server binds it
+            self.ports = [launch.free_port() for _ in range(4)]
+            self.log_path = log_path
+            cmd = [sys.executable, "-m", "nemospec.cli", "serve", "--engine_dir", str(engine_dir),
+                   "--http_port", str(self.ports[0]), "--grpc_port", str(self.ports[1]),
+                   "--metrics_port", str(self.ports[2]), "--health_port", str(self.ports[3]), *extra]
+            with open(log_path, "w") as log:
+                self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+            if self.wait_ready(300) or attempt == 2:
+                break
+            self.process.wait(timeout=60)
+            assert "already in use" in " ".join(self.log().split()), self.log()
+        self.http_url, self.grpc_url = f"127.0.0.1:{self.ports[0]}", f"127.0.0.1:{self.ports[1]}"
+
+    @property
+    def ready_url(self):
+        return f"http://127.0.0.1:{self.ports[3]}/health/ready"
+
+    def log(self):
+        return open(self.log_path).read()
+
+    def state(self):
+        return json.loads(_get(f"http://127.0.0.1:{self.ports[3]}/health")[1])
+
+    def ready(self):
+        return health.is_ready(self.ready_url)
+
+    def wait_ready(self, timeout):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.process.poll() is None:
+            if self.ready():
+                return True
+            time.sleep(0.1)
+        return False
+
+    def wait_not_ready(self, timeout):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.ready():
+                return True
+            time.sleep(0.05)
+        return False
+
+    def processes(self):
+        s = self.state()
+        return [s["tritonserver_pid"], *map(int, s["stub_pids"])]
+
+    def stop(self):
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+@pytest.fixture(scope="module")
+def serve(engine_dir, tmp_path_factory):
+    s = Serve(engine_dir, tmp_path_factory.mktemp("serve") / "serve.log")
+    try:
+        yield s
+    finally:
+        s.stop()
+        if MEASURED:
+            print("\nmeasured:", json.dumps({k: round(v, 2) for k, v in MEASURED.items()}))
+
+
+class Stream:
+    """A long gRPC stream in a thread: ``first`` is set at its first response, ``result`` at its end."""
+
+    def __init__(self, server, max_tokens=140):
+        import tritonclient.grpc as grpcclient
+        self.first, self.done, self.error, self.final = threading.Event(), threading.Event(), None, False
+        self.client = grpcclient.InferenceServerClient(server.grpc_url)
+        self.results = queue.Queue()
+        self.client.start_stream(callback=lambda result, error: self.results.put((result, error)))
+        self.client.async_stream_infer("ensemble", _grpc_inputs(PROMPTS[0], max_tokens, end_id=-1),
+                                       enable_empty_final_response=True)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        try:
+            while True:
+                result, error = self.results.get(timeout=120)
+                self.first.set()
+                if error is not None:
+                    self.error = str(error)
+                    return
+                if result.get_response().parameters["triton_final_response"].bool_param:
+                    self.final = True
+                    return
+        except queue.Empty:
+            self.error = "no response for 120 s (hung)"
+        finally:
+            self.done.set()
+            try:
+                self.client.stop_stream()
+                self.client.close()
+            except Exception:
+                pass
+
+
+def _active_sequences(serve):
+    _, text = _get(f"http://127.0.0.1:{serve.ports[2]}/metrics")
+    return next((float(line.split()[-1]) for line in text.splitlines() if line.startswith("nemospec_active_sequences{")), 0)
+
+
+def _http_generate(serve, max_tokens):
+    """(status or exception name, body) of an HTTP generate through the server's guard."""
+    request = urllib.request.Request(f"http://{serve.http_url}/v2/models/ensemble/generate", method="POST",
+                                     data=json.dumps({"text_input": PROMPTS[1], "max_tokens": max_tokens,
+                                                      "end_id": -1}).encode())
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+    except OSError as e:
+        return type(e).__name__, str(e)
+
+
+def _kill_and_recover(serve, engine_dir, pid, cause):
+    want = offline(engine_dir, PROMPTS[0], 12)["output_ids"]
+    restarts = serve.state()["restarts"]
+    stream = Stream(serve)
+    assert stream.first.wait(60), "the stream started"
+    http_result = {}
+    http = threading.Thread(target=lambda: http_result.update(r=_http_generate(serve, 140)), daemon=True)
+    http.start()
+    deadline = time.monotonic() + 20     # both requests running: the stream's and the HTTP one's sequences
+    while _active_sequences(serve) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _active_sequences(serve) == 2
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    assert serve.wait_not_ready(5), "readiness false within 5 s"
+    MEASURED[f"{cause}_not_ready_s"] = time.monotonic() - killed
+    assert stream.done.wait(30), "the in-flight stream ended (no hang)"
+    assert stream.error is not None and not stream.final, "the in-flight stream got an error"
+    http.join(30)
+    assert not http.is_alive() and http_result["r"][0] != 200, http_result    # an error, not a hang
+    assert serve.wait_ready(60), f"serving again within 60 s:\n{serve.log()[-2000:]}"
+    MEASURED[f"{cause}_serving_again_s"] = time.monotonic() - killed
+    status, got = generate(SimpleNamespace(http_url=serve.http_url), text_input=PROMPTS[0], max_tokens=12)
+    assert status == 200 and got["output_ids"] == want, got
+    state = serve.state()
+    assert state["restarts"] == restarts + 1 and cause in state["last_cause"], state
+    assert not health.process_alive(pid)
+    _, text = _get(f"http://127.0.0.1:{serve.ports[3]}/metrics")
+    assert f"nemospec_supervisor_restarts_total {restarts + 1}" in text and cause in text, text
+    assert f"supervisor: {state['last_cause']}; restarting" in serve.log()
+    assert "supervisor: serving again" in serve.log()
+
+
+def test_ready_endpoint_tells_the_state(serve, engine_dir):
+    status, body = _get(serve.ready_url)
+    state = json.loads(body)
+    assert status == 200 and state["ready"] and state["restarts"] == 0 and state["last_cause"] is None
+    assert sorted(state["stub_pids"].values()) == ["postprocessing", "preprocessing", "speculative"]
+    assert _get(f"http://127.0.0.1:{serve.ports[3]}/health/live")[0] == 200
+    assert "nemospec_supervisor_ready 1" in _get(f"http://127.0.0.1:{serve.ports[3]}/metrics")[1]
+    assert any(line.split()[:2] == ["ready", serve.ready_url] for line in serve.log().splitlines())
+    status, got = generate(SimpleNamespace(http_url=serve.http_url), text_input=PROMPTS[0], max_tokens=12)
+    assert status == 200 and got["output_ids"] == offline(engine_dir, PROMPTS[0], 12)["output_ids"]
+
+
+def test_speculative_stub_killed(serve, engine_dir):
+    state = serve.state()
+    pid = next(int(p) for p, model in state["stub_pids"].items() if model == "speculative")
+    _kill_and_recover(serve, engine_dir, pid, "speculative")
+
+
+def test_tritonserver_killed(serve, engine_dir):
+    _kill_and_recover(serve, engine_dir, serve.state()["tritonserver_pid"], "tritonserver")
+
+
+def test_sigterm_with_streams_in_flight(serve):
+    """The last test of the module: it stops the server."""
+    processes = serve.processes()
+    streams = [Stream(serve) for _ in range(2)]
+    assert all(s.first.wait(60) for s in streams)
+    serve.process.send_signal(signal.SIGTERM)
+    start = time.monotonic()
+    assert serve.process.wait(timeout=10) == 0
+    MEASURED["sigterm_exit_s"] = time.monotonic() - start
+    assert all(s.done.wait(10) for s in streams), "every stream ended"
+    assert all(s.error is not None or s.final for s in streams)
+    assert not [pid for pid in processes if health.process_alive(pid)], "no process left behind"
+
+
+def test_crash_loop_exits_3(engine_dir, tmp_path):
+    serve = Serve(engine_dir, tmp_path / "serve.log", "--max_restarts", "0")
+    try:
+        processes = serve.processes()
+        os.kill(next(int(p) for p, m in serve.state()["stub_pids"].items() if m == "preprocessing"), signal.SIGKILL)
+        assert serve.process.wait(timeout=20) == 3
+        assert "crash loop" in serve.log() and "--max_restarts 0" in serve.log()
+        assert not [pid for pid in processes if health.process_alive(pid)], "no process left behind"
+    finally:
+        serve.stop()
+
+
+def test_stalled_stub_is_restarted(engine_dir, tmp_path):
+    """A stub alive but stuck (SIGSTOP here; a deadlock alike): requests in flight and no scheduler
+    step for --stall_timeout seconds -> not ready, restarted, the stream gets an error."""
+    serve = Serve(engine_dir, tmp_path / "serve.log", "--stall_timeout", "2")
+    try:
+        pid = next(int(p) for p, m in serve.state()["stub_pids"].items() if m == "speculative")
+        stream = Stream(serve)
+        assert stream.first.wait(60)
+        os.kill(pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        assert serve.wait_not_ready(10), "not ready within --stall_timeout + a few checks"
+        MEASURED["stall_not_ready_s"] = time.monotonic() - stopped
+        assert stream.done.wait(30) and stream.error is not None
+        assert serve.wait_ready(60)
+        assert "stalled" in serve.state()["last_cause"] and not health.process_alive(pid)
+        status, got = generate(SimpleNamespace(http_url=serve.http_url), text_input=PROMPTS[0], max_tokens=12)
+        assert status == 200 and got["output_ids"] == offline(engine_dir, PROMPTS[0], 12)["output_ids"]
+    finally:
+        serve.stop()
+
+
+def test_stop_after_a_stub_died_is_quick(engine_dir):
+    """Without the supervisor (the launch API): a stub dead with a request in flight at it used to
+    keep the stop waiting its full timeout (30 s); now the process group goes after shutdown_timeout."""
+    handle = launch.start_server(engine_dir, **{k: launch.free_port() for k in ("http_port", "grpc_port", "metrics_port")},
+                                 shutdown_timeout=4, ready_timeout=300)
+    try:
+        stream = Stream(handle)
+        assert stream.first.wait(60)
+        pids = [handle.process.pid, *handle.stubs]
+        os.kill(next(p for p, m in handle.stubs.items() if m == "speculative"), signal.SIGKILL)
+        start = time.monotonic()
+        handle.stop()
+        assert time.monotonic() - start < 10
+        assert stream.done.wait(10) and stream.error is not None
+        assert not [pid for pid in pids if health.process_alive(pid)], "no process left behind"
+    finally:
+        handle.kill()

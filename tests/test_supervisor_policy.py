@@ -1,0 +1,140 @@
+"""The supervisor's decisions without a server (fake handles): restart after a crash, crash loop ->
+exit 3, a restart that keeps failing -> exit 1, and the readiness endpoint's answers."""
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from types import SimpleNamespace
+
+import pytest
+
+from builder.errors import NemospecError
+from serving import health, supervisor
+from serving.launch import free_port
+
+DIED = "the Python stub of model 'speculative' (pid 1) died"
+
+
+class FakeHandle:
+    def __init__(self, dead_after=0.0):
+        self.process = SimpleNamespace(pid=10**6, returncode=None)
+        self.stubs, self.killed, self.born = {}, False, time.monotonic()
+        self.dead_after = dead_after
+
+    def dead(self):
+        return time.monotonic() - self.born >= self.dead_after
+
+    def log_tail(self, lines=5):
+        return ""
+
+    def metrics(self):
+        return ""
+
+    def kill(self):
+        self.killed = True
+
+    def stop(self):
+        pass
+
+
+def check(handle, stubs, timeout):
+    return health.Health(False, DIED) if handle.dead() else health.Health(True)
+
+
+def test_crash_loop_exits_3_after_max_restarts():
+    handles, logs = [], []
+
+    def start(ready_timeout=None):
+        handles.append(FakeHandle(dead_after=0.05))
+        return handles[-1]
+
+    s = supervisor.Supervisor(start, check_interval=0.01, max_restarts=2, restart_window=60, check=check,
+                              log=logs.append)
+    assert s.run() == supervisor.EXIT_CRASH_LOOP
+    assert s.restarts == 2 and len(handles) == 3 and all(h.killed for h in handles)
+    assert s.last_cause == DIED and not s.is_ready() and s.state()["phase"] == "crash loop"
+    assert any("crash loop: 3 crashes within 60 s (--max_restarts 2)" in m for m in logs), logs
+
+
+def test_crashes_spread_out_are_not_a_loop():
+    handles = []
+
+    def start(ready_timeout=None):
+        handles.append(FakeHandle(dead_after=0.3))
+        return handles[-1]
+
+    s = supervisor.Supervisor(start, check_interval=0.01, max_restarts=1, restart_window=0.2, check=check,
+                              log=lambda m: None)
+    threading.Timer(1.5, s.request_stop).start()
+    assert s.run() == 0
+    assert s.restarts >= 3, "each crash fell outside the window of the previous one"
+
+
+def test_restart_that_keeps_failing_exits_1():
+    calls = []
+
+    def start(ready_timeout=None):
+        calls.append(1)
+        if len(calls) > 1:
+            raise NemospecError("tritonserver exited with code 1 before it was ready: port in use")
+        return FakeHandle()
+
+    s = supervisor.Supervisor(start, check_interval=0.01, restart_timeout=1.5, check=check, log=lambda m: None)
+    start_time = time.monotonic()
+    assert s.run() == supervisor.EXIT_RESTART_FAILED
+    assert 1.4 < time.monotonic() - start_time < 5 and len(calls) >= 2 and s.state()["phase"] == "failed"
+
+
+def test_readiness_endpoint_and_is_ready():
+    s = supervisor.Supervisor(lambda **kw: FakeHandle(dead_after=1e9), check_interval=0.01, check=check)
+    s.start()
+    port = free_port()
+    server = supervisor.serve_health(s, "127.0.0.1", port)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        with urllib.request.urlopen(f"{url}/health/ready", timeout=5) as r:
+            assert r.status == 200 and json.loads(r.read())["ready"] is True
+        assert health.is_ready(f"{url}/health/ready") and health.is_ready(s)
+        assert supervisor.current() is s and supervisor.is_ready(), "this process's supervisor"
+        s._set(health=health.Health(False, DIED))
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(f"{url}/health/ready", timeout=5)
+        assert e.value.code == 503 and json.loads(e.value.read())["reason"] == DIED
+        assert not health.is_ready(f"{url}/health/ready") and not health.is_ready(s) and not supervisor.is_ready()
+        with urllib.request.urlopen(f"{url}/health/live", timeout=5) as r:
+            assert r.status == 200
+        s.restarts, s.last_cause = 2, 'a "quoted" cause'
+        with urllib.request.urlopen(f"{url}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        assert "nemospec_supervisor_restarts_total 2" in text and "nemospec_supervisor_ready 0" in text
+        assert 'nemospec_supervisor_last_restart_info{cause="a \\"quoted\\" cause"} 1' in text
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert not health.is_ready(f"http://127.0.0.1:{port}/health/ready"), "nothing listening: not ready"
+
+
+def test_bad_flags():
+    with pytest.raises(NemospecError, match="--max_restarts"):
+        supervisor.Supervisor(lambda: None, max_restarts=-1)
+    with pytest.raises(NemospecError, match="--restart_window"):
+        supervisor.Supervisor(lambda: None, restart_window=0)
+
+
+def _metrics(steps, active, queued=0):
+    return "\n".join(f'{name}{{model="speculative"}} {value}' for name, value in
+                     (("nemospec_steps_total", steps), ("nemospec_active_sequences", active),
+                      ("nemospec_queued_requests", queued))) + "\n"
+
+
+def test_stall_watch_needs_requests_in_flight_and_no_step():
+    w = health.StallWatch(5)
+    assert w.update(_metrics(10, 1), now=0) is None
+    assert w.update(_metrics(10, 1), now=4) is None
+    assert "stalled: 1 requests in flight and no scheduler step for 6 s" in w.update(_metrics(10, 1), now=6)
+    assert w.update(_metrics(11, 1), now=7) is None, "a step is progress"
+    assert w.update(_metrics(11, 0, queued=2), now=11) is None
+    assert w.update(_metrics(11, 0, queued=2), now=13) is not None, "queued requests waiting count too"
+    assert w.update(_metrics(11, 0), now=100) is None, "nothing in flight: no verdict"
+    assert w.update("", now=200) is None, "no speculative metrics (yet)"
