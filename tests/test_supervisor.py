@@ -46,7 +46,7 @@ class Serve:
             self.log_path = log_path
             cmd = [sys.executable, "-m", "nemospec.cli", "serve", "--engine_dir", str(engine_dir),
                    "--http_port", str(self.ports[0]), "--grpc_port", str(self.ports[1]),
-                   "--metrics_port", str(self.ports[2]), "--health_port", str(self.ports[3]), *extra]
+                   "--metrics_port", str(self.ports[2]), "--health_port", str(self.ports[3]), "--openai_port", "0", *extra]
             with open(log_path, "w") as log:
                 self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
             if self.wait_ready(300) or attempt == 2:
@@ -153,7 +153,7 @@ def _http_generate(serve, max_tokens):
     """(status or exception name, body) of an HTTP generate through the server's guard."""
     request = urllib.request.Request(f"http://{serve.http_url}/v2/models/ensemble/generate", method="POST",
                                      data=json.dumps({"text_input": PROMPTS[1], "max_tokens": max_tokens,
-                                                      "end_id": -1}).encode())
+                                                      "end_id": -1, "exclude_input_in_output": True}).encode())
     try:
         with urllib.request.urlopen(request, timeout=60) as r:
             return r.status, r.read().decode()
@@ -185,7 +185,8 @@ def _kill_and_recover(serve, engine_dir, pid, cause):
     assert not http.is_alive() and http_result["r"][0] != 200, http_result    # an error, not a hang
     assert serve.wait_ready(60), f"serving again within 60 s:\n{serve.log()[-2000:]}"
     MEASURED[f"{cause}_serving_again_s"] = time.monotonic() - killed
-    status, got = generate(SimpleNamespace(http_url=serve.http_url), text_input=PROMPTS[0], max_tokens=12)
+    status, got = generate(SimpleNamespace(http_url=serve.http_url), text_input=PROMPTS[0], max_tokens=12,
+                           exclude_input_in_output=True)
     assert status == 200 and got["output_ids"] == want, got
     state = serve.state()
     assert state["restarts"] == restarts + 1 and cause in state["last_cause"], state
@@ -203,8 +204,12 @@ def test_ready_endpoint_tells_the_state(serve, engine_dir):
     assert sorted(state["stub_pids"].values()) == ["postprocessing", "preprocessing", "speculative"]
     assert _get(f"http://127.0.0.1:{serve.ports[3]}/health/live")[0] == 200
     assert "nemospec_supervisor_ready 1" in _get(f"http://127.0.0.1:{serve.ports[3]}/metrics")[1]
-    assert any(line.split()[:2] == ["ready", serve.ready_url] for line in serve.log().splitlines())
-    status, got = generate(SimpleNamespace(http_url=serve.http_url), text_input=PROMPTS[0], max_tokens=12)
+    deadline = time.monotonic() + 30     # the endpoints are printed once the OpenAI frontend is up too
+    while not any(line.split()[:2] == ["ready", serve.ready_url] for line in serve.log().splitlines()):
+        assert time.monotonic() < deadline, serve.log()
+        time.sleep(0.1)
+    status, got = generate(SimpleNamespace(http_url=serve.http_url), text_input=PROMPTS[0], max_tokens=12,
+                           exclude_input_in_output=True)
     assert status == 200 and got["output_ids"] == offline(engine_dir, PROMPTS[0], 12)["output_ids"]
 
 
@@ -259,7 +264,8 @@ def test_stalled_stub_is_restarted(engine_dir, tmp_path):
         assert stream.done.wait(30) and stream.error is not None
         assert serve.wait_ready(60)
         assert "stalled" in serve.state()["last_cause"] and not health.process_alive(pid)
-        status, got = generate(SimpleNamespace(http_url=serve.http_url), text_input=PROMPTS[0], max_tokens=12)
+        status, got = generate(SimpleNamespace(http_url=serve.http_url), text_input=PROMPTS[0], max_tokens=12,
+                           exclude_input_in_output=True)
         assert status == 200 and got["output_ids"] == offline(engine_dir, PROMPTS[0], 12)["output_ids"]
     finally:
         serve.stop()
