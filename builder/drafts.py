@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from builder.checkpoint import checkpoint_hash, load_checkpoint, validate_mtp
+from builder.checkpoint import checkpoint_hash, convert_weights, load_checkpoint, validate_mtp
 from builder.config import NemotronHConfig
 from builder.errors import BuildError, DraftError
 from builder.draft_checkpoint import draft_config_from_dict, load_draft_checkpoint, validate_against_target
@@ -58,7 +58,6 @@ def _bind_quantized(stored: dict, dtype):
 
 def load_draft(mode, target_cfg: NemotronHConfig, target_weights: dict, draft_dir, dtype, log=print,
                quantization=None) -> LoadedDraft:
-    from builder.engine import convert_weights
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise DraftError(f"--quantization: expected one of {', '.join(QUANTIZATIONS)}, got {quantization}")
     if quantization is not None and mode in ("mtp", "draft_target"):
@@ -133,7 +132,6 @@ def _rtx_workaround(stored: dict, mode, dtype, log):
 
 def _to_storable(weights: dict, dtype) -> dict:
     """Draft tensors as a flat safetensors dict: packed NVFP4 weights back to ModelOpt's three tensors."""
-    from builder.engine import convert_weights
     out = {}
     for name, w in weights.items():
         if getattr(w, "is_nvfp4", False):

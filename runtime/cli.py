@@ -263,7 +263,7 @@ def _add_quantize_args(p):
 
 
 def cmd_quantize(args):
-    from builder.quantization import quantize_checkpoint
+    from builder.quantize_checkpoint import quantize_checkpoint
     exclude = [p.strip() for p in args.exclude_modules.split(",") if p.strip()]
     summary = quantize_checkpoint(args.checkpoint_dir, args.output_dir, exclude, log=err.print)
     err.print(f"wrote {summary['output_dir']}: {len(summary['quantized'])} linear weights in NVFP4, "

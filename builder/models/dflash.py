@@ -88,7 +88,7 @@ from builder import functional as F
 from builder.models.draft_layers import bind
 
 if TYPE_CHECKING:
-    from builder.draft_checkpoint_block import DFlashConfig
+    from builder.models.draft_configs import DFlashConfig
 
 
 class DFlashLayer:

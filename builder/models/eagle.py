@@ -33,7 +33,7 @@ from builder import functional as F
 from builder.models.draft_layers import DecoderLayer, bind, kv_state_spec
 
 if TYPE_CHECKING:
-    from builder.draft_checkpoint import EagleConfig
+    from builder.models.draft_configs import EagleConfig
 
 
 class EagleDraft:
