@@ -42,6 +42,7 @@ __all__ = [
     "checkpoint_files",
     "load_checkpoint",
     "checkpoint_hash",
+    "files_hash",
 ]
 
 SAFETENSORS_FILE = "model.safetensors"
@@ -388,7 +389,11 @@ def checkpoint_hash(checkpoint_dir: str | os.PathLike) -> str:
     config = layout.directory / CONFIG_FILE
     if not config.is_file():
         raise CheckpointError(f"{config}: missing; a Hugging Face checkpoint needs a config.json")
-    files = [config, *layout.files] + ([layout.index] if layout.index is not None else [])
+    return files_hash([config, *layout.files] + ([layout.index] if layout.index is not None else []))
+
+
+def files_hash(files) -> str:
+    """sha256 (hex) over ``files`` in name order: each one's name, size and bytes."""
     h = hashlib.sha256()
     for path in sorted(files, key=lambda p: p.name):
         h.update(path.name.encode("utf-8") + b"\0" + str(path.stat().st_size).encode("ascii") + b"\0")

@@ -7,7 +7,8 @@ one-line :class:`~builder.errors.DraftError` naming the file and the field or te
 The layouts live in ``builder/formats`` (one file per family): speculators ``eagle3`` / ``eagle``
 (:mod:`builder.formats.speculators`), the original EAGLE / EAGLE-3 of SafeAILab and SpecForge
 (:mod:`builder.formats.specforge`), EagleMistralForCausalLM in its Hugging Face and Mistral native
-layouts (:mod:`builder.formats.mistral`). Which one follows from the checkpoint.
+layouts (:mod:`builder.formats.mistral`; the native one is a directory with ``params.json`` and
+``consolidated.safetensors`` instead of ``config.json``). Which one follows from the checkpoint.
 
 ``validate_against_target(draft_cfg, target_cfg)`` checks a draft against its NemotronH target and
 returns the draft config with its aux layer ids resolved: vLLM's default ``(2, L // 2, L - 3)`` when
@@ -22,8 +23,9 @@ from pathlib import Path
 
 import torch
 
+from builder.checkpoint import checkpoint_hash, files_hash
 from builder.errors import DraftError
-from builder.formats import reader, specforge, speculators
+from builder.formats import mistral, reader, specforge, speculators
 from builder.formats.fields import ROPE_TYPES, Fields
 from builder.formats.tensors import draft_tensors
 from builder.models.draft_configs import FEATURE_CLASSES, Eagle3Config, EagleConfig, draft_config_from_dict as _from_dict
@@ -37,6 +39,7 @@ __all__ = [
     "draft_tensors",
     "validate_against_target",
     "default_aux_layer_ids",
+    "draft_hash",
     "ROPE_TYPES",
 ]
 
@@ -63,12 +66,14 @@ def _layout(f: Fields, names: set[str]) -> reader.Layout:
         raise f.fail("architectures", f"must name the draft architecture, got {archs!r} "
                                       f"(and no speculators_model_type is set)")
     arch = archs[0]
+    if arch == mistral.ARCHITECTURE:
+        return mistral.HF_LAYOUT
     if arch in EAGLE3_ARCHITECTURES:
         return specforge.eagle3_layout(arch)
     plain = {reader.strip_model_prefix(n) for n in names}
     if arch in EAGLE_ARCHITECTURES or (arch == "LlamaForCausalLM" and "fc.weight" in plain):
         return specforge.eagle_layout(arch)
-    supported = ", ".join(EAGLE3_ARCHITECTURES + EAGLE_ARCHITECTURES)
+    supported = ", ".join(EAGLE3_ARCHITECTURES + EAGLE_ARCHITECTURES + (mistral.ARCHITECTURE,))
     raise f.fail("architectures", f"is {arch!r}: unknown draft architecture (supported: {supported}, "
                                   f"or a speculators config with speculators_model_type eagle/eagle3)")
 
@@ -89,8 +94,19 @@ def load_draft_checkpoint(checkpoint_dir: str | os.PathLike) -> tuple[Eagle3Conf
     return _load(checkpoint_dir, read=True)
 
 
+def draft_hash(checkpoint_dir: str | os.PathLike) -> str:
+    """sha256 of the files the draft is read from (a Mistral native draft has no config.json)."""
+    directory = Path(checkpoint_dir)
+    if mistral.is_native(directory):
+        return files_hash([directory / mistral.PARAMS_FILE, directory / mistral.CONSOLIDATED])
+    return checkpoint_hash(directory)
+
+
 def _load(checkpoint_dir, read: bool):
     directory = Path(checkpoint_dir)
+    if mistral.is_native(directory):
+        data, where = mistral.read_params(directory)
+        return reader.load(directory, mistral.NATIVE_LAYOUT, data, where, read, quantized=False)
     data, where = reader.read_config(directory)
     stored = set(reader.headers(reader.checkpoint_files(directory)))
     layout = _layout(Fields(data, where), stored)
@@ -145,10 +161,12 @@ def validate_against_target(draft_cfg: Eagle3Config | EagleConfig, target_cfg) -
         # vLLM (and speculators' datagen through it) appends captured states while walking the layers,
         # so fc's input columns are in ascending layer order whatever order the config lists
         return dataclasses.replace(c, aux_layer_ids=tuple(sorted(ids)))
+    # a Mistral native draft names its keys in params.json
+    hidden_key, where = ("dim", f" ({mistral.PARAMS_FILE})") if c.source == "mistral_native" else ("hidden_size", "")
     if c.hidden_size != target_hidden:
-        raise DraftError(f"eagle draft: hidden_size {c.hidden_size} does not match the target's hidden_size "
+        raise DraftError(f"eagle draft{where}: {hidden_key} {c.hidden_size} does not match the target's hidden_size "
                          f"{target_hidden}")
     if c.vocab_size != target_vocab:
-        raise DraftError(f"eagle draft: vocab_size {c.vocab_size} does not match the target's vocab_size "
+        raise DraftError(f"eagle draft{where}: vocab_size {c.vocab_size} does not match the target's vocab_size "
                          f"{target_vocab}")
     return c

@@ -12,7 +12,7 @@ from pathlib import Path
 from builder.checkpoint import checkpoint_hash, convert_weights, load_checkpoint, validate_mtp
 from builder.config import NemotronHConfig
 from builder.errors import BuildError, DraftError
-from builder.draft_checkpoint import draft_config_from_dict, load_draft_checkpoint, validate_against_target
+from builder.draft_checkpoint import draft_config_from_dict, draft_hash, load_draft_checkpoint, validate_against_target
 from builder.draft_checkpoint_block import (block_draft_config_from_dict, load_block_draft_checkpoint,
                                             validate_block_draft)
 from builder.models.dflash import DFlashDraft
@@ -90,7 +90,7 @@ def load_draft(mode, target_cfg: NemotronHConfig, target_weights: dict, draft_di
         module = _feature_draft(cfg, weights, target_weights, dtype)
         features = {"capture_layers": module.aux_layer_ids} if mode == "eagle3" else {"final_hidden": True}
         return LoadedDraft(module, weights, features,
-                           {"mode": mode, "draft": cfg.to_dict(), "draft_sha256": checkpoint_hash(directory)})
+                           {"mode": mode, "draft": cfg.to_dict(), "draft_sha256": draft_hash(directory)})
     if mode in BLOCK_MODES:
         cfg, weights = load_block_draft_checkpoint(directory, keep_quantized=True)
         if cfg.kind != mode:

@@ -21,11 +21,11 @@ from builder.backends.trt_backend import NetworkRecorder
 from builder.draft_checkpoint_block import (DFlashConfig, DSparkConfig, PEagleConfig, block_draft_config_from_dict,
                                             is_block_draft, load_block_draft_checkpoint, load_block_draft_config,
                                             validate_block_draft)
-from builder.errors import DraftError, NemospecError
 from builder.interpreter import run_network
 from builder.models.dflash import DFlashDraft
 from builder.models.dspark import DSparkDraft
 from builder.models.peagle import PEagleDraft
+from draft_helpers import draft_error
 from tolerances import assert_no_near_tie, assert_within, sum_bound
 
 FIXTURES = Path(__file__).parent / "fixtures" / "speculators"
@@ -369,12 +369,7 @@ def _edit_config(path, **changes):
     (path / "config.json").write_text(json.dumps(cfg))
 
 
-def _error(fn, *args) -> str:
-    with pytest.raises(DraftError) as info:
-        fn(*args)
-    message = str(info.value)
-    assert isinstance(info.value, NemospecError) and "\n" not in message
-    return message
+_error = draft_error
 
 
 def test_error_hidden_size_and_vocab():

@@ -47,6 +47,12 @@ class Layout:
     config_file: str = CONFIG_FILE
     #: files holding the tensors (default: model.safetensors or the shards of its index)
     files: Callable[[Path], list] | None = None
+    #: canonical name -> stored name, for messages about a tensor that is missing
+    stored: Callable[[str], str] = staticmethod(lambda name: name)
+    #: canonical names a checkpoint may carry that this layout does not use
+    ignored: tuple = ()
+    #: typed reads of the config (a layout with other key names maps them, and its errors name its keys)
+    fields: Callable[[dict, str], Fields] = Fields
 
 
 def strip_model_prefix(stored: str) -> str:
@@ -117,7 +123,7 @@ def load(directory: Path, layout: Layout, data: dict, where: str, read: bool, ke
     if layout.unpack is not None:
         entries = layout.unpack(entries, data)
     shapes = {n: e[2] for n, e in entries.items()}
-    cfg = layout.parse(Fields(data, where), set(entries), shapes)
+    cfg = layout.parse(layout.fields(data, where), set(entries), shapes)
     required, optional = draft_tensors(cfg)
     missing = [n for n in required if n not in entries]
     if missing:
@@ -127,11 +133,10 @@ def load(directory: Path, layout: Layout, data: dict, where: str, read: bool, ke
         if missing[0] == "d2t":
             hint = (f"; draft_vocab_size {cfg.draft_vocab_size} != target vocab_size {cfg.target_vocab_size} "
                     f"needs the d2t draft->target id map")
-        raise DraftError(f"{directory / names[0]}: missing tensor {missing[0]!r}, expected shape "
+        raise DraftError(f"{directory / names[0]}: missing tensor {layout.stored(missing[0])!r}, expected shape "
                          f"{fmt(required[missing[0]])}{hint}{more}")
+    entries = {n: e for n, e in entries.items() if n not in IGNORED and n not in layout.ignored}
     for name, (path, stored, shape, dtype, _) in entries.items():
-        if name in IGNORED:
-            continue
         if qc is not None and name.endswith(_SCALE_SUFFIXES):
             base = name[:name.rfind(".")] + ".weight"
             if base not in entries:
@@ -183,8 +188,7 @@ def _read(entries: dict[str, Entry]) -> dict[str, torch.Tensor]:
     weights: dict[str, torch.Tensor] = {}
     by_file: dict[Path, list[str]] = {}
     for name, entry in entries.items():
-        if name not in IGNORED:
-            by_file.setdefault(entry[0], []).append(name)
+        by_file.setdefault(entry[0], []).append(name)
     for path, names in by_file.items():
         with safe_open(str(path), framework="pt") as f:
             cache: dict[str, torch.Tensor] = {}

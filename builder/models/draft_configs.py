@@ -85,6 +85,7 @@ class EagleConfig(DraftLayers):
     embedding_norm: bool = False      # RMSNorm of the token embedding before fc (speculators layernorms)
     first_input_norm: bool = False    # layer 0 keeps its input_layernorm (the original EAGLE drops it)
     final_norm: bool = False          # RMSNorm before the LM head
+    norm_hidden_out: bool = False     # the recycled hidden is the final-normed one (EagleMistral)
     has_lm_head: bool = False
 
     kind = "eagle"

@@ -1,0 +1,42 @@
+"""Shared by the draft tests: the one-line bad-input check, and a feature draft recorded into a network."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from builder.errors import DraftError, NemospecError
+
+
+def draft_error(fn, *args) -> str:
+    """``fn(*args)`` raises a one-line DraftError (exit 2); returns its message."""
+    with pytest.raises(DraftError) as info:
+        fn(*args)
+    message = str(info.value)
+    assert isinstance(info.value, NemospecError) and "\n" not in message
+    return message
+
+
+def record_draft(module):
+    """An EAGLE / EAGLE-3 draft's forward recorded into a TensorRT network (dynamic batch, rows, cache)."""
+    from builder.backends.trt_backend import NetworkRecorder
+    rec = NetworkRecorder()
+    int32 = torch.int32
+    feeds = {n: rec.add_input(n, int32, s) for n, s in
+             [("input_ids", (-1, -1)), ("positions", (-1, -1)), ("lengths", (-1,)), ("logit_index", (-1, -1))]}
+    state = {n: rec.add_input("past." + n, d, (-1, -1) + tuple(s[2:]))
+             for n, (s, d) in module.state_spec(1, 1).items()}
+    if module.kind == "eagle3":
+        aux = rec.add_input("aux", module.dtype, (-1, -1, module.aux_width))
+        hidden = rec.add_input("hidden", module.dtype, (-1, -1, module.hidden_size))
+        from_target = rec.add_input("from_target", int32, (-1, -1))
+        logits, out, new_state = module.forward(feeds["input_ids"], aux, hidden, from_target, feeds["positions"],
+                                                feeds["lengths"], feeds["logit_index"], state)
+    else:
+        hidden = rec.add_input("hidden", module.dtype, (-1, -1, module.hidden_size))
+        logits, out, new_state = module.forward(feeds["input_ids"], hidden, feeds["positions"], feeds["lengths"],
+                                                feeds["logit_index"], state)
+    rec.mark_output("logits", logits)
+    rec.mark_output("hidden_out", out)
+    for n, t in new_state.items():
+        rec.mark_output("present." + n, t)
+    return rec
