@@ -63,6 +63,9 @@ def _parser():
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="with --checkpoint_dir: the eager dtype")
     g.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    g.add_argument("--trace", default=None, metavar="FILE",
+                   help="speculation trace: one JSON line per verify step per sequence (proposed ids, accepted, "
+                        "bonus, K, draft/verify ms)")
     add_policy_args(g, build=False)
     g.add_argument("--speculative_decoding_mode", default=None,
                    choices=["draft_target", "eagle", "eagle3", "mtp", "dflash", "dspark", "peagle"],
@@ -199,6 +202,14 @@ def cmd_generate(args):
     k = loaded.max_draft_len if args.num_draft_tokens is None else args.num_draft_tokens
     if args.num_draft_tokens is not None and not 1 <= k <= loaded.max_draft_len:
         raise NemospecError(f"--num_draft_tokens: expected 1..{loaded.max_draft_len} (the engine's max_draft_len), got {k}")
+    if args.trace is not None and not speculate:
+        raise NemospecError("--trace: traces speculative decoding; this run is target-only")
+    trace_file = None
+    if args.trace is not None:
+        try:
+            trace_file = open(args.trace, "w", encoding="utf-8")
+        except OSError as e:
+            raise NemospecError(f"--trace {args.trace}: cannot write ({e.strerror})") from None
     try:
         if loaded.backend == "compiled":  # compile (or load from the cache) the steps this run uses, untimed
             from runtime.compiled import warm_up
@@ -209,13 +220,17 @@ def cmd_generate(args):
             result = speculative_generate(loaded.runner, loaded.proposer(), prompts, args.max_new_tokens, k,
                                           temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                                           end_ids=end_ids, max_seq_len=loaded.max_seq_len, prefill_chunk=chunk,
-                                          policy=policy)
+                                          policy=policy, trace=None if trace_file is None else
+                                          lambda r: trace_file.write(json.dumps(r) + "\n"))
         else:
             result = generate(loaded.runner, prompts, args.max_new_tokens, temperature=args.temperature,
                               top_p=args.top_p, seed=args.seed, end_ids=end_ids, max_seq_len=loaded.max_seq_len,
                               prefill_chunk=chunk)
     except ValueError as e:
         raise NemospecError(str(e)) from None
+    finally:
+        if trace_file is not None:
+            trace_file.close()
     texts = [tokenizer.decode(o) for o in result.output_ids] if tokenizer else None
     if not args.json:
         for i, ids in enumerate(result.output_ids):

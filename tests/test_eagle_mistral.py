@@ -201,14 +201,18 @@ def _speculate(trained, directory, k, trace=None):
     from runtime.loading import open_checkpoint
     from runtime.speculative import speculative_generate
     loaded = open_checkpoint(trained.target, mode="eagle", draft_dir=directory)
-    return speculative_generate(loaded.runner, loaded.proposer(), trained.prompts, 32, k)
+    return speculative_generate(loaded.runner, loaded.proposer(), trained.prompts, 32, k, trace=trace)
 
 
 @pytest.mark.parametrize("k", [1, 4])
 def test_both_layouts_speculate_exactly_and_alike(trained, k):
-    hf, native = _speculate(trained, trained.hf, k), _speculate(trained, trained.native, k)
+    traces = {"hf": [], "native": []}
+    hf, native = (_speculate(trained, getattr(trained, name), k, traces[name].append) for name in traces)
     assert hf.output_ids == trained.reference and native.output_ids == trained.reference
     assert hf.extra["acceptance"] == native.extra["acceptance"]
+    # the same proposals at every step of every sequence (the speculation trace, timings aside)
+    same = [{n: v for n, v in r.items() if not n.endswith("_ms")} for r in traces["hf"]]
+    assert same == [{n: v for n, v in r.items() if not n.endswith("_ms")} for r in traces["native"]]
 
 
 def test_exchanged_fc_halves_are_accepted_less(trained):
