@@ -259,7 +259,7 @@ def checkpoint_files(checkpoint_dir: str | os.PathLike) -> list[Path]:
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Tensors kept in fp32 whatever the build dtype (as transformers keeps them).
-FP32_TENSORS = ("A_log", ".D", "gate.weight", "e_score_correction_bias")
+FP32_TENSORS = ("A_log", ".D", "gate.weight", "e_score_correction_bias", "attention_sink_bias")
 
 
 def convert_weights(weights: dict, dtype: torch.dtype) -> dict:

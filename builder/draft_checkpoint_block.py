@@ -23,7 +23,7 @@ from pathlib import Path
 
 from builder.draft_checkpoint import validate_against_target
 from builder.errors import DraftError
-from builder.formats import reader, speculators, zlab
+from builder.formats import nemotron35, reader, speculators, zlab
 from builder.formats.fields import MARKOV_HEAD_TYPES, Fields
 from builder.formats.tensors import draft_tensors as block_draft_tensors
 from builder.models.draft_configs import BLOCK_CLASSES, DFlashConfig, DSparkConfig, PEagleConfig
@@ -63,6 +63,8 @@ def _layout(f: Fields) -> reader.Layout:
                                               f"(supported: {', '.join(BLOCK_SPECULATORS_TYPES)})")
     archs = data.get("architectures")
     arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
+    if nemotron35.is_nemotron35(data):
+        return nemotron35.LAYOUT
     if arch in BLOCK_ARCHITECTURES:
         return zlab.layout(arch)
     raise f.fail("architectures", f"is {arch!r}: unknown block draft architecture (supported: "

@@ -40,3 +40,24 @@ def record_draft(module):
     for n, t in new_state.items():
         rec.mark_output("present." + n, t)
     return rec
+
+
+def record_block_draft(module):
+    """A DFlash / DSpark draft's forward (context + block, and the Markov step) recorded into a network."""
+    from builder.backends.trt_backend import NetworkRecorder
+    I32 = torch.int32
+    rec = NetworkRecorder()
+    inp = {n: rec.add_input(n, I32, s) for n, s in [("context_positions", (-1, -1)), ("context_lengths", (-1,)),
+                                                    ("input_ids", (-1, -1)), ("positions", (-1, -1)),
+                                                    ("lengths", (-1,)), ("logit_index", (-1, -1))]}
+    aux = rec.add_input("aux", module.dtype, (-1, -1, module.aux_width))
+    state = {n: rec.add_input("past." + n, d, (-1, -1) + tuple(s[2:])) for n, (s, d) in module.state_spec(1, 1).items()}
+    logits, new_state = module.forward(aux, inp["context_positions"], inp["context_lengths"], inp["input_ids"],
+                                       inp["positions"], inp["lengths"], inp["logit_index"], state)
+    rec.mark_output("logits", logits)
+    for n, t in new_state.items():
+        rec.mark_output("present." + n, t)
+    if module.kind == "dspark":  # the Markov step of the loop, as its own output
+        prev = rec.add_input("prev_ids", I32, (-1, -1))
+        rec.mark_output("markov_logits", module.markov_logits(logits, prev))
+    return rec

@@ -25,7 +25,7 @@ from builder.interpreter import run_network
 from builder.models.dflash import DFlashDraft
 from builder.models.dspark import DSparkDraft
 from builder.models.peagle import PEagleDraft
-from draft_helpers import draft_error
+from draft_helpers import draft_error, record_block_draft
 from tolerances import assert_no_near_tie, assert_within, sum_bound
 
 FIXTURES = Path(__file__).parent / "fixtures" / "speculators"
@@ -263,22 +263,7 @@ def test_error_nvfp4_tensors(tmp_path):
 
 
 # --- TensorRT lowering --------------------------------------------------------------------------------
-def _record_block(module):
-    rec = NetworkRecorder()
-    inp = {n: rec.add_input(n, I32, s) for n, s in [("context_positions", (-1, -1)), ("context_lengths", (-1,)),
-                                                    ("input_ids", (-1, -1)), ("positions", (-1, -1)),
-                                                    ("lengths", (-1,)), ("logit_index", (-1, -1))]}
-    aux = rec.add_input("aux", module.dtype, (-1, -1, module.aux_width))
-    state = {n: rec.add_input("past." + n, d, (-1, -1) + tuple(s[2:])) for n, (s, d) in module.state_spec(1, 1).items()}
-    logits, new_state = module.forward(aux, inp["context_positions"], inp["context_lengths"], inp["input_ids"],
-                                       inp["positions"], inp["lengths"], inp["logit_index"], state)
-    rec.mark_output("logits", logits)
-    for n, t in new_state.items():
-        rec.mark_output("present." + n, t)
-    if module.kind == "dspark":  # the Markov step of the loop, as its own output
-        prev = rec.add_input("prev_ids", I32, (-1, -1))
-        rec.mark_output("markov_logits", module.markov_logits(logits, prev))
-    return rec
+_record_block = record_block_draft
 
 
 @pytest.mark.parametrize("name", BLOCK)

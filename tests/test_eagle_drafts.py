@@ -333,8 +333,11 @@ def test_error_unknown_architecture_and_type(tmp_path):
 
 def test_error_config_fields(tmp_path):
     path = _copy(tmp_path, "eagle3_llama3")
+    _edit_config(path, transformer_layer_config__rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "factor": 4.0})
+    assert "'transformer_layer_config.rope_parameters.rope_type' is 'longrope'" in _error(load_draft_checkpoint, path)
     _edit_config(path, transformer_layer_config__rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0})
-    assert "'transformer_layer_config.rope_parameters.rope_type' is 'yarn'" in _error(load_draft_checkpoint, path)
+    assert "'transformer_layer_config.rope_parameters.original_max_position_embeddings' is missing" in _error(
+        load_draft_checkpoint, path)
     _edit_config(path, transformer_layer_config__rope_parameters=None, transformer_layer_config__hidden_size=None)
     assert "'transformer_layer_config.hidden_size' is missing" in _error(load_draft_checkpoint, path)
     path = _copy(tmp_path, "eagle_speculators")

@@ -8,7 +8,8 @@ from typing import Any, Mapping
 
 from builder.errors import DraftError
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+_YARN_OPTIONAL = ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim")
 ACTIVATIONS = ("silu", "gelu", "relu", "relu2", "sigmoid")
 LAYER_TYPES = ("llama", "qwen3")
 
@@ -117,11 +118,17 @@ def rope_fields(f: Fields) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
         out["original_max_position_embeddings"] = source.int("original_max_position_embeddings")
         if out["high_freq_factor"] <= out["low_freq_factor"]:
             raise source.fail("high_freq_factor", "must be greater than low_freq_factor")
+    if kind == "yarn":
+        out["original_max_position_embeddings"] = source.int("original_max_position_embeddings")
+        out.update({key: source.float(key) for key in _YARN_OPTIONAL if source.has(key)})
+        if source.has("truncate"):
+            out["truncate"] = source.bool("truncate")
     return theta, tuple(sorted(out.items()))
 
 
-def layer_fields(f: Fields, layer_type: str) -> dict[str, Any]:
-    """Decoder-layer fields from a Llama/Qwen3-style config object."""
+def layer_fields(f: Fields, layer_type: str, sliding: bool = False) -> dict[str, Any]:
+    """Decoder-layer fields from a Llama/Qwen3-style config object (``sliding``: the layout reads
+    its sliding window itself)."""
     if layer_type not in LAYER_TYPES:
         raise f.fail("model_type", f"is {layer_type!r}: unsupported draft decoder layer "
                                    f"(supported: {', '.join(LAYER_TYPES)})")
@@ -146,7 +153,7 @@ def layer_fields(f: Fields, layer_type: str) -> dict[str, Any]:
     if act not in ACTIVATIONS:
         raise f.fail("hidden_act", f"is {act!r}: unsupported (supported: {', '.join(ACTIVATIONS)})")
     theta, scaling = rope_fields(f)
-    if layer_type == "qwen3" and f.bool("use_sliding_window"):
+    if layer_type == "qwen3" and f.bool("use_sliding_window") and not sliding:
         raise f.fail("use_sliding_window", "is true: sliding-window draft attention is not supported")
     return dict(
         layer_type=layer_type, hidden_size=hidden, intermediate_size=f.int("intermediate_size"),

@@ -99,6 +99,8 @@ def _dflash_tensors(cfg: DFlashConfig) -> tuple[dict[str, Shape], dict[str, Shap
     optional: dict[str, Shape] = {}
     for i in range(cfg.num_hidden_layers):
         required.update(layer_tensors(cfg, i, H, qk_norm=True))  # DFlash attention always has q/k norms
+        if cfg.attention_sinks:
+            required[f"layers.{i}.self_attn.attention_sink_bias"] = (cfg.num_attention_heads,)
     head = (cfg.draft_vocab_size, H)
     if cfg.draft_vocab_size != cfg.target_vocab_size:
         required["lm_head.weight"] = head

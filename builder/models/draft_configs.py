@@ -111,6 +111,9 @@ class DFlashConfig(DraftLayers):
     has_d2t: bool = False
     layer_ids_field: str = "aux_hidden_state_layer_ids"  # where the checkpoint names them
     layer_ids_offset: int = 0           # 1 when the checkpoint counts layer outputs (z-lab)
+    causal: bool = False                # block row j sees the context and block rows 0..j only
+    sliding_window: int | None = None   # Hugging Face's inclusive window (a row sees `window` slots)
+    attention_sinks: bool = False       # per-head fp32 sink logits (layers.N.self_attn.attention_sink_bias)
 
     kind = "dflash"
 
