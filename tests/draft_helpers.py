@@ -61,3 +61,18 @@ def record_block_draft(module):
         prev = rec.add_input("prev_ids", I32, (-1, -1))
         rec.mark_output("markov_logits", module.markov_logits(logits, prev))
     return rec
+
+
+def dynamic_profile(rec) -> dict:
+    """An optimization profile for a recorded draft network: batch 1..4, rows 1..64, cache 1..256."""
+    profile = {}
+    for i in range(rec.network.num_inputs):
+        t = rec.network.get_input(i)
+        tail = tuple(t.shape[2:])
+        if t.name in ("lengths", "context_lengths"):
+            profile[t.name] = [(1,), (2,), (4,)]
+        elif t.name.startswith("past."):
+            profile[t.name] = [(1, 1) + tail, (2, 64) + tail, (4, 256) + tail]
+        else:
+            profile[t.name] = [(1, 1) + tail, (2, 8) + tail, (4, 64) + tail]
+    return profile

@@ -25,7 +25,7 @@ from builder.interpreter import run_network
 from builder.models.dflash import DFlashDraft
 from builder.models.dspark import DSparkDraft
 from builder.models.peagle import PEagleDraft
-from draft_helpers import draft_error, record_block_draft
+from draft_helpers import draft_error, dynamic_profile, record_block_draft
 from tolerances import assert_no_near_tie, assert_within, sum_bound
 
 FIXTURES = Path(__file__).parent / "fixtures" / "speculators"
@@ -322,17 +322,7 @@ def test_recorded_dflash_network_builds():
     from builder.backends.trt_build import build_engine_bytes
     module, _ = _load("dflash_speculators")
     rec = _record_block(module)
-    profile = {}
-    for i in range(rec.network.num_inputs):
-        t = rec.network.get_input(i)
-        tail = tuple(t.shape[2:])
-        if t.name in ("lengths", "context_lengths"):
-            profile[t.name] = [(1,), (2,), (4,)]
-        elif t.name.startswith("past."):
-            profile[t.name] = [(1, 1) + tail, (2, 64) + tail, (4, 256) + tail]
-        else:
-            profile[t.name] = [(1, 1) + tail, (2, 8) + tail, (4, 64) + tail]
-    assert len(build_engine_bytes(rec, [profile])) > 1000
+    assert len(build_engine_bytes(rec, [dynamic_profile(rec)])) > 1000
 
 
 # --- validation ----------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from builder.draft_checkpoint_block import load_block_draft_checkpoint, load_blo
 from builder.interpreter import run_network
 from builder.models.dflash import DFlashDraft
 from builder.models.dspark import DSparkDraft
-from draft_helpers import draft_error, record_block_draft
+from draft_helpers import draft_error, dynamic_profile, record_block_draft
 from nemotron35_fixtures import draft_config, draft_weights, write
 from tolerances import assert_within, lm_head_bound, logit_order_bound
 
@@ -325,3 +325,11 @@ def test_aux_ids_outside_the_target_name_both_numberings(drafts):
     cfg = load_block_draft_config(drafts.dflash.plain)
     msg = draft_error(validate_block_draft, cfg, SimpleNamespace(hidden_size=H, vocab_size=V, num_layers=4))
     assert "target_layer_ids [0, 2, 4] (HF hidden_states ids [1, 3, 5]) has id 4 outside" in msg
+
+
+def test_recorded_dspark_network_builds(drafts):
+    """TensorRT builds the NVFP4 DSpark network (causal block, sliding window, sinks, FP4 linears and the
+    FP4 Markov head) with dynamic batch, context rows, block rows and cache length."""
+    from builder.backends.trt_build import build_engine_bytes
+    rec = record_block_draft(_module(drafts.dspark.nvfp4, drafts.lm_head))
+    assert len(build_engine_bytes(rec, [dynamic_profile(rec)])) > 1000
