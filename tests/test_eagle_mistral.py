@@ -262,3 +262,12 @@ def test_shapes_that_do_not_fit_the_target_exit_2_naming_the_key(small):
     wrong = _variant(small, "wq", params={"n_heads": 2})  # wq rows then no longer match n_heads * head_dim
     assert "tensor 'layers.0.attention.wo.weight' has shape [32, 64], expected [32, 32]" in _error(
         load_draft_checkpoint, wrong)
+
+
+def test_cli_exits_2_for_a_draft_that_does_not_fit(small, capsys):
+    """The embedded target (hidden 192) with the scaled-down native draft (dim 32)."""
+    from runtime import cli
+    code = cli.main(["generate", "--input_ids", "5,6,7", "--max_new_tokens", "2", "--backend", "torch",
+                     "--speculative_decoding_mode", "eagle", "--draft_dir", str(small.native)])
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 2 and "params.json): dim 32 does not match the target's hidden_size 192" in err

@@ -11,6 +11,7 @@ attention; GPT-OSS's for sinks).
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -68,6 +69,21 @@ def test_configs_come_from_their_own_keys(drafts):
     assert {"fc.weight", "layers.1.mlp.down_proj.weight", "markov_head.markov_w2.weight"} <= packed
     assert not any("self_attn" in n or "markov_w1" in n or "embed" in n for n in packed)  # exclude_modules wildcards
     assert weights["layers.0.self_attn.attention_sink_bias"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("keep", ["quantization_config", "hf_quant_config.json"])
+def test_nvfp4_from_either_quantization_config(drafts, tmp_path, keep):
+    import shutil
+    path = Path(shutil.copytree(drafts.dflash.nvfp4, tmp_path / keep))
+    if keep == "quantization_config":
+        (path / "hf_quant_config.json").unlink()
+    else:
+        config = json.loads((path / "config.json").read_text())
+        del config["quantization_config"]
+        (path / "config.json").write_text(json.dumps(config))
+    _, weights = load_block_draft_checkpoint(path)
+    assert getattr(weights["layers.0.mlp.up_proj.weight"], "is_nvfp4", False)
+    assert not getattr(weights["layers.0.self_attn.q_proj.weight"], "is_nvfp4", False)
 
 
 # --- the transformers oracle ----------------------------------------------------------------------------
