@@ -90,7 +90,8 @@ def _attention(f: Fields, inner: Fields | None, layers: int) -> dict:
         want = "sliding_attention" if swa else "full_attention"
         bad = [t for t in types if t != want]
         if bad or len(types) != layers:
-            raise f.fail("layer_types", f"has {bad[0] if bad else len(types)!r}: expected {layers} x {want!r} "
+            found = repr(bad[0]) if bad else f"{len(types)} entries"
+            raise f.fail("layer_types", f"has {found}: expected {layers} x {want!r} "
                                         f"(dflash_config.use_swa is {str(swa).lower()})")
     sinks = False if inner is None else inner.bool("attention_sink_bias")
     return dict(causal=causal, sliding_window=window, attention_sinks=sinks)
