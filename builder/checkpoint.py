@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from builder import quantization
 from builder.config import NemotronHConfig, load_config
 from builder.errors import CheckpointError
 
@@ -41,6 +42,7 @@ __all__ = [
     "checkpoint_files",
     "load_checkpoint",
     "checkpoint_hash",
+    "files_hash",
 ]
 
 SAFETENSORS_FILE = "model.safetensors"
@@ -255,6 +257,21 @@ def checkpoint_files(checkpoint_dir: str | os.PathLike) -> list[Path]:
     return list(_locate(checkpoint_dir).files)
 
 
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Tensors kept in fp32 whatever the build dtype (as transformers keeps them).
+FP32_TENSORS = ("A_log", ".D", "gate.weight", "e_score_correction_bias", "attention_sink_bias")
+
+
+def convert_weights(weights: dict, dtype: torch.dtype) -> dict:
+    """Checkpoint tensors in the build dtype (fp32-only tensors stay fp32), contiguous for saving."""
+    out = {}
+    for name, w in weights.items():
+        if w.is_floating_point():
+            w = w.float() if any(name.endswith(s) for s in FP32_TENSORS) else w.to(dtype)
+        out[name] = w.contiguous()
+    return out
+
+
 # --- loading -------------------------------------------------------------------------------------
 class _Entry:
     __slots__ = ("file", "stored", "shape", "dtype", "expert")
@@ -273,12 +290,11 @@ def load_checkpoint(checkpoint_dir: str | os.PathLike) -> tuple[NemotronHConfig,
     Returns the config and canonical name -> tensor (dtype as stored) for every expected tensor,
     the optional ones present, and every ``mtp.*`` tensor. Raises :class:`CheckpointError`.
     A ModelOpt NVFP4 checkpoint (``hf_quant_config.json`` / ``quantization_config``) is dequantized
-    to the config's dtype (see :mod:`builder.quantization`; its ``load_nvfp4_checkpoint`` keeps it packed).
+    to the config's dtype (:func:`load_nvfp4_checkpoint` with ``keep_quantized`` keeps it packed).
     """
     config = load_config(checkpoint_dir)
-    from builder import quantization  # ModelOpt NVFP4 checkpoints: validated, dequantized on load
-    if quantization.read_quant_config(checkpoint_dir) is not None:
-        return quantization.load_nvfp4_checkpoint(checkpoint_dir)
+    if quantization.read_quant_config(checkpoint_dir) is not None:  # validated, dequantized on load
+        return load_nvfp4_checkpoint(checkpoint_dir)
     layout = _locate(checkpoint_dir)
     expected = expected_tensors(config)
     optional = optional_tensors(config)
@@ -373,7 +389,11 @@ def checkpoint_hash(checkpoint_dir: str | os.PathLike) -> str:
     config = layout.directory / CONFIG_FILE
     if not config.is_file():
         raise CheckpointError(f"{config}: missing; a Hugging Face checkpoint needs a config.json")
-    files = [config, *layout.files] + ([layout.index] if layout.index is not None else [])
+    return files_hash([config, *layout.files] + ([layout.index] if layout.index is not None else []))
+
+
+def files_hash(files) -> str:
+    """sha256 (hex) over ``files`` in name order: each one's name, size and bytes."""
     h = hashlib.sha256()
     for path in sorted(files, key=lambda p: p.name):
         h.update(path.name.encode("utf-8") + b"\0" + str(path.stat().st_size).encode("ascii") + b"\0")
@@ -381,3 +401,75 @@ def checkpoint_hash(checkpoint_dir: str | os.PathLike) -> str:
             while block := f.read(1 << 20):
                 h.update(block)
     return h.hexdigest()
+
+
+# --- ModelOpt NVFP4 NemotronH checkpoints ----------------------------------------------------------
+def load_nvfp4_checkpoint(checkpoint_dir: str | os.PathLike, keep_quantized: bool = False):
+    """Read, validate and (unless ``keep_quantized``) dequantize a ModelOpt NVFP4 NemotronH checkpoint.
+
+    Returns ``(config, weights)`` with canonical names like :func:`builder.checkpoint.load_checkpoint`.
+    Dequantized weights are in the config's dtype; with ``keep_quantized`` packed weights are
+    :class:`quantization.NVFP4Weight` objects (compute dtype: the config's) for the FP4 TensorRT lowering.
+    Raises :class:`CheckpointError` with one line naming the file and tensor.
+    """
+    config = load_config(checkpoint_dir)
+    qc = quantization.read_quant_config(checkpoint_dir)
+    if qc is None:
+        raise CheckpointError(f"{checkpoint_dir}: no {quantization.HF_QUANT_CONFIG} or quantization_config; not an NVFP4 checkpoint")
+    layout = _locate(checkpoint_dir)
+    raw: dict[str, torch.Tensor] = {}
+    files: dict[str, Path] = {}
+    for path in layout.files:
+        with safe_open(str(path), framework="pt") as f:
+            for stored in layout.names[path]:
+                name = canonical_name(stored)
+                if name in raw:
+                    raise CheckpointError(f"{path}: tensor {stored!r} duplicates another tensor named {name!r}")
+                t = f.get_tensor(stored)
+                fused = _FUSED_EXPERTS.match(name)
+                if fused:
+                    if t.dtype == torch.uint8:
+                        raise CheckpointError(f"{path}: tensor {stored!r}: fused NVFP4 expert tensors are not "
+                                              "supported; store experts.{e}.up_proj.weight / down_proj.weight "
+                                              "per expert")
+                    for e in range(t.shape[0]):
+                        split = f"{fused.group(1)}.{e}.{fused.group(2)}.weight"
+                        raw[split], files[split] = t[e], path
+                    continue
+                raw[name], files[name] = t, path
+    expected, optional = expected_tensors(config), optional_tensors(config)
+    shapes = dict(optional)
+    shapes.update(expected)
+    if config.num_nextn_predict_layers > 0 and "mamba" not in config.mtp_layer_types:
+        shapes.update(mtp_tensors(config))
+    where_of = {n: str(files[n]) for n in raw}
+    dtype = getattr(torch, config.dtype)
+
+    weights = quantization.nvfp4_weights(raw, qc, shapes, dtype, where=str(layout.where))
+    # the logical checkpoint: same rules as an unquantized one
+    missing = [n for n in expected if n not in weights]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"{layout.where}: missing tensor {missing[0]!r}, expected shape "
+                              f"{_fmt(expected[missing[0]])}{more}")
+    unknown = [n for n in weights if n not in expected and n not in optional and not n.startswith(MTP_PREFIX)]
+    if unknown:
+        raise CheckpointError(f"{where_of.get(unknown[0], layout.where)}: unexpected tensor {unknown[0]!r} is not part "
+                              f"of a NemotronH model with layers {config.hybrid_override_pattern!r}")
+    for name, w in weights.items():
+        if isinstance(w, quantization.NVFP4Weight):
+            continue
+        if w.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise CheckpointError(f"{where_of.get(name, layout.where)}: tensor {name!r} has dtype "
+                                  f"{quantization._dtype_name(w.dtype)}, expected float32, float16 or bfloat16 (or uint8 packed "
+                                  "FP4 with its scales)")
+        want = shapes.get(name)
+        if want is not None and tuple(w.shape) != tuple(want):
+            raise CheckpointError(f"{where_of.get(name, layout.where)}: tensor {name!r} has shape "
+                                  f"{_fmt(tuple(w.shape))}, expected {_fmt(tuple(want))}")
+    order = list(expected) + [n for n in optional if n in weights] + \
+        sorted(n for n in weights if n.startswith(MTP_PREFIX))
+    weights = {n: weights[n] for n in order}
+    if not keep_quantized:
+        weights = quantization.dequantize_weights(weights)
+    return config, weights

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from builder.errors import CheckpointError
+from builder.generation_config import with_generation_eos
 
 __all__ = [
     "NemotronHConfig",
@@ -500,7 +501,8 @@ def parse_hf_config(raw: Mapping[str, Any], source: str = CONFIG_FILE) -> Nemotr
 
 
 def load_config(checkpoint_dir: str | os.PathLike) -> NemotronHConfig:
-    """Read and validate ``<checkpoint_dir>/config.json``. Raises :class:`CheckpointError`."""
+    """Read and validate ``<checkpoint_dir>/config.json`` (and the eos ids of ``generation_config.json``).
+    Raises :class:`CheckpointError`."""
     directory = Path(checkpoint_dir)
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: checkpoint directory not found")
@@ -513,4 +515,4 @@ def load_config(checkpoint_dir: str | os.PathLike) -> NemotronHConfig:
         raise CheckpointError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path}: invalid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
-    return parse_hf_config(raw, str(path))
+    return with_generation_eos(parse_hf_config(raw, str(path)), directory)

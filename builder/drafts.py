@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from builder.checkpoint import checkpoint_hash, load_checkpoint, validate_mtp
+from builder.checkpoint import checkpoint_hash, convert_weights, load_checkpoint, validate_mtp
 from builder.config import NemotronHConfig
 from builder.errors import BuildError, DraftError
-from builder.draft_checkpoint import draft_config_from_dict, load_draft_checkpoint, validate_against_target
+from builder.draft_checkpoint import draft_config_from_dict, draft_hash, load_draft_checkpoint, validate_against_target
 from builder.draft_checkpoint_block import (block_draft_config_from_dict, load_block_draft_checkpoint,
                                             validate_block_draft)
 from builder.models.dflash import DFlashDraft
@@ -58,7 +58,6 @@ def _bind_quantized(stored: dict, dtype):
 
 def load_draft(mode, target_cfg: NemotronHConfig, target_weights: dict, draft_dir, dtype, log=print,
                quantization=None) -> LoadedDraft:
-    from builder.engine import convert_weights
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise DraftError(f"--quantization: expected one of {', '.join(QUANTIZATIONS)}, got {quantization}")
     if quantization is not None and mode in ("mtp", "draft_target"):
@@ -91,7 +90,7 @@ def load_draft(mode, target_cfg: NemotronHConfig, target_weights: dict, draft_di
         module = _feature_draft(cfg, weights, target_weights, dtype)
         features = {"capture_layers": module.aux_layer_ids} if mode == "eagle3" else {"final_hidden": True}
         return LoadedDraft(module, weights, features,
-                           {"mode": mode, "draft": cfg.to_dict(), "draft_sha256": checkpoint_hash(directory)})
+                           {"mode": mode, "draft": cfg.to_dict(), "draft_sha256": draft_hash(directory)})
     if mode in BLOCK_MODES:
         cfg, weights = load_block_draft_checkpoint(directory, keep_quantized=True)
         if cfg.kind != mode:
@@ -133,7 +132,6 @@ def _rtx_workaround(stored: dict, mode, dtype, log):
 
 def _to_storable(weights: dict, dtype) -> dict:
     """Draft tensors as a flat safetensors dict: packed NVFP4 weights back to ModelOpt's three tensors."""
-    from builder.engine import convert_weights
     out = {}
     for name, w in weights.items():
         if getattr(w, "is_nvfp4", False):

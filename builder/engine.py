@@ -29,18 +29,15 @@ import torch
 from safetensors.torch import save_file
 
 from builder.atomic_dir import atomic_dir
-from builder.checkpoint import checkpoint_hash, load_checkpoint
+from builder.checkpoint import TORCH_DTYPES, checkpoint_hash, convert_weights, load_checkpoint, load_nvfp4_checkpoint
 from builder.errors import BuildError
 from builder.integrity import record_files
 from builder.models.nemotron_h import NemotronH
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 DTYPE_NAMES.update({torch.int32: "int32", torch.int64: "int64", torch.bool: "bool"})
 MODES = ("draft_target", "eagle", "eagle3", "mtp", "dflash", "dspark", "peagle")
-# Tensors kept in fp32 whatever the build dtype (as transformers keeps them).
-FP32_TENSORS = ("A_log", ".D", "gate.weight", "e_score_correction_bias")
 
 
 @dataclass(frozen=True)
@@ -77,16 +74,6 @@ class BuildOptions:
 
     def resolve_dtype(self, checkpoint_dtype: str) -> str:
         return checkpoint_dtype if self.dtype == "auto" else self.dtype
-
-
-def convert_weights(weights: dict, dtype: torch.dtype) -> dict:
-    """Checkpoint tensors in the build dtype (fp32-only tensors stay fp32), contiguous for saving."""
-    out = {}
-    for name, w in weights.items():
-        if w.is_floating_point():
-            w = w.float() if any(name.endswith(s) for s in FP32_TENSORS) else w.to(dtype)
-        out[name] = w.contiguous()
-    return out
 
 
 # --- components: one network each -----------------------------------------------------------------
@@ -266,7 +253,7 @@ def build(checkpoint_dir, output_dir, options: BuildOptions, log=print, draft_di
     log(f"reading checkpoint {checkpoint_dir}")
     from builder import quantization  # an NVFP4 checkpoint keeps its linears packed: FP4 constants in the engine
     if quantization.is_nvfp4_checkpoint(checkpoint_dir):
-        config, weights = quantization.load_nvfp4_checkpoint(checkpoint_dir, keep_quantized=True)
+        config, weights = load_nvfp4_checkpoint(checkpoint_dir, keep_quantized=True)
     else:
         config, weights = load_checkpoint(checkpoint_dir)
     dtype_name = options.resolve_dtype(config.dtype)

@@ -135,13 +135,16 @@ def kv_cache_update(cache, new, positions):
     return _backend(cache, new, positions).kv_cache_update(cache, new, positions)
 
 
-def attention(q, k_cache, v_cache, positions, scale):
+def attention(q, k_cache, v_cache, positions, scale, window=None, sinks=None):
     """Causal GQA over a KV cache.
 
     q [B, T, Hq, D]; k_cache, v_cache [B, S, Hkv, D] already holding this chunk; query (b, t) sees
-    cache rows j <= positions[b, t]. Softmax in fp32. Returns [B, T, Hq, D].
+    cache rows j <= positions[b, t], and with a sliding ``window`` (Hugging Face's inclusive one) only
+    j > positions[b, t] - window. ``sinks`` [Hq] (fp32): per-head logits joining the softmax
+    denominator with no value (GPT-OSS attention sinks). Softmax in fp32. Returns [B, T, Hq, D].
     """
-    return _backend(q, k_cache, positions).attention(q, k_cache, v_cache, positions, scale)
+    extra = {} if window is None and sinks is None else {"window": window, "sinks": sinks}
+    return _backend(q, k_cache, positions).attention(q, k_cache, v_cache, positions, scale, **extra)
 
 
 def moe(router_input, x, router_weight, router_bias, up, down, top_k, n_group, topk_group,
@@ -184,8 +187,11 @@ def rope(x, positions, theta, rotary_dim=None, scaling=None):
     positions [B, T] int. The first ``rotary_dim`` channels (default D) are rotated, the rest pass
     through. Angles ``positions * inv_freq`` and the rotation are computed in fp32; the result is
     cast back to x's dtype. ``scaling`` is a Hugging Face ``rope_scaling`` / ``rope_parameters``
-    dict: None, ``default``, ``linear`` (factor) or ``llama3`` (factor, low_freq_factor,
-    high_freq_factor, original_max_position_embeddings); other types raise ValueError.
+    dict: None, ``default``, ``linear`` (factor), ``llama3`` (factor, low_freq_factor,
+    high_freq_factor, original_max_position_embeddings) or ``yarn`` (factor,
+    original_max_position_embeddings, beta_fast, beta_slow, attention_factor / mscale, truncate:
+    transformers' NTK-by-parts frequencies, cos and sin scaled by the attention factor); other types
+    raise ValueError.
     """
     return _backend(x, positions).rope(x, positions, theta, rotary_dim, scaling)
 

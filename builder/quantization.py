@@ -36,11 +36,11 @@ expert ``up_proj``/``down_proj``, shared experts, the MoE latent projections); `
 ``mtp.*`` stay in high precision.
 
 Use: :func:`builder.checkpoint.load_checkpoint` reads an NVFP4 NemotronH checkpoint dequantized to
-its config's dtype (the eager reference); :func:`load_nvfp4_checkpoint` with ``keep_quantized`` binds
+its config's dtype (the eager reference); :func:`builder.checkpoint.load_nvfp4_checkpoint` with ``keep_quantized`` binds
 :class:`NVFP4Weight` objects instead, which ``functional.linear`` lowers to FP4 constants in
 TensorRT. Drafts (any tensor dict, quantized independently of their target) use
 :func:`quantize_tensors` / :func:`dequantize_tensors` / :func:`nvfp4_weights`;
-:func:`quantize_checkpoint` is ``nemospec quantize``.
+:func:`builder.quantize_checkpoint.quantize_checkpoint` is ``nemospec quantize``.
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ __all__ = [
     "fp4_encode", "fp4_decode", "pack_fp4", "unpack_fp4", "quantize_nvfp4", "dequantize_nvfp4",
     "quantization_error_bound", "NVFP4Weight", "QuantConfig", "read_quant_config", "is_nvfp4_checkpoint",
     "validate_nvfp4", "quantize_tensors", "dequantize_tensors", "nvfp4_weights", "dequantize_weights",
-    "load_nvfp4_checkpoint", "quantizable_weight_names", "quantize_checkpoint",
+    "quantizable_weight_names",
 ]
 
 BLOCK_SIZE = 16
@@ -535,83 +535,6 @@ def quantize_tensors(tensors: Mapping[str, torch.Tensor], names: Iterable[str]) 
     return out
 
 
-# --- NemotronH checkpoints ------------------------------------------------------------------------------
-def load_nvfp4_checkpoint(checkpoint_dir: str | os.PathLike, keep_quantized: bool = False):
-    """Read, validate and (unless ``keep_quantized``) dequantize a ModelOpt NVFP4 NemotronH checkpoint.
-
-    Returns ``(config, weights)`` with canonical names like :func:`builder.checkpoint.load_checkpoint`.
-    Dequantized weights are in the config's dtype; with ``keep_quantized`` packed weights are
-    :class:`NVFP4Weight` objects (compute dtype: the config's) for the FP4 TensorRT lowering.
-    Raises :class:`CheckpointError` with one line naming the file and tensor.
-    """
-    from safetensors import safe_open
-
-    from builder import checkpoint as ck
-    from builder.config import load_config
-
-    config = load_config(checkpoint_dir)
-    qc = read_quant_config(checkpoint_dir)
-    if qc is None:
-        raise CheckpointError(f"{checkpoint_dir}: no {HF_QUANT_CONFIG} or quantization_config; not an NVFP4 checkpoint")
-    layout = ck._locate(checkpoint_dir)
-    raw: dict[str, torch.Tensor] = {}
-    files: dict[str, Path] = {}
-    for path in layout.files:
-        with safe_open(str(path), framework="pt") as f:
-            for stored in layout.names[path]:
-                name = ck.canonical_name(stored)
-                if name in raw:
-                    raise CheckpointError(f"{path}: tensor {stored!r} duplicates another tensor named {name!r}")
-                t = f.get_tensor(stored)
-                fused = ck._FUSED_EXPERTS.match(name)
-                if fused:
-                    if t.dtype == torch.uint8:
-                        raise CheckpointError(f"{path}: tensor {stored!r}: fused NVFP4 expert tensors are not "
-                                              "supported; store experts.{e}.up_proj.weight / down_proj.weight "
-                                              "per expert")
-                    for e in range(t.shape[0]):
-                        split = f"{fused.group(1)}.{e}.{fused.group(2)}.weight"
-                        raw[split], files[split] = t[e], path
-                    continue
-                raw[name], files[name] = t, path
-    expected, optional = ck.expected_tensors(config), ck.optional_tensors(config)
-    shapes = dict(optional)
-    shapes.update(expected)
-    if config.num_nextn_predict_layers > 0 and "mamba" not in config.mtp_layer_types:
-        shapes.update(ck.mtp_tensors(config))
-    where_of = {n: str(files[n]) for n in raw}
-    dtype = getattr(torch, config.dtype)
-
-    weights = nvfp4_weights(raw, qc, shapes, dtype, where=str(layout.where))
-    # the logical checkpoint: same rules as an unquantized one
-    missing = [n for n in expected if n not in weights]
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise CheckpointError(f"{layout.where}: missing tensor {missing[0]!r}, expected shape "
-                              f"{ck._fmt(expected[missing[0]])}{more}")
-    unknown = [n for n in weights if n not in expected and n not in optional and not n.startswith(ck.MTP_PREFIX)]
-    if unknown:
-        raise CheckpointError(f"{where_of.get(unknown[0], layout.where)}: unexpected tensor {unknown[0]!r} is not part "
-                              f"of a NemotronH model with layers {config.hybrid_override_pattern!r}")
-    for name, w in weights.items():
-        if isinstance(w, NVFP4Weight):
-            continue
-        if w.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise CheckpointError(f"{where_of.get(name, layout.where)}: tensor {name!r} has dtype "
-                                  f"{_dtype_name(w.dtype)}, expected float32, float16 or bfloat16 (or uint8 packed "
-                                  "FP4 with its scales)")
-        want = shapes.get(name)
-        if want is not None and tuple(w.shape) != tuple(want):
-            raise CheckpointError(f"{where_of.get(name, layout.where)}: tensor {name!r} has shape "
-                                  f"{ck._fmt(tuple(w.shape))}, expected {ck._fmt(tuple(want))}")
-    order = list(expected) + [n for n in optional if n in weights] + \
-        sorted(n for n in weights if n.startswith(ck.MTP_PREFIX))
-    weights = {n: weights[n] for n in order}
-    if not keep_quantized:
-        weights = dequantize_weights(weights)
-    return config, weights
-
-
 def quantizable_weight_names(names: Iterable[str], shapes: Mapping[str, Sequence[int]] | None = None) -> list[str]:
     """Weights of linear modules (``*_proj.weight``, experts, ``lm_head.weight``) among ``names``
     -- the modules ModelOpt puts weight quantizers on, before exclusions."""
@@ -623,68 +546,3 @@ def quantizable_weight_names(names: Iterable[str], shapes: Mapping[str, Sequence
         if leaf.endswith(_LINEAR_SUFFIXES) and (shapes is None or len(shapes[name]) >= 2):
             out.append(name)
     return out
-
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-                    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
-
-
-def quantize_checkpoint(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike,
-                        exclude_modules: Sequence[str] = (), log=print) -> dict:
-    """Write a ModelOpt-layout W4A16 NVFP4 checkpoint of a bf16/fp16/fp32 NemotronH checkpoint.
-
-    Quantizes the linear layers (experts included) except ModelOpt's default exclusions and
-    ``exclude_modules`` (module names or fnmatch wildcards); a linear whose input dim is not a multiple
-    of 16 is kept too (and listed). Writes ``model.safetensors``, ``config.json`` (with
-    ``quantization_config``), ``hf_quant_config.json`` and the tokenizer files under a temporary name,
-    renamed into place at the end. Returns a summary dict. Raises :class:`CheckpointError`.
-    """
-    from safetensors.torch import save_file
-
-    from builder.checkpoint import load_checkpoint
-
-    src, dst = Path(checkpoint_dir), Path(output_dir)
-    if read_quant_config(src) is not None:
-        raise CheckpointError(f"{src}: already a quantized checkpoint (it has a quantization config)")
-    if src.resolve() == dst.resolve():
-        raise CheckpointError(f"--output_dir {dst}: must differ from --checkpoint_dir")
-    _config, weights = load_checkpoint(src)
-    patterns = tuple(DEFAULT_EXCLUDE_MODULES) + tuple(p for p in exclude_modules if p)
-    candidates = quantizable_weight_names(weights, {n: tuple(w.shape) for n, w in weights.items()})
-    chosen, excluded = [], []
-    for name in candidates:
-        module = _module(name)
-        if any(module == p or fnmatch.fnmatchcase(module, p) for p in patterns):
-            excluded.append(module)
-        elif weights[name].shape[-1] % BLOCK_SIZE:
-            log(f"keeping {module} in high precision: input dim {weights[name].shape[-1]} is not a multiple of "
-                f"{BLOCK_SIZE}")
-            excluded.append(module)
-        else:
-            chosen.append(name)
-    # modules with weights ModelOpt would give quantizers (conv1d) but leaves alone by default
-    excluded += [_module(n) for n in weights if n.endswith(".conv1d.weight")]
-    if not chosen:
-        raise CheckpointError(f"{src}: no linear layer left to quantize (check --exclude_modules)")
-    qc = QuantConfig(QUANT_ALGO, BLOCK_SIZE, tuple(sorted(set(excluded))))  # module names, as ModelOpt lists them
-    log(f"quantizing {len(chosen)} linear weights to NVFP4 (W4A16, blocks of {BLOCK_SIZE}); "
-        f"{len(set(excluded))} modules kept in high precision")
-    tensors = quantize_tensors(weights, chosen)
-    tensors = {n: t.contiguous() for n, t in tensors.items()}
-
-    raw_config = _read_json(src / CONFIG_FILE)
-    raw_config["quantization_config"] = qc.quantization_config()
-    from builder.atomic_dir import atomic_dir
-    with atomic_dir(dst) as tmp:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / CONFIG_FILE).write_text(json.dumps(raw_config, indent=2) + "\n")
-        (tmp / HF_QUANT_CONFIG).write_text(json.dumps(qc.hf_quant_config(), indent=4) + "\n")
-        copied = [f for f in _TOKENIZER_FILES if (src / f).is_file()]
-        for f in copied:
-            shutil.copy2(src / f, tmp / f)
-    before = sum(w.numel() * w.element_size() for w in weights.values())
-    after = sum(t.numel() * t.element_size() for t in tensors.values())
-    return {"quantized": [_module(n) for n in chosen], "excluded": qc.exclude_modules, "bytes_before": before,
-            "bytes_after": after, "copied": copied, "output_dir": str(dst)}
-
-

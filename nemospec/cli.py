@@ -68,6 +68,9 @@ def _parser():
     g.add_argument("--verify", action="store_true",
                    help="with --engine_dir: check every engine and weights file's sha256 against config.json "
                         "(sizes are always checked)")
+    g.add_argument("--trace", default=None, metavar="FILE",
+                   help="speculation trace: one JSON line per verify step per sequence (proposed ids, accepted, "
+                        "bonus, K, draft/verify ms)")
     add_policy_args(g, build=False)
     g.add_argument("--speculative_decoding_mode", default=None,
                    choices=["draft_target", "eagle", "eagle3", "mtp", "dflash", "dspark", "peagle"],
@@ -190,6 +193,14 @@ def cmd_generate(args):
     k = loaded.max_draft_len if args.num_draft_tokens is None else args.num_draft_tokens
     if args.num_draft_tokens is not None and not 1 <= k <= loaded.max_draft_len:
         raise NemospecError(f"--num_draft_tokens: expected 1..{loaded.max_draft_len} (the engine's max_draft_len), got {k}")
+    if args.trace is not None and not speculate:
+        raise NemospecError("--trace: traces speculative decoding; this run is target-only")
+    trace_file = None
+    if args.trace is not None:
+        try:
+            trace_file = open(args.trace, "w", encoding="utf-8")
+        except OSError as e:
+            raise NemospecError(f"--trace {args.trace}: cannot write ({e.strerror})") from None
     try:
         if loaded.backend == "compiled":  # compile (or load from the cache) the steps this run uses, untimed
             from runtime.compiled import warm_up
@@ -200,13 +211,17 @@ def cmd_generate(args):
             result = speculative_generate(loaded.runner, loaded.proposer(), prompts, args.max_new_tokens, k,
                                           temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                                           end_ids=end_ids, max_seq_len=loaded.max_seq_len, prefill_chunk=chunk,
-                                          policy=policy)
+                                          policy=policy, trace=None if trace_file is None else
+                                          lambda r: trace_file.write(json.dumps(r) + "\n"))
         else:
             result = generate(loaded.runner, prompts, args.max_new_tokens, temperature=args.temperature,
                               top_p=args.top_p, seed=args.seed, end_ids=end_ids, max_seq_len=loaded.max_seq_len,
                               prefill_chunk=chunk)
     except ValueError as e:
         raise NemospecError(str(e)) from None
+    finally:
+        if trace_file is not None:
+            trace_file.close()
     texts = [tokenizer.decode(o) for o in result.output_ids] if tokenizer else None
     if not args.json:
         for i, ids in enumerate(result.output_ids):
@@ -254,7 +269,7 @@ def _add_quantize_args(p):
 
 
 def cmd_quantize(args):
-    from builder.quantization import quantize_checkpoint
+    from builder.quantize_checkpoint import quantize_checkpoint
     exclude = [p.strip() for p in args.exclude_modules.split(",") if p.strip()]
     summary = quantize_checkpoint(args.checkpoint_dir, args.output_dir, exclude, log=err.print)
     err.print(f"wrote {summary['output_dir']}: {len(summary['quantized'])} linear weights in NVFP4, "

@@ -101,6 +101,8 @@ class PlainGroup:
         self.state = None
         self.forwards = 0
         self.costs = StepCosts()
+        self.steps = 0              # decode / verify steps so far
+        self.trace = None           # speculation trace sink: called with one dict per step per sequence
 
     def _prefill(self, seqs):
         state = self.target.new_state(len(seqs), self.capacity)
@@ -142,6 +144,7 @@ class PlainGroup:
                                                             torch.zeros(n, 1, dtype=torch.int32, device=dev), self.state)
         decode = watch.lap()
         self.forwards += 1
+        self.steps += 1
         logits = shape(logits[:, :1], self.seqs)
         tokens, _ = draw(logits[:, 0], [s.params for s in self.seqs])
         logprobs = _logprobs(logits, tokens[:, None], self.seqs)
@@ -152,10 +155,17 @@ class PlainGroup:
             draft = watch.lap()
         out = []
         for s, t, lp in zip(self.seqs, tokens.tolist(), logprobs):
-            s.position, s.last = s.position + 1, t
             out.append(s.emit([t], lp))
+            if self.trace is not None:
+                self._trace(s, 0, [], 0, t, out[-1], draft, decode)
+            s.position, s.last = s.position + 1, t
         self.costs.add(watch.total(), tokens=n, rows=n, draft=draft, verify=decode)
         return out
+
+    def _trace(self, s, k, proposed, accepted, bonus, emitted, draft, verify):
+        self.trace({"step": self.steps, "sequence": s.request_id, "position": s.position, "k": k,
+                    "proposed": proposed, "accepted": accepted, "bonus": bonus, "emitted": len(emitted),
+                    "draft_ms": round(draft * 1e3, 3), "verify_ms": round(verify * 1e3, 3)})
 
     def drop(self, keep: list[int]):
         """Keeps the sequences at these indices (finished or cancelled ones leave)."""
@@ -167,8 +177,9 @@ class SpeculativeGroup(PlainGroup):
     """Sequences decoded with a draft: one verify per step, K proposals per sequence."""
 
     def __init__(self, target, make_proposer, draft_len: int, capacity: int, prefill_chunk: int = 512,
-                 policy: DraftPolicy | None = None):
+                 policy: DraftPolicy | None = None, trace=None):
         super().__init__(target, capacity, prefill_chunk)
+        self.trace = trace
         self.make_proposer, self.draft_len = make_proposer, draft_len
         self.policy = policy or DraftPolicy(draft_len)
         self.target_only_steps = 0
@@ -249,6 +260,7 @@ class SpeculativeGroup(PlainGroup):
         draft += watch.lap()
         self.verifies += 1
         self.forwards += 1
+        self.steps += 1
         self.draft_lens[k] += 1
         out, tokens = [], 0
         want_logprobs = any(p.logprobs for p in params)
@@ -264,8 +276,10 @@ class SpeculativeGroup(PlainGroup):
             for j in range(kept):
                 self.accepted_at[j] += 1
             s.acceptance.record(kept, made)
-            s.position, s.last = s.position + len(gained), t
             out.append(s.emit(gained, lp))
+            if self.trace is not None:
+                self._trace(s, made, d[:made], kept, t, out[-1], draft, verify)
+            s.position, s.last = s.position + len(gained), t
         self.costs.add(watch.total(), tokens=tokens, rows=n, proposals=int(proposed.sum()), draft=draft,
                        verify=verify, accept=accept)
         return out

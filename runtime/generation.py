@@ -45,7 +45,7 @@ def run_group(group, prompts, max_new_tokens, params, end_ids=()):
     ``max_new_tokens`` is one limit or one per prompt."""
     from runtime.batching import Sequence
     limits = max_new_tokens if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * len(prompts)
-    seqs = [Sequence(list(p), n, params, frozenset(end_ids)) for p, n in zip(prompts, limits)]
+    seqs = [Sequence(list(p), n, params, frozenset(end_ids), request_id=i) for i, (p, n) in enumerate(zip(prompts, limits))]
     group.add(seqs)
     while True:
         keep = [i for i, s in enumerate(group.seqs) if not s.finished]

@@ -34,9 +34,14 @@ def acceptance_stats(histogram, draft_len, verifies, prefill_forwards) -> dict:
 def speculative_generate(target, proposer, prompts: list[list[int]], max_new_tokens: int, draft_len: int, *,
                          temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, end_ids=(),
                          max_seq_len: int = 1 << 30, prefill_chunk: int = 512,
-                         policy: DraftPolicy | None = None) -> GenerationResult:
+                         policy: DraftPolicy | None = None, trace=None) -> GenerationResult:
     """Generates with a draft; the result's ``extra["acceptance"]`` has the acceptance statistics and
-    ``extra["cost"]`` the per-step costs. ``policy`` adapts K per step (``runtime.draft_policy``)."""
+    ``extra["cost"]`` the per-step costs. ``policy`` adapts K per step (``runtime.draft_policy``).
+    ``trace``, if given, is called with one dict per step per sequence (the speculation trace:
+    ``step``, ``sequence`` (prompt index), ``position`` of the last accepted token the step starts
+    from, ``k`` verified for it (0: a target-only step), ``proposed`` ids, ``accepted`` (how many of
+    them), ``bonus`` (the target's token after them), ``emitted`` (tokens of accepted + bonus that
+    reached the output before a stop), ``draft_ms`` / ``verify_ms`` of the batch's step)."""
     check_request(prompts, max_new_tokens, max_seq_len, target.config.vocab_size)
     if draft_len < 1:
         raise ValueError(f"draft_len: expected >= 1, got {draft_len}")
@@ -44,7 +49,7 @@ def speculative_generate(target, proposer, prompts: list[list[int]], max_new_tok
     start = time.perf_counter()
     capacity = min(max_seq_len, max(len(p) for p in prompts) + max_new_tokens + draft_len + 1)
     policy = replace(policy, draft_len=draft_len) if policy is not None else DraftPolicy(draft_len)
-    group = SpeculativeGroup(target, lambda: proposer, draft_len, capacity, prefill_chunk, policy)
+    group = SpeculativeGroup(target, lambda: proposer, draft_len, capacity, prefill_chunk, policy, trace)
     seqs = run_group(group, prompts, max_new_tokens, SamplingParams(temperature, top_p, generator), end_ids)
     stats = acceptance_stats(group.histogram, draft_len, group.verifies, group.forwards - group.verifies)
     stats["target_only_steps"] = group.target_only_steps

@@ -21,11 +21,11 @@ from builder.backends.trt_backend import NetworkRecorder
 from builder.draft_checkpoint_block import (DFlashConfig, DSparkConfig, PEagleConfig, block_draft_config_from_dict,
                                             is_block_draft, load_block_draft_checkpoint, load_block_draft_config,
                                             validate_block_draft)
-from builder.errors import DraftError, NemospecError
 from builder.interpreter import run_network
 from builder.models.dflash import DFlashDraft
 from builder.models.dspark import DSparkDraft
 from builder.models.peagle import PEagleDraft
+from draft_helpers import draft_error, dynamic_profile, record_block_draft
 from tolerances import assert_no_near_tie, assert_within, sum_bound
 
 FIXTURES = Path(__file__).parent / "fixtures" / "speculators"
@@ -263,22 +263,7 @@ def test_error_nvfp4_tensors(tmp_path):
 
 
 # --- TensorRT lowering --------------------------------------------------------------------------------
-def _record_block(module):
-    rec = NetworkRecorder()
-    inp = {n: rec.add_input(n, I32, s) for n, s in [("context_positions", (-1, -1)), ("context_lengths", (-1,)),
-                                                    ("input_ids", (-1, -1)), ("positions", (-1, -1)),
-                                                    ("lengths", (-1,)), ("logit_index", (-1, -1))]}
-    aux = rec.add_input("aux", module.dtype, (-1, -1, module.aux_width))
-    state = {n: rec.add_input("past." + n, d, (-1, -1) + tuple(s[2:])) for n, (s, d) in module.state_spec(1, 1).items()}
-    logits, new_state = module.forward(aux, inp["context_positions"], inp["context_lengths"], inp["input_ids"],
-                                       inp["positions"], inp["lengths"], inp["logit_index"], state)
-    rec.mark_output("logits", logits)
-    for n, t in new_state.items():
-        rec.mark_output("present." + n, t)
-    if module.kind == "dspark":  # the Markov step of the loop, as its own output
-        prev = rec.add_input("prev_ids", I32, (-1, -1))
-        rec.mark_output("markov_logits", module.markov_logits(logits, prev))
-    return rec
+_record_block = record_block_draft
 
 
 @pytest.mark.parametrize("name", BLOCK)
@@ -337,17 +322,7 @@ def test_recorded_dflash_network_builds():
     from builder.backends.trt_build import build_engine_bytes
     module, _ = _load("dflash_speculators")
     rec = _record_block(module)
-    profile = {}
-    for i in range(rec.network.num_inputs):
-        t = rec.network.get_input(i)
-        tail = tuple(t.shape[2:])
-        if t.name in ("lengths", "context_lengths"):
-            profile[t.name] = [(1,), (2,), (4,)]
-        elif t.name.startswith("past."):
-            profile[t.name] = [(1, 1) + tail, (2, 64) + tail, (4, 256) + tail]
-        else:
-            profile[t.name] = [(1, 1) + tail, (2, 8) + tail, (4, 64) + tail]
-    assert len(build_engine_bytes(rec, [profile])) > 1000
+    assert len(build_engine_bytes(rec, [dynamic_profile(rec)])) > 1000
 
 
 # --- validation ----------------------------------------------------------------------------------------
@@ -369,12 +344,7 @@ def _edit_config(path, **changes):
     (path / "config.json").write_text(json.dumps(cfg))
 
 
-def _error(fn, *args) -> str:
-    with pytest.raises(DraftError) as info:
-        fn(*args)
-    message = str(info.value)
-    assert isinstance(info.value, NemospecError) and "\n" not in message
-    return message
+_error = draft_error
 
 
 def test_error_hidden_size_and_vocab():

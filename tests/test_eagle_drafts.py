@@ -17,13 +17,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from builder.backends.trt_backend import NetworkRecorder
 from builder.draft_checkpoint import (Eagle3Config, EagleConfig, draft_config_from_dict, load_draft_checkpoint,
                                       load_draft_config, validate_against_target)
-from builder.errors import DraftError, NemospecError
 from builder.interpreter import run_network
 from builder.models.eagle import EagleDraft
 from builder.models.eagle3 import Eagle3Draft
+from draft_helpers import draft_error, record_draft
 
 FIXTURES = Path(__file__).parent / "fixtures" / "speculators"
 EAGLE3 = ["eagle3_llama3", "eagle3_qwen3", "eagle3_specforge"]
@@ -173,28 +172,7 @@ def test_bf16_draft_runs_close_to_reference():
 
 
 # --- TensorRT lowering --------------------------------------------------------------------------------
-def _record(module):
-    rec = NetworkRecorder()
-    int32 = torch.int32
-    feeds = {n: rec.add_input(n, int32, s) for n, s in
-             [("input_ids", (-1, -1)), ("positions", (-1, -1)), ("lengths", (-1,)), ("logit_index", (-1, -1))]}
-    state = {n: rec.add_input("past." + n, d, (-1, -1) + tuple(s[2:]))
-             for n, (s, d) in module.state_spec(1, 1).items()}
-    if module.kind == "eagle3":
-        aux = rec.add_input("aux", module.dtype, (-1, -1, module.aux_width))
-        hidden = rec.add_input("hidden", module.dtype, (-1, -1, module.hidden_size))
-        from_target = rec.add_input("from_target", int32, (-1, -1))
-        logits, out, new_state = module.forward(feeds["input_ids"], aux, hidden, from_target, feeds["positions"],
-                                                feeds["lengths"], feeds["logit_index"], state)
-    else:
-        hidden = rec.add_input("hidden", module.dtype, (-1, -1, module.hidden_size))
-        logits, out, new_state = module.forward(feeds["input_ids"], hidden, feeds["positions"], feeds["lengths"],
-                                                feeds["logit_index"], state)
-    rec.mark_output("logits", logits)
-    rec.mark_output("hidden_out", out)
-    for n, t in new_state.items():
-        rec.mark_output("present." + n, t)
-    return rec
+_record = record_draft
 
 
 def _compare(rec, module, feeds, state):
@@ -286,12 +264,7 @@ def _drop_tensor(path, name):
     save_file(tensors, str(path / "model.safetensors"))
 
 
-def _error(fn, *args) -> str:
-    with pytest.raises(DraftError) as info:
-        fn(*args)
-    message = str(info.value)
-    assert isinstance(info.value, NemospecError) and "\n" not in message
-    return message
+_error = draft_error
 
 
 def test_validate_against_a_real_target_config():
@@ -360,8 +333,11 @@ def test_error_unknown_architecture_and_type(tmp_path):
 
 def test_error_config_fields(tmp_path):
     path = _copy(tmp_path, "eagle3_llama3")
+    _edit_config(path, transformer_layer_config__rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "factor": 4.0})
+    assert "'transformer_layer_config.rope_parameters.rope_type' is 'longrope'" in _error(load_draft_checkpoint, path)
     _edit_config(path, transformer_layer_config__rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0})
-    assert "'transformer_layer_config.rope_parameters.rope_type' is 'yarn'" in _error(load_draft_checkpoint, path)
+    assert "'transformer_layer_config.rope_parameters.original_max_position_embeddings' is missing" in _error(
+        load_draft_checkpoint, path)
     _edit_config(path, transformer_layer_config__rope_parameters=None, transformer_layer_config__hidden_size=None)
     assert "'transformer_layer_config.hidden_size' is missing" in _error(load_draft_checkpoint, path)
     path = _copy(tmp_path, "eagle_speculators")

@@ -12,8 +12,9 @@ from safetensors.torch import load_file, save_file
 
 from builder import functional as F
 from builder import quantization as q
+from builder.quantize_checkpoint import quantize_checkpoint
 from builder.backends.trt_backend import NVFP4_LOWERING
-from builder.checkpoint import load_checkpoint
+from builder.checkpoint import load_checkpoint, load_nvfp4_checkpoint
 from builder.engine import BuildOptions, build, record, target_component
 from builder.errors import CheckpointError
 from builder.interpreter import run_network
@@ -257,7 +258,7 @@ def test_one_layer_model_keeps_the_argmax(checkpoints, tmp_path_factory):
     from tiny_models import tiny_checkpoint
     src = tiny_checkpoint("dense", tmp_path_factory, hybrid_override_pattern="-")
     out = tmp_path_factory.mktemp("one_layer") / "nvfp4"
-    q.quantize_checkpoint(src, out, log=lambda m: None)
+    quantize_checkpoint(src, out, log=lambda m: None)
     config, ref = load_checkpoint(src)
     _, deq = load_checkpoint(out)
     prompts = _prompts(config.vocab_size)
@@ -313,7 +314,7 @@ def test_quantize_cli_writes_modelopt_layout(checkpoints, tmp_path, capsys):
 
 
 def test_nvfp4_engine_builds_and_its_network_interprets_like_eager(checkpoints, quantized, tmp_path):
-    config, weights = q.load_nvfp4_checkpoint(quantized["dense"], keep_quantized=True)
+    config, weights = load_nvfp4_checkpoint(quantized["dense"], keep_quantized=True)
     assert sum(isinstance(w, q.NVFP4Weight) for w in weights.values()) == 16
     module = NemotronH(config, weights, torch.float32)
     options = BuildOptions(max_batch_size=2, max_input_len=8, max_seq_len=16, max_draft_len=7)  # one profile

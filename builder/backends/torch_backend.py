@@ -190,7 +190,7 @@ def kv_cache_update(cache, new, positions):
     return cache.scatter_(1, index, new.to(cache.dtype))
 
 
-def attention(q, k_cache, v_cache, positions, scale):
+def attention(q, k_cache, v_cache, positions, scale, window=None, sinks=None):
     batch, seq, q_heads, dim = q.shape
     kv_heads = k_cache.shape[2]
     group = q_heads // kv_heads
@@ -200,8 +200,14 @@ def attention(q, k_cache, v_cache, positions, scale):
     scores = torch.matmul(qg, k) * scale
     keys = torch.arange(k_cache.shape[1], device=q.device)
     visible = keys[None, None, :] <= positions.long()[:, :, None]              # [B, T, S]
+    if window is not None:
+        visible = visible & (keys[None, None, :] > positions.long()[:, :, None] - int(window))
     scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    else:  # one more logit per head in the denominator, attending to nothing
+        sink = sinks.float().reshape(1, kv_heads, group, 1, 1).expand(batch, -1, -1, seq, 1)
+        probs = torch.softmax(torch.cat([scores.float(), sink], -1), dim=-1)[..., :-1].to(q.dtype)
     out = torch.matmul(probs, v)                                                # [B, Hkv, g, T, D]
     return out.permute(0, 3, 1, 2, 4).reshape(batch, seq, q_heads, dim)
 
@@ -304,7 +310,44 @@ def rope_inv_freq(theta, rotary_dim, scaling=None) -> torch.Tensor:
         blended = (1 - smooth) * scaled / factor + smooth * scaled
         middle = ~(wavelen < context / high) & ~(wavelen > context / low)
         return torch.where(middle, blended, scaled)
-    raise ValueError(f"rope: unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
+    if kind == "yarn":
+        return _yarn(inv_freq, theta, rotary_dim, scaling)
+    raise ValueError(f"rope: unsupported rope_scaling type {kind!r} (supported: default, linear, llama3, yarn)")
+
+
+def _yarn(inv_freq, theta, rotary_dim, scaling):
+    """YaRN (NTK-by-parts): channels rotating fewer than ``beta_slow`` times over the original context
+    are interpolated (divided by ``factor``), those rotating more than ``beta_fast`` times kept, a
+    linear ramp over the dimensions between."""
+    factor = float(scaling["factor"])
+    context = float(scaling["original_max_position_embeddings"])
+    fast, slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+
+    def dim_of(rotations):  # the dimension whose wavelength fits ``rotations`` times in the context
+        return rotary_dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(float(theta)))
+    low, high = dim_of(fast), dim_of(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+
+def rope_attention_scale(scaling=None) -> float:
+    """The factor YaRN multiplies cos and sin by (``attention_factor``, else from ``factor`` and
+    ``mscale`` / ``mscale_all_dim``: 0.1 ln(factor) + 1); 1 for the other rope types."""
+    kind = None if scaling is None else (scaling.get("rope_type") or scaling.get("type") or "default")
+    if kind != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+
+    def mscale(m=1.0):
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return mscale(float(m)) / mscale(float(m_all)) if m and m_all else mscale()
 
 
 def rope(x, positions, theta, rotary_dim=None, scaling=None):
@@ -319,7 +362,8 @@ def rope(x, positions, theta, rotary_dim=None, scaling=None):
     xr, rest = xf[..., :rotary_dim], xf[..., rotary_dim:]
     half = rotary_dim // 2
     rotated = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
-    out = xr * torch.cos(angles) + rotated * torch.sin(angles)
+    gain = rope_attention_scale(scaling)
+    out = xr * (torch.cos(angles) * gain) + rotated * (torch.sin(angles) * gain)
     if rotary_dim < dim:
         out = torch.cat([out, rest], dim=-1)
     return out.to(x.dtype)

@@ -930,9 +930,14 @@ def kv_cache_update(cache, new, positions):
         return r.wrap(r._out(layer, "scatter"))
 
 
-def attention(q, k_cache, v_cache, positions, scale):
+def attention(q, k_cache, v_cache, positions, scale, window=None, sinks=None):
     r = _recorder(q, k_cache, positions)
-    with r.op("attention", "native: matmul + causal mask by positions + fp32 softmax + matmul (GQA by reshape)"):
+    how = "native: matmul + causal mask by positions + fp32 softmax + matmul (GQA by reshape)"
+    if window is not None:
+        how += "; sliding window as a second mask term"
+    if sinks is not None:
+        how += "; sinks as fp32 constants in a softmax written out (max, exp, sum + exp(sink))"
+    with r.op("attention", how):
         tq, k, v = r.itensor(q), r.itensor(k_cache, "k_cache"), r.itensor(v_cache, "v_cache")
         pos = r.itensor(positions, "positions")
         dtype = torch_dtype(tq.dtype)
@@ -949,9 +954,22 @@ def attention(q, k_cache, v_cache, positions, scale):
         keys = r.reshape(r.iota(r.dim(k, 1), pdt, what="keys"), [1, 1, 1, 1, -1], "keys_row")
         qpos = r.reshape(pos, [0, 1, 1, -1, 1], "query_positions")
         visible = r.unary(r.ew(keys, qpos, EW.GREATER, "future"), UN.NOT, "visible")  # [B,1,1,T,S]
+        if window is not None:  # slot j is visible while j + window > position (HF's inclusive window)
+            inside = r.ew(r.ew_scalar(keys, int(window), EW.SUM, "keys_plus_window"), qpos, EW.GREATER, "in_window")
+            visible = r.ew(visible, inside, EW.AND, "visible_in_window")
         ninf = r.scalar(float("-inf"), dtype, 5, "neg_inf")
         scores = r.select(visible, scores, ninf, "mask")
-        probs = r.cast(r.softmax(r.cast(scores, torch.float32, "scores_fp32"), -1), dtype, "probs_cast")
+        f32 = torch.float32
+        if sinks is None:
+            probs = r.cast(r.softmax(r.cast(scores, f32, "scores_fp32"), -1), dtype, "probs_cast")
+        else:
+            sink = r._constant(sinks.detach().float().reshape(1, kv_heads, group, 1, 1), "sinks")
+            s32 = r.cast(scores, f32, "scores_fp32")
+            top = r.ew(r.reduce(s32, trt.ReduceOperation.MAX, 4, True, "row_max"), sink, EW.MAX, "max_with_sink")
+            e = r.exp(r.ew(s32, top, EW.SUB, "shifted"), "exp_scores")
+            total = r.ew(r.reduce(e, trt.ReduceOperation.SUM, 4, True, "row_sum"),
+                         r.exp(r.ew(sink, top, EW.SUB, "sink_shifted"), "exp_sink"), EW.SUM, "denominator")
+            probs = r.cast(r.ew(e, total, EW.DIV, "probs"), dtype, "probs_cast")
         out = r.matmul(probs, vt, what="pv")  # [B,Hkv,g,T,D]
         out = r.reshape(r.transpose(out, [0, 3, 1, 2, 4], "out_time_first"), [0, 0, q_heads, dim], "out")
         return r.wrap(out)
@@ -1038,6 +1056,7 @@ def hidden_capture(residual, delta, buffer, slot):
 
 
 # --- draft-model ops (EAGLE / EAGLE-3) --------------------------------------------------------------
+from builder.backends.torch_backend import rope_attention_scale as _rope_attention_scale  # noqa: E402
 from builder.backends.torch_backend import rope_inv_freq as _rope_inv_freq  # noqa: E402
 
 __all__ += ["rope", "where"]
@@ -1045,7 +1064,8 @@ __all__ += ["rope", "where"]
 
 def rope(x, positions, theta, rotary_dim=None, scaling=None):
     r = _recorder(x, positions)
-    with r.op("rope", "native: fp32 angles positions*inv_freq, cos/sin unary, rotate_half by slices + concat"):
+    with r.op("rope", "native: fp32 angles positions*inv_freq (inv_freq precomputed at build: default, linear, "
+                      "llama3 or yarn), cos/sin unary, rotate_half by slices + concat"):
         t, pos = r.itensor(x), r.itensor(positions, "positions")
         _int_dtype(pos)
         dim = t.shape[3]
@@ -1060,6 +1080,9 @@ def rope(x, positions, theta, rotary_dim=None, scaling=None):
         angles = r.ew(r.reshape(r.cast(pos, f32, "positions_fp32"), [0, 0, 1, 1], "positions_column"), freq,
                       EW.PROD, "angles")  # [B, T, 1, rd]
         cos, sin = r.unary(angles, UN.COS, "cos"), r.unary(angles, UN.SIN, "sin")
+        gain = _rope_attention_scale(scaling)  # YaRN's attention factor (1 otherwise)
+        if gain != 1.0:
+            cos, sin = r.ew_scalar(cos, gain, EW.PROD, "cos_gain"), r.ew_scalar(sin, gain, EW.PROD, "sin_gain")
         xf = r.cast(t, f32, "upcast")
         xr = xf if rd == dim else r.slice(xf, 3, 0, rd, "rotary_part")
         half = rd // 2

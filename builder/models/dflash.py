@@ -38,6 +38,11 @@ This is speculators' ``create_anchor_block_mask_mod``: block queries see base to
 < anchor and every row of their own block; vLLM's DFlash proposer runs the same non-causal query
 block over ``seq_len = context + 1 + K``. Slots < a must hold context; slots >= a+L are never read.
 
+Nemotron 3.5 DSpark variants (``cfg.causal``, ``cfg.sliding_window``, ``cfg.attention_sinks``): a
+causal block (row j sees the context and block rows 0..j: limit = its own position), a sliding
+window over the cache (a row at position p sees slots p - window + 1 .. p, Hugging Face's inclusive
+window), and one fp32 sink logit per head in the softmax denominator (GPT-OSS sinks).
+
 Which rows are drafts (``sample_from_anchor``)
 ----------------------------------------------
 * false (speculators' DFlash default, vLLM): the block is the anchor + K mask rows (L = K+1); row
@@ -88,7 +93,7 @@ from builder import functional as F
 from builder.models.draft_layers import bind
 
 if TYPE_CHECKING:
-    from builder.draft_checkpoint_block import DFlashConfig
+    from builder.models.draft_configs import DFlashConfig
 
 
 class DFlashLayer:
@@ -102,6 +107,8 @@ class DFlashLayer:
         self.q_bias, self.k_bias, self.v_bias, self.o_bias = (bind(w, f"{a}{n}_proj.bias", dtype) for n in "qkvo")
         self.q_norm = w[a + "q_norm.weight"].to(dtype)
         self.k_norm = w[a + "k_norm.weight"].to(dtype)
+        sinks = w.get(a + "attention_sink_bias") if cfg.attention_sinks else None
+        self.sinks = None if sinks is None else sinks.float()  # fp32 whatever the dtype
         self.input_norm = w[p + "input_layernorm.weight"].to(dtype)
         self.post_norm = w[p + "post_attention_layernorm.weight"].to(dtype)
         m = p + "mlp."
@@ -126,7 +133,9 @@ class DFlashLayer:
         return F.kv_cache_update(key_cache, k, positions), F.kv_cache_update(value_cache, v, positions)
 
     def __call__(self, x, positions, limit, key_cache, value_cache):
-        """Block rows: write their K/V at ``positions``; each row sees slots <= ``limit`` [B, L]."""
+        """Block rows: write their K/V at ``positions``; each row sees slots <= ``limit`` [B, L] (and,
+        with a sliding window, the last ``sliding_window`` slots up to its limit only; sinks join the
+        softmax denominator)."""
         c = self.cfg
         h = F.rms_norm(x, self.input_norm, c.rms_norm_eps)
         q = F.reshape(F.linear(h, self.q, self.q_bias), [0, 0, c.num_attention_heads, c.head_dim])
@@ -134,7 +143,7 @@ class DFlashLayer:
         k, v = self._kv(h, positions)
         key_cache = F.kv_cache_update(key_cache, k, positions)
         value_cache = F.kv_cache_update(value_cache, v, positions)
-        y = F.attention(q, key_cache, value_cache, limit, c.head_dim ** -0.5)
+        y = F.attention(q, key_cache, value_cache, limit, c.head_dim ** -0.5, c.sliding_window, self.sinks)
         y = F.linear(F.reshape(y, [0, 0, c.num_attention_heads * c.head_dim]), self.o, self.o_bias)
         x = x + y
         h = F.rms_norm(x, self.post_norm, c.rms_norm_eps)
@@ -236,7 +245,7 @@ class DFlashDraft:
 
     def block_hidden(self, input_ids, positions, lengths, state: dict):
         """(normed hidden [B, L, H], new state) of one block (the backbone before the LM head)."""
-        limit = block_limit(positions, lengths)
+        limit = positions if self.cfg.causal else block_limit(positions, lengths)
         x = F.embedding(input_ids, self.embedding)
         new_state = {}
         for i, layer in enumerate(self.layers):

@@ -1,7 +1,7 @@
 """Llama / Qwen3 decoder-layer pieces shared by the EAGLE and EAGLE-3 drafts.
 
 Math only, written against ``builder.functional``; weights are bound at construction (canonical
-names of ``builder.draft_checkpoint``). The KV cache is explicit state: each attention takes and
+names of ``builder.formats.tensors``). The KV cache is explicit state: each attention takes and
 returns its key and value caches ``[B, S, Hkv, D]``; row (b, t) writes slot ``positions[b, t]`` and
 attends to slots ``<= positions[b, t]``.
 """
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from builder import functional as F
 
 if TYPE_CHECKING:
-    from builder.draft_checkpoint import _DraftLayers
+    from builder.models.draft_configs import DraftLayers
 
 
 def bind(weights: dict, name: str, dtype):
@@ -23,7 +23,7 @@ def bind(weights: dict, name: str, dtype):
 class DraftAttention:
     """GQA self-attention with RoPE (and Qwen3's per-head q/k RMSNorm before RoPE)."""
 
-    def __init__(self, cfg: "_DraftLayers", w: dict, p: str, dtype):
+    def __init__(self, cfg: "DraftLayers", w: dict, p: str, dtype):
         self.cfg = cfg
         self.q, self.k, self.v, self.o = (w[f"{p}{n}_proj.weight"].to(dtype) for n in "qkvo")
         self.q_bias, self.k_bias, self.v_bias, self.o_bias = (bind(w, f"{p}{n}_proj.bias", dtype) for n in "qkvo")
@@ -51,7 +51,7 @@ class DraftAttention:
 class GatedMLP:
     """down(act(gate(x)) * up(x))."""
 
-    def __init__(self, cfg: "_DraftLayers", w: dict, p: str, dtype):
+    def __init__(self, cfg: "DraftLayers", w: dict, p: str, dtype):
         self.act = cfg.hidden_act
         self.gate, self.up, self.down = (w[f"{p}{n}_proj.weight"].to(dtype) for n in ("gate", "up", "down"))
         self.gate_bias, self.up_bias, self.down_bias = (bind(w, f"{p}{n}_proj.bias", dtype) for n in ("gate", "up", "down"))
@@ -65,7 +65,7 @@ class DecoderLayer:
     """A pre-norm Llama/Qwen3 decoder layer; ``input_norm=False`` skips the input RMSNorm (layer 0
     of the original EAGLE)."""
 
-    def __init__(self, cfg: "_DraftLayers", w: dict, i: int, dtype, input_norm: bool = True):
+    def __init__(self, cfg: "DraftLayers", w: dict, i: int, dtype, input_norm: bool = True):
         p = f"layers.{i}."
         self.eps = cfg.rms_norm_eps
         self.input_norm = w[p + "input_layernorm.weight"].to(dtype) if input_norm else None
@@ -81,7 +81,7 @@ class DecoderLayer:
         return x, key_cache, value_cache
 
 
-def kv_state_spec(cfg: "_DraftLayers", batch: int, capacity: int, dtype) -> dict:
+def kv_state_spec(cfg: "DraftLayers", batch: int, capacity: int, dtype) -> dict:
     shape = (batch, capacity, cfg.num_key_value_heads, cfg.head_dim)
     return {f"layers.{i}.{n}": (shape, dtype) for i in range(cfg.num_hidden_layers)
             for n in ("key_cache", "value_cache")}

@@ -10,7 +10,8 @@ Network, for one chunk of rows::
     x = fc(concat(e, hidden))            2H -> H, bias when the checkpoint has one
     N Llama decoder layers; layer 0 skips its input RMSNorm (as the original EAGLE does) unless the
     checkpoint ships one (speculators ``layernorms``)
-    hidden_out = x                       (before any final norm)
+    hidden_out = x                       (before any final norm), or norm(x) with ``norm_hidden_out``
+                                         (vLLM's EagleMistralForCausalLM returns its normed hidden twice)
     logits     = lm_head(norm(x))        at rows logit_index; ``norm`` only when the checkpoint has
                                          one (speculators ``pre_lm_head_layernorm``); the LM head is
                                          the draft's own if shipped, else the target's
@@ -33,7 +34,7 @@ from builder import functional as F
 from builder.models.draft_layers import DecoderLayer, bind, kv_state_spec
 
 if TYPE_CHECKING:
-    from builder.draft_checkpoint import EagleConfig
+    from builder.models.draft_configs import EagleConfig
 
 
 class EagleDraft:
@@ -78,7 +79,9 @@ class EagleDraft:
             p = f"layers.{i}."
             x, new_state[p + "key_cache"], new_state[p + "value_cache"] = layer(
                 x, state[p + "key_cache"], state[p + "value_cache"], positions)
+        if c.norm_hidden_out:
+            x = F.rms_norm(x, self.norm, c.rms_norm_eps)
         rows = F.gather_rows(x, logit_index)
-        if self.norm is not None:
+        if self.norm is not None and not c.norm_hidden_out:
             rows = F.rms_norm(rows, self.norm, c.rms_norm_eps)
         return F.to_float32(F.linear(rows, self.lm_head)), F.mask_padding(x, lengths), new_state

@@ -57,7 +57,7 @@ from builder import functional as F
 from builder.models.draft_layers import DecoderLayer, DraftAttention, GatedMLP, bind, kv_state_spec
 
 if TYPE_CHECKING:
-    from builder.draft_checkpoint import Eagle3Config
+    from builder.models.draft_configs import Eagle3Config
 
 
 class Eagle3Draft:

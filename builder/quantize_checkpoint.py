@@ -1,0 +1,79 @@
+"""``nemospec quantize``: write a ModelOpt-layout W4A16 NVFP4 copy of a NemotronH checkpoint."""
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Sequence
+
+from builder.checkpoint import load_checkpoint
+from builder.errors import CheckpointError
+from builder.quantization import (BLOCK_SIZE, CONFIG_FILE, DEFAULT_EXCLUDE_MODULES, HF_QUANT_CONFIG, QUANT_ALGO,
+                                  QuantConfig, _module, _read_json, quantizable_weight_names, quantize_tensors,
+                                  read_quant_config)
+
+__all__ = ["quantize_checkpoint"]
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
+
+
+def quantize_checkpoint(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike,
+                        exclude_modules: Sequence[str] = (), log=print) -> dict:
+    """Write a ModelOpt-layout W4A16 NVFP4 checkpoint of a bf16/fp16/fp32 NemotronH checkpoint.
+
+    Quantizes the linear layers (experts included) except ModelOpt's default exclusions and
+    ``exclude_modules`` (module names or fnmatch wildcards); a linear whose input dim is not a multiple
+    of 16 is kept too (and listed). Writes ``model.safetensors``, ``config.json`` (with
+    ``quantization_config``), ``hf_quant_config.json`` and the tokenizer files under a temporary name,
+    renamed into place at the end. Returns a summary dict. Raises :class:`CheckpointError`.
+    """
+    from safetensors.torch import save_file
+
+    src, dst = Path(checkpoint_dir), Path(output_dir)
+    if read_quant_config(src) is not None:
+        raise CheckpointError(f"{src}: already a quantized checkpoint (it has a quantization config)")
+    if src.resolve() == dst.resolve():
+        raise CheckpointError(f"--output_dir {dst}: must differ from --checkpoint_dir")
+    _config, weights = load_checkpoint(src)
+    patterns = tuple(DEFAULT_EXCLUDE_MODULES) + tuple(p for p in exclude_modules if p)
+    candidates = quantizable_weight_names(weights, {n: tuple(w.shape) for n, w in weights.items()})
+    chosen, excluded = [], []
+    for name in candidates:
+        module = _module(name)
+        if any(module == p or fnmatch.fnmatchcase(module, p) for p in patterns):
+            excluded.append(module)
+        elif weights[name].shape[-1] % BLOCK_SIZE:
+            log(f"keeping {module} in high precision: input dim {weights[name].shape[-1]} is not a multiple of "
+                f"{BLOCK_SIZE}")
+            excluded.append(module)
+        else:
+            chosen.append(name)
+    # modules with weights ModelOpt would give quantizers (conv1d) but leaves alone by default
+    excluded += [_module(n) for n in weights if n.endswith(".conv1d.weight")]
+    if not chosen:
+        raise CheckpointError(f"{src}: no linear layer left to quantize (check --exclude_modules)")
+    qc = QuantConfig(QUANT_ALGO, BLOCK_SIZE, tuple(sorted(set(excluded))))  # module names, as ModelOpt lists them
+    log(f"quantizing {len(chosen)} linear weights to NVFP4 (W4A16, blocks of {BLOCK_SIZE}); "
+        f"{len(set(excluded))} modules kept in high precision")
+    tensors = quantize_tensors(weights, chosen)
+    tensors = {n: t.contiguous() for n, t in tensors.items()}
+
+    raw_config = _read_json(src / CONFIG_FILE)
+    raw_config["quantization_config"] = qc.quantization_config()
+    from builder.atomic_dir import atomic_dir
+    with atomic_dir(dst) as tmp:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / CONFIG_FILE).write_text(json.dumps(raw_config, indent=2) + "\n")
+        (tmp / HF_QUANT_CONFIG).write_text(json.dumps(qc.hf_quant_config(), indent=4) + "\n")
+        copied = [f for f in _TOKENIZER_FILES if (src / f).is_file()]
+        for f in copied:
+            shutil.copy2(src / f, tmp / f)
+    before = sum(w.numel() * w.element_size() for w in weights.values())
+    after = sum(t.numel() * t.element_size() for t in tensors.values())
+    return {"quantized": [_module(n) for n in chosen], "excluded": qc.exclude_modules, "bytes_before": before,
+            "bytes_after": after, "copied": copied, "output_dir": str(dst)}
+
+
