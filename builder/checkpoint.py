@@ -30,6 +30,7 @@ from safetensors import safe_open
 
 from builder.config import NemotronHConfig, load_config
 from builder.errors import CheckpointError
+from builder.safetensors_io import mmap_tensors
 
 __all__ = [
     "SAFETENSORS_FILE",
@@ -271,7 +272,9 @@ def load_checkpoint(checkpoint_dir: str | os.PathLike) -> tuple[NemotronHConfig,
     """Read, rename and validate a NemotronH safetensors checkpoint.
 
     Returns the config and canonical name -> tensor (dtype as stored) for every expected tensor,
-    the optional ones present, and every ``mtp.*`` tensor. Raises :class:`CheckpointError`.
+    the optional ones present, and every ``mtp.*`` tensor. The tensors view copy-on-write mappings
+    of the files (:func:`builder.safetensors_io.mmap_tensors`): loading reads headers only, a tensor's
+    bytes are paged in when it is used. Raises :class:`CheckpointError`.
     A ModelOpt NVFP4 checkpoint (``hf_quant_config.json`` / ``quantization_config``) is dequantized
     to the config's dtype (see :mod:`builder.quantization`; its ``load_nvfp4_checkpoint`` keeps it packed).
     """
@@ -333,7 +336,7 @@ def load_checkpoint(checkpoint_dir: str | os.PathLike) -> tuple[NemotronHConfig,
             raise CheckpointError(f"{entry.file}: tensor {entry.stored!r} has shape {_fmt(entry.shape)}, "
                                   f"expected {_fmt(want)}")
 
-    # 4. Read the tensors, one open per file; fused experts are read once and split into views.
+    # 4. Map the tensors, one mapping per file (nothing is read until used); fused experts split into views.
     order = [n for n in expected] + [n for n in optional if n in entries] + \
         sorted(n for n in entries if n.startswith(MTP_PREFIX))
     by_file: dict[Path, list[str]] = {}
@@ -341,16 +344,10 @@ def load_checkpoint(checkpoint_dir: str | os.PathLike) -> tuple[NemotronHConfig,
         by_file.setdefault(entries[name].file, []).append(name)
     loaded: dict[str, torch.Tensor] = {}
     for path, names in by_file.items():
-        fused_cache: dict[str, torch.Tensor] = {}
-        with safe_open(str(path), framework="pt") as f:
-            for name in names:
-                entry = entries[name]
-                if entry.expert is None:
-                    loaded[name] = f.get_tensor(entry.stored)
-                else:
-                    if entry.stored not in fused_cache:
-                        fused_cache[entry.stored] = f.get_tensor(entry.stored)
-                    loaded[name] = fused_cache[entry.stored][entry.expert]
+        mapped = mmap_tensors(path, dict.fromkeys(entries[n].stored for n in names))
+        for name in names:
+            entry = entries[name]
+            loaded[name] = mapped[entry.stored] if entry.expert is None else mapped[entry.stored][entry.expert]
     return config, {name: loaded[name] for name in order}
 
 
