@@ -223,11 +223,14 @@ def main(argv=None) -> int:
                    help="zeros: structure only (sparse files, no disk or time for the weights)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max_shard_gb", type=float, default=4.0)
+    p.add_argument("--pattern", default=None, help="tests: replace the layer pattern (e.g. '*': one attention block)")
+    p.add_argument("--no_mtp", action="store_true", help="drop the config's MTP layers")
     args = p.parse_args(argv)
     try:
         summary = write_shaped_checkpoint(args.config, args.output_dir, args.num_layers, args.dtype, args.quantize,
                                           args.vocab_size, args.fill, args.seed, args.max_shard_gb,
-                                          log=lambda m: print(m, file=sys.stderr))
+                                          log=lambda m: print(m, file=sys.stderr), pattern=args.pattern,
+                                          mtp=not args.no_mtp)
     except NemospecError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

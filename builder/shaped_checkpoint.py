@@ -20,6 +20,7 @@ The experts of a MoE layer are written back to back (all ``up_proj`` in expert o
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import zlib
@@ -29,14 +30,13 @@ from typing import Iterator
 import torch
 
 from builder.atomic_dir import atomic_dir
-from builder.checkpoint import INDEX_FILE, expected_tensors, mtp_tensors
+from builder.checkpoint import INDEX_FILE, expected_tensors, mtp_tensors, storage_order
 from builder.config import PATTERN_LETTERS, NemotronHConfig, parse_hf_config
 from builder.errors import CheckpointError
 from builder.safetensors_io import tensor_bytes, write_safetensors
 
 FILLS = ("random", "zeros")
 _KIND_LETTER = {v: k for k, v in PATTERN_LETTERS.items()}
-_EXPERT = ".experts."
 
 
 def read_source_config(path) -> dict:
@@ -52,9 +52,21 @@ def read_source_config(path) -> dict:
 
 
 def sliced_config(raw: dict, num_layers: int | None = None, vocab_size: int | None = None,
-                  dtype: str = "bfloat16", where: str = "config.json") -> tuple[dict, NemotronHConfig]:
-    """(the config.json to write, its parsed config) for the first ``num_layers`` pattern entries."""
+                  dtype: str = "bfloat16", where: str = "config.json", pattern: str | None = None,
+                  mtp: bool = True) -> tuple[dict, NemotronHConfig]:
+    """(the config.json to write, its parsed config) for the first ``num_layers`` pattern entries.
+
+    For tests of one block at full width: ``pattern`` replaces the layer pattern (e.g. ``*`` for one
+    attention block), ``mtp=False`` drops the MTP layers."""
     raw = dict(raw)
+    if pattern is not None:
+        for key in ("layers_block_type", "layer_types"):
+            raw.pop(key, None)
+        raw["hybrid_override_pattern"], raw["num_hidden_layers"] = pattern, len(pattern)
+    if not mtp:
+        raw["num_nextn_predict_layers"] = 0
+        for key in ("mtp_hybrid_override_pattern", "mtp_layers_block_type", "mtp_layer_types"):
+            raw.pop(key, None)
     config = parse_hf_config(raw, where)
     if num_layers is not None:
         if not 1 <= num_layers <= config.num_layers:
@@ -87,22 +99,7 @@ def logical_tensors(config: NemotronHConfig) -> dict[str, tuple[int, ...]]:
     spec = dict(expected_tensors(config))
     if config.num_nextn_predict_layers > 0:
         spec.update(mtp_tensors(config))
-    # experts back to back: a layer's up_proj of every expert, then its down_proj
-    out: dict[str, tuple[int, ...]] = {}
-    for name, shape in spec.items():
-        if _EXPERT in name:
-            prefix = name[: name.index(_EXPERT)]
-            if f"{prefix}{_EXPERT}0.up_proj.weight" in out:
-                continue
-            for proj in ("up_proj", "down_proj"):
-                e = 0
-                while f"{prefix}{_EXPERT}{e}.{proj}.weight" in spec:
-                    key = f"{prefix}{_EXPERT}{e}.{proj}.weight"
-                    out[key] = spec[key]
-                    e += 1
-        else:
-            out[name] = shape
-    return out
+    return {n: spec[n] for n in storage_order(spec)}
 
 
 def quantized_names(shapes: dict[str, tuple[int, ...]]) -> tuple[list[str], list[str]]:
@@ -111,10 +108,35 @@ def quantized_names(shapes: dict[str, tuple[int, ...]]) -> tuple[list[str], list
     return choose_quantized(shapes)
 
 
+POOL_SIZE = 1_048_573  # a prime: a tiled tensor's rows are shifted, never repeated, copies of the pool
+
+
+@functools.lru_cache(maxsize=16)
+def _pool(dtype: torch.dtype, std: float) -> torch.Tensor:
+    return (torch.randn(POOL_SIZE, generator=torch.Generator().manual_seed(20261201)) * std).to(dtype)
+
+
+def _normal(shape, g: torch.Generator, dtype: torch.dtype, std: float = 1.0) -> torch.Tensor:
+    """Standard normal values: drawn for tensors up to POOL_SIZE elements; above, a fixed pool of
+    POOL_SIZE Gaussian values tiled from a random offset (drawing 2.8 B values for one Super MoE layer
+    takes minutes on these CPUs; tiling runs at copy speed). Element i is pool[(offset + i) % POOL_SIZE]."""
+    n = math.prod(shape)
+    if n <= POOL_SIZE:
+        return torch.randn(shape, generator=g, dtype=dtype).mul_(std)
+    pool, out = _pool(dtype, std), torch.empty(n, dtype=dtype)
+    pos, src = 0, int(torch.randint(POOL_SIZE, (1,), generator=g))
+    while pos < n:
+        k = min(n - pos, POOL_SIZE - src)
+        out[pos:pos + k] = pool[src:src + k]
+        pos, src = pos + k, 0
+    return out.reshape(shape)
+
+
 def init_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     """A deterministic random value for one tensor (the spread of :mod:`builder.random_checkpoint`:
     linear std 2/sqrt(fan_in), embeddings 0.5, router 1, norms 1 +- 0.1, A_log = log(1..H),
-    softplus(dt_bias) log-uniform in [0.01, 0.1]); the same name and seed always give the same value."""
+    softplus(dt_bias) log-uniform in [0.01, 0.1]); the same name and seed always give the same value.
+    Large tensors tile a Gaussian pool (:func:`_normal`)."""
     g = torch.Generator().manual_seed((zlib.crc32(name.encode()) + 7919 * seed) % (2 ** 63))
     leaf = name.rsplit(".", 1)[-1]
     if leaf == "A_log":
@@ -131,11 +153,11 @@ def init_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, seed: int
     elif name.endswith(("norm.weight", "norm_f.weight", "enorm.weight", "hnorm.weight", "final_layernorm.weight")):
         value = 1.0 + 0.1 * torch.randn(shape, generator=g)
     elif name.endswith("embeddings.weight"):
-        value = 0.5 * torch.randn(shape, generator=g)
+        value = _normal(shape, g, dtype, 0.5)
     elif name.endswith("conv1d.weight"):
         value = 0.3 * torch.randn(shape, generator=g)
     elif len(shape) >= 2:
-        value = torch.randn(shape, generator=g, dtype=dtype) * (2.0 / math.sqrt(shape[-1]))
+        value = _normal(shape, g, dtype, 2.0 / math.sqrt(shape[-1]))
     else:
         raise CheckpointError(f"random checkpoint: no init rule for tensor {name} {list(shape)}")
     return value.to(dtype)
@@ -186,8 +208,9 @@ def stored_tensors(config: NemotronHConfig, dtype: torch.dtype, quantize: bool, 
 
 
 def plan_shards(specs: dict, max_shard_bytes: int) -> list[list[str]]:
-    """Tensors grouped into shards of at most ``max_shard_bytes`` (a block's tensors stay together
-    unless the block alone exceeds the limit; a tensor is never split)."""
+    """Tensors grouped into shards of at most ``max_shard_bytes``, never splitting a unit (a block's
+    tensors, or one projection's run of experts, which must stay back to back in one file); a unit
+    larger than the limit gets a shard of its own."""
     shards: list[list[str]] = [[]]
     size = 0
     for unit in _units(specs):
@@ -195,22 +218,20 @@ def plan_shards(specs: dict, max_shard_bytes: int) -> list[list[str]]:
         if shards[-1] and size + unit_bytes > max_shard_bytes:
             shards.append([])
             size = 0
-        for name in unit:
-            n = tensor_bytes(*specs[name])
-            if shards[-1] and size + n > max_shard_bytes and unit_bytes > max_shard_bytes:
-                shards.append([])
-                size = 0
-            shards[-1].append(name)
-            size += n
+        shards[-1].extend(unit)
+        size += unit_bytes
     return shards
 
 
 def _units(specs: dict) -> Iterator[list[str]]:
-    """Consecutive tensors of one block (``backbone.layers.i`` / ``mtp.layers.i``) or one other tensor."""
+    """Consecutive tensors of one block (``backbone.layers.i`` / ``mtp.layers.i``), one projection's
+    experts (with their NVFP4 scales), or one other tensor."""
     unit, key = [], None
     for name in specs:
         parts = name.split(".")
         k = ".".join(parts[:3]) if parts[1] == "layers" else name
+        if ".experts." in name:
+            k += "." + next(p for p in parts if p.endswith("_proj"))
         if unit and k != key:
             yield unit
             unit = []
@@ -222,7 +243,8 @@ def _units(specs: dict) -> Iterator[list[str]]:
 
 def write_shaped_checkpoint(config_path, output_dir, num_layers: int | None = None, dtype: str = "bfloat16",
                             quantize: str | None = None, vocab_size: int | None = None, fill: str = "random",
-                            seed: int = 0, max_shard_gb: float = 4.0, log=print) -> dict:
+                            seed: int = 0, max_shard_gb: float = 4.0, log=print, pattern: str | None = None,
+                            mtp: bool = True) -> dict:
     """Writes the checkpoint (under a temporary name, renamed into place at the end); returns a summary."""
     from builder.quantization import FORMAT_NAME, HF_QUANT_CONFIG, QUANT_ALGO, QuantConfig
     if fill not in FILLS:
@@ -231,7 +253,8 @@ def write_shaped_checkpoint(config_path, output_dir, num_layers: int | None = No
         raise CheckpointError(f"--quantize: expected {FORMAT_NAME}, got {quantize}")
     if dtype not in ("float32", "float16", "bfloat16"):
         raise CheckpointError(f"--dtype: expected float32, float16 or bfloat16, got {dtype}")
-    raw, config = sliced_config(read_source_config(config_path), num_layers, vocab_size, dtype, str(config_path))
+    raw, config = sliced_config(read_source_config(config_path), num_layers, vocab_size, dtype, str(config_path),
+                                pattern, mtp)
     specs, produce, excluded = stored_tensors(config, getattr(torch, dtype), quantize is not None, fill, seed)
     shards = plan_shards(specs, int(max_shard_gb * 2 ** 30))
     total = sum(tensor_bytes(*s) for s in specs.values())

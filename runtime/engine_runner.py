@@ -46,6 +46,8 @@ class TensorRTExecutor:
         self.engine = self._runtime.deserialize_cuda_engine(path.read_bytes())
         if self.engine is None:
             raise RuntimeError(f"{path}: TensorRT could not deserialize the engine")
+        from builder.refit import refit_engine  # a weight-stripped engine (--strip_plan): weights from weights/
+        self.refitted = refit_engine(self.engine, engine_dir, path.stem, self._logger)
         self.stream = torch.cuda.Stream()
         self.contexts = []
         for index, profile in enumerate(contract["profiles"]):

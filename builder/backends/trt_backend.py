@@ -176,6 +176,10 @@ class NetworkRecorder:
         self._prefix: list[str] = []
         self._op_counts: collections.Counter = collections.Counter()
         self._layer_names: collections.Counter = collections.Counter()
+        #: --strip_plan: a builder.refit.Provenance; constants viewing its files become refittable
+        self.refit = None
+        self.refit_weights: dict[str, dict] = {}   # refit name -> builder.refit.entry
+        self.plan_bytes = 0                         # bytes of constants that stay in the plan
         #: whether to use the cumulative layer (TensorRT >= 10.4 and tensorrt_rtx have it)
         self.has_cumulative = hasattr(self.network, "add_cumulative")
 
@@ -274,7 +278,24 @@ class NetworkRecorder:
             arr = t.numpy()
             weights = trt.Weights(arr)
         self._keep.append((t, arr))
-        return self._out(self.network.add_constant(shape, weights), what)
+        layer = self.network.add_constant(shape, weights)
+        out = self._out(layer, what)
+        if self.refit is not None:
+            self._mark_refittable(t, weights, layer.name)
+        return out
+
+    def _mark_refittable(self, t: torch.Tensor, weights, layer_name: str) -> None:
+        """With ``refit`` (a :class:`builder.refit.Provenance`): a constant that views bytes of the engine
+        directory's safetensors is named after them and marked refittable (``--strip_plan``)."""
+        from builder.refit import entry, weights_name
+        hit = self.refit.resolve(t)
+        if hit is None:
+            self.plan_bytes += t.numel() * t.element_size()
+            return
+        name = weights_name(hit[1], self.refit_weights)
+        self.network.set_weights_name(weights, name)
+        self.network.mark_weights_refittable(name)
+        self.refit_weights[name] = entry(hit[0], hit[1], t, layer_name)
 
     def weight(self, tensor: torch.Tensor, what: str = "weight"):
         """The constant of a bound weight; the same tensor object always gives the same layer."""
