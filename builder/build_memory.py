@@ -9,7 +9,11 @@ The build holds, at its peak (one engine at a time; measured on full-width Nemot
 * TensorRT's working copy of the engine's weights while it builds: ``BUILDER_COPY`` x the weights the
   engine uses (target and verify: the target's; draft: the draft's);
 * the serialized plan, which holds the weights again: ``PLAN_FACTOR`` x those weights, or nearly
-  nothing with ``--strip_plan`` (weights are refit at load).
+  nothing with ``--strip_plan`` (weights are refit or bound at load).
+
+With ``--strip_plan`` where TensorRT cannot build refittable engines (tensorrt_rtx without a GPU) the
+weights are engine inputs: TensorRT never reads them, and the build holds only the process, the graph
+(``GRAPH_BYTES_PER_LAYER``) and a small plan.
 
 The runtime state the engine directory's runners allocate at load (KV caches for ``max_batch_size``
 x ``max_seq_len``, Mamba conv/SSM states) is reported beside it: it is not part of the build, but a
@@ -27,6 +31,7 @@ BASE_BYTES = int(0.6 * GIB)
 BUILDER_COPY = 1.5
 PLAN_FACTOR = 1.3
 STRIPPED_PLAN_BYTES = 64 << 20
+GRAPH_BYTES_PER_LAYER = 32 << 20   # TensorRT's graph of one layer without its weights (measured: README)
 
 
 def available_bytes() -> int:
@@ -75,16 +80,21 @@ def runtime_state_bytes(config, options) -> int:
     return kv + conv + ssm
 
 
-def estimate(config, target_weights, draft_bytes: int, options) -> MemoryEstimate:
+def estimate(config, target_weights, draft_bytes: int, options, method: str | None = None) -> MemoryEstimate:
     """The peak for building the engines (target [+ verify + draft], one after the other; the target's
-    are the largest). ``draft_bytes``: the draft checkpoint's safetensors bytes (0: none, or MTP)."""
+    are the largest). ``draft_bytes``: the draft checkpoint's safetensors bytes (0: none, or MTP).
+    ``method``: None (weights in the plan), "refit" (STRIP_PLAN: TensorRT still reads the weights) or
+    "inputs" (weights are engine inputs: TensorRT never sees their bytes, and the weights file is
+    streamed through page-released mappings)."""
     target = tensor_dict_bytes(target_weights)
     draft = int(draft_bytes)
-    strip = bool(getattr(options, "strip_plan", False))
     largest = max(target, draft)
-    plan = STRIPPED_PLAN_BYTES if strip else int(PLAN_FACTOR * largest)
-    peak = BASE_BYTES + target + draft + int(BUILDER_COPY * largest) + plan
-    return MemoryEstimate(target + draft, target, draft, peak, runtime_state_bytes(config, options), strip)
+    if method == "inputs":
+        peak = BASE_BYTES + STRIPPED_PLAN_BYTES + GRAPH_BYTES_PER_LAYER * config.num_layers
+    else:
+        plan = STRIPPED_PLAN_BYTES if method == "refit" else int(PLAN_FACTOR * largest)
+        peak = BASE_BYTES + target + draft + int(BUILDER_COPY * largest) + plan
+    return MemoryEstimate(target + draft, target, draft, peak, runtime_state_bytes(config, options), method is not None)
 
 
 def check(est: MemoryEstimate, limit_bytes: int, options, num_layers: int) -> None:
@@ -93,9 +103,9 @@ def check(est: MemoryEstimate, limit_bytes: int, options, num_layers: int) -> No
         return
     hints = []
     if not est.strip_plan:
-        stripped = est.peak_bytes - int(PLAN_FACTOR * est.target_bytes) + STRIPPED_PLAN_BYTES
-        hints.append(f"--strip_plan (weights refit at load from the directory's safetensors: ~{stripped / GIB:.1f} GiB; "
-                     "needs a TensorRT that can build refittable engines, i.e. a GPU machine)")
+        stripped = BASE_BYTES + STRIPPED_PLAN_BYTES + GRAPH_BYTES_PER_LAYER * num_layers
+        hints.append(f"--strip_plan (weights bound or refit at load from the directory's one safetensors copy: "
+                     f"~{stripped / GIB:.1f} GiB)")
     per_layer = max(1, (est.peak_bytes - BASE_BYTES) // max(1, num_layers))
     fits = max(1, int((limit_bytes - BASE_BYTES) // per_layer))
     if fits < num_layers and limit_bytes > BASE_BYTES + per_layer:

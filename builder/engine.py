@@ -232,17 +232,18 @@ def draft_components(module, options: BuildOptions) -> list[Component]:
     return out
 
 
-def record(component: Component, native_plugins: bool = False, refit=None):
+def record(component: Component, native_plugins: bool = False, refit=None, refit_method: str = "refit"):
     """Records a component's forward into a TensorRT network; returns (recorder, output dtypes).
 
     ``native_plugins`` lowers plugin ops to native layers even where plugin layers exist (the CPU
     interpreter evaluates native layers only). ``refit`` (a :class:`builder.refit.Provenance`) names
-    and marks refittable every constant viewing the engine directory's weights (``--strip_plan``).
+    and marks refittable every constant viewing the engine directory's weights (``--strip_plan``), or with
+    ``refit_method="inputs"`` makes each such weight a static-shape network input instead.
     """
     from builder.backends.trt_backend import NetworkRecorder
     recorder = NetworkRecorder(name=component.name)
     recorder.native_plugins = native_plugins
-    recorder.refit = refit
+    recorder.refit, recorder.refit_method = refit, refit_method
     feeds = {}
     for name, entry in component.inputs.items():
         shape = [d if isinstance(d, int) else -1 for d in entry["shape"]]
@@ -312,13 +313,10 @@ def build(checkpoint_dir, output_dir, options: BuildOptions, log=print, draft_di
     weights = convert_weights(weights, dtype)
     if draft_quantization and not mode:
         raise BuildError("--quantization: quantizes the draft; it needs --speculative_decoding_mode")
-    if options.strip_plan:
-        ok, why = strip_plan_supported()
-        if not ok:
-            raise BuildError(f"--strip_plan: {FLAVOUR} {VERSION} cannot build weight-stripped refittable engines on "
-                             f"this machine ({why}); build on a GPU machine, or drop --strip_plan")
+    # --strip_plan: refittable constants where TensorRT can build them, else weights as engine inputs
+    method = ("refit" if strip_plan_supported()[0] else "inputs") if options.strip_plan else None
     draft_files = sorted(Path(draft_dir).glob("*.safetensors")) if mode and draft_dir else []
-    est = build_memory.estimate(config, weights, sum(p.stat().st_size for p in draft_files), options)
+    est = build_memory.estimate(config, weights, sum(p.stat().st_size for p in draft_files), options, method)
     limit = int(options.max_host_memory_gb * build_memory.GIB) if options.max_host_memory_gb else \
         build_memory.available_bytes()
     log(f"estimated peak host memory {est.peak_bytes / build_memory.GIB:.1f} GiB (limit "
@@ -345,15 +343,15 @@ def build(checkpoint_dir, output_dir, options: BuildOptions, log=print, draft_di
             components += [target_component(target, options, verify=True), *draft_components(draft.module, options)]
         for n, component in enumerate(components, 1):
             log(f"[{n}/{len(components)}] recording {component.name} network")
-            recorder, outputs = record(component, refit=provenance)
+            recorder, outputs = record(component, refit=provenance, refit_method=method or "refit")
             contract = component.contract(options, outputs)
             layers = recorder.network.num_layers
             log(f"[{n}/{len(components)}] building {component.name}.engine with {FLAVOUR} {VERSION} "
                 f"({layers} layers, {len(contract['profiles'])} optimization profiles"
                 f"{', weight-stripped' if provenance else ''})")
             t0 = time.perf_counter()
-            engine_bytes = trt_build.build_engine_file(recorder, [p["shapes"] for p in contract["profiles"]],
-                                                       tmp / f"{component.name}.engine", strip_plan=options.strip_plan)
+            engine_bytes = trt_build.build_engine_file(recorder, _profiles(contract, recorder),
+                                                       tmp / f"{component.name}.engine", strip_plan=method == "refit")
             contracts[component.name] = contract
             report_engines[component.name] = {
                 "layers": layers,
@@ -363,7 +361,8 @@ def build(checkpoint_dir, output_dir, options: BuildOptions, log=print, draft_di
                 "lowerings": dict(recorder.lowerings),
             }
             if provenance is not None:
-                refit[component.name] = {"weights": recorder.refit_weights, "plan_constant_bytes": recorder.plan_bytes}
+                refit[component.name] = {"method": method, "weights": recorder.refit_weights,
+                                         "plan_constant_bytes": recorder.plan_bytes}
                 report_engines[component.name]["refittable_weights"] = len(recorder.refit_weights)
             del recorder
         if refit:
@@ -394,6 +393,12 @@ def build(checkpoint_dir, output_dir, options: BuildOptions, log=print, draft_di
         }
         (tmp / "build_report.json").write_text(json.dumps(report, indent=2))
     return report
+
+
+def _profiles(contract: dict, recorder) -> list[dict]:
+    """The contract's optimization profiles plus the static shape of every weight input (--strip_plan)."""
+    fixed = {n: [e["shape"]] * 3 for n, e in recorder.refit_weights.items() if e.get("input")}
+    return [dict(p["shapes"], **fixed) for p in contract["profiles"]]
 
 
 def _data_bytes(path: Path) -> int:

@@ -11,6 +11,11 @@ not refittable and stays in the plan; the map records how many bytes stayed.
 
 At load (:func:`refit_tensors`) the same bytes are read back, again without a copy, and handed to the
 TensorRT ``Refitter``: the target, verify and draft engines all refit from the one copy of the weights.
+
+tensorrt_rtx 1.7 cannot build refittable or stripped engines without a GPU (any REFIT/STRIP_PLAN flag
+fails its compiler's CUDA check). There ``--strip_plan`` records each such weight as a network input
+of static shape instead (method "inputs"): the plan holds no weight, and the runner binds the same
+safetensors bytes (:func:`input_weights`, one device copy shared by the engines) at every execution.
 """
 from __future__ import annotations
 
@@ -106,7 +111,7 @@ def refit_engine(engine, directory, name: str, logger=None) -> int:
     if not (directory / REFIT_MAP_FILE).is_file():
         return 0
     entries = read_refit_map(directory).get(name)
-    if not entries or not entries["weights"]:
+    if not entries or not entries["weights"] or entries.get("method") == "inputs":
         return 0
     refitter = trt.Refitter(engine, logger or trt.Logger(trt.Logger.WARNING))
     tensors = refit_tensors(directory, entries["weights"])
@@ -121,3 +126,25 @@ def refit_engine(engine, directory, name: str, logger=None) -> int:
     if not refitter.refit_cuda_engine():
         raise RuntimeError(f"{directory}: engine {name}: TensorRT could not refit the engine")
     return len(tensors)
+
+
+def input_weights(directory, name: str, device: str = "cuda", cache: dict | None = None) -> dict[str, torch.Tensor]:
+    """``--strip_plan`` engines whose weights are inputs (method "inputs"): input name -> the tensor to
+    bind, read from the engine directory's safetensors and moved to ``device`` once; ``cache`` (keyed by
+    file and tensors) lets the target and verify engines share one device copy of the same bytes."""
+    directory = Path(directory)
+    if not (directory / REFIT_MAP_FILE).is_file():
+        return {}
+    entries = read_refit_map(directory).get(name) or {}
+    if entries.get("method") != "inputs":
+        return {}
+    weights = entries["weights"]
+    host = refit_tensors(directory, weights)
+    cache = {} if cache is None else cache
+    out = {}
+    for n, e in weights.items():
+        key = (str(directory), e["file"], tuple(e["tensors"]), device)
+        if key not in cache:
+            cache[key] = host[n].to(device).contiguous()
+        out[n] = cache[key]
+    return out

@@ -17,6 +17,8 @@ header length, a JSON header ``{name: {"dtype", "shape", "data_offsets": [begin,
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
 import mmap
 import os
@@ -80,6 +82,8 @@ def mmap_tensors(path: str | os.PathLike, names: Iterable[str] | None = None) ->
     out: dict[str, torch.Tensor] = {}
     # one storage over the data section: tensors that lie back to back can be stacked without a copy
     base = torch.frombuffer(mapped, dtype=torch.uint8, count=size - start, offset=start) if size > start else None
+    if base is not None:
+        _MAPPED.append((base.data_ptr() - start, size))
     for name in header if names is None else names:
         entry = header.get(name)
         if not isinstance(entry, dict):
@@ -103,6 +107,33 @@ def mmap_tensors(path: str | os.PathLike, names: Iterable[str] | None = None) ->
             flat = torch.frombuffer(mapped, dtype=torch.uint8, count=count, offset=start + begin)
         out[name] = flat.view(dtype).reshape(shape)
     return out
+
+
+_MAPPED: list[tuple[int, int]] = []  # (address, length) of every file mapping made here
+_PAGE = mmap.PAGESIZE
+_MADV_DONTNEED = 4
+
+
+def release_pages(t: torch.Tensor) -> None:
+    """Drop the resident pages of a tensor that views one of :func:`mmap_tensors`' mappings (after
+    copying it out: streaming 16 GB through a mapping would otherwise leave 16 GB resident). The
+    mapping stays valid; a later read pages the bytes in again from the file."""
+    if not t.numel():
+        return
+    begin = t.data_ptr()
+    end = begin + t.numel() * t.element_size()
+    for address, length in _MAPPED:
+        if address <= begin and end <= address + length:
+            lo = (begin + _PAGE - 1) // _PAGE * _PAGE  # whole pages inside the tensor only
+            hi = end // _PAGE * _PAGE
+            if hi > lo:
+                _libc().madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED)
+            return
+
+
+@functools.lru_cache(maxsize=1)
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def stack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -143,6 +174,7 @@ bytes (left as a hole of a sparse file). Returns the file size."""
                 raise ValueError(f"{path}: tensor {name} is {t.dtype} {list(t.shape)}, its header says {dtype} {list(shape)}")
             if t.numel():
                 f.write(memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
+                release_pages(t)
             del t
         f.truncate(8 + len(raw) + offset)
     return 8 + len(raw) + offset

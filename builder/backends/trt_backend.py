@@ -178,6 +178,8 @@ class NetworkRecorder:
         self._layer_names: collections.Counter = collections.Counter()
         #: --strip_plan: a builder.refit.Provenance; constants viewing its files become refittable
         self.refit = None
+        #: "refit" (named refittable constants, STRIP_PLAN) or "inputs" (weights as static-shape inputs)
+        self.refit_method = "refit"
         self.refit_weights: dict[str, dict] = {}   # refit name -> builder.refit.entry
         self.plan_bytes = 0                         # bytes of constants that stay in the plan
         #: whether to use the cumulative layer (TensorRT >= 10.4 and tensorrt_rtx have it)
@@ -269,6 +271,10 @@ class NetworkRecorder:
             value = torch.from_numpy(np.array(value, copy=True))  # (ascontiguousarray makes 0-d 1-d)
         t = value.detach().to("cpu").contiguous()
         shape = tuple(t.shape)
+        if self.refit is not None and self.refit_method == "inputs":
+            bound = self._weight_input(t)
+            if bound is not None:
+                return bound
         if t.dtype == torch.bfloat16:
             arr = t.view(torch.int16).numpy()
             weights = trt.Weights(trt.bfloat16, arr.ctypes.data, arr.size)
@@ -283,6 +289,18 @@ class NetworkRecorder:
         if self.refit is not None:
             self._mark_refittable(t, weights, layer.name)
         return out
+
+    def _weight_input(self, t: torch.Tensor):
+        """``--strip_plan`` where TensorRT cannot build refittable engines: a weight that views the engine
+        directory's safetensors becomes a network input of static shape, bound at load to those bytes."""
+        from builder.refit import entry, weights_name
+        hit = self.refit.resolve(t)
+        if hit is None:
+            return None
+        name = weights_name(hit[1], self.refit_weights)
+        tensor = self.network.add_input(name, trt_dtype(t.dtype), tuple(t.shape))
+        self.refit_weights[name] = dict(entry(hit[0], hit[1], t, name), input=True)
+        return tensor
 
     def _mark_refittable(self, t: torch.Tensor, weights, layer_name: str) -> None:
         """With ``refit`` (a :class:`builder.refit.Provenance`): a constant that views bytes of the engine

@@ -1,7 +1,10 @@
 """Building a recorded network into a serialized engine (optimization profiles, builder config)."""
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
+import sys
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
@@ -55,9 +58,24 @@ def probe_strip_plan() -> tuple[bool, str]:
     profile = builder.create_optimization_profile()
     profile.set_shape("x", (1, 16), (1, 16), (2, 16))
     config.add_optimization_profile(profile)
-    if builder.build_serialized_network(network, config) is None:
+    with _quiet_stderr():  # the failing compiler prints its CUDA check to fd 2 itself
+        serialized = builder.build_serialized_network(network, config)
+    if serialized is None:
         return False, "a STRIP_PLAN/REFIT build fails here: its compiler needs a CUDA device"
     return True, ""
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def build_serialized(recorder, profiles: Sequence[Mapping[str, Sequence]], workspace_bytes: int | None = None,
