@@ -76,6 +76,32 @@ def entry(file: str, names: list[str], t: torch.Tensor, layer: str) -> dict:
     return {"file": file, "tensors": names, "shape": list(t.shape), "dtype": DTYPE_CODES[t.dtype], "layer": layer}
 
 
+def mark_refittable(recorder, t: torch.Tensor, weights, layer_name: str) -> None:
+    """A constant that views bytes of the engine directory's safetensors (``recorder.refit``, a
+    :class:`Provenance`) is named after them and marked refittable; other constants stay in the plan."""
+    hit = recorder.refit.resolve(t)
+    if hit is None:
+        recorder.plan_bytes += t.numel() * t.element_size()
+        return
+    name = weights_name(hit[1], recorder.refit_weights)
+    recorder.network.set_weights_name(weights, name)
+    recorder.network.mark_weights_refittable(name)
+    recorder.refit_weights[name] = entry(hit[0], hit[1], t, layer_name)
+
+
+def weight_input(recorder, t: torch.Tensor):
+    """Method "inputs": a weight that views the engine directory's safetensors becomes a network input of
+    static shape (bound at load to those bytes); None for any other constant."""
+    from builder.backends.trt_backend import trt_dtype
+    hit = recorder.refit.resolve(t)
+    if hit is None:
+        return None
+    name = weights_name(hit[1], recorder.refit_weights)
+    tensor = recorder.network.add_input(name, trt_dtype(t.dtype), tuple(t.shape))
+    recorder.refit_weights[name] = dict(entry(hit[0], hit[1], t, name), input=True)
+    return tensor
+
+
 def write_refit_map(directory, engines: Mapping[str, dict]) -> Path:
     path = Path(directory) / REFIT_MAP_FILE
     path.write_text(json.dumps({"format": "nemospec-refit-map/1", "engines": dict(engines)}, indent=1))

@@ -272,7 +272,8 @@ class NetworkRecorder:
         t = value.detach().to("cpu").contiguous()
         shape = tuple(t.shape)
         if self.refit is not None and self.refit_method == "inputs":
-            bound = self._weight_input(t)
+            from builder.refit import weight_input
+            bound = weight_input(self, t)
             if bound is not None:
                 return bound
         if t.dtype == torch.bfloat16:
@@ -287,33 +288,9 @@ class NetworkRecorder:
         layer = self.network.add_constant(shape, weights)
         out = self._out(layer, what)
         if self.refit is not None:
-            self._mark_refittable(t, weights, layer.name)
+            from builder.refit import mark_refittable
+            mark_refittable(self, t, weights, layer.name)
         return out
-
-    def _weight_input(self, t: torch.Tensor):
-        """``--strip_plan`` where TensorRT cannot build refittable engines: a weight that views the engine
-        directory's safetensors becomes a network input of static shape, bound at load to those bytes."""
-        from builder.refit import entry, weights_name
-        hit = self.refit.resolve(t)
-        if hit is None:
-            return None
-        name = weights_name(hit[1], self.refit_weights)
-        tensor = self.network.add_input(name, trt_dtype(t.dtype), tuple(t.shape))
-        self.refit_weights[name] = dict(entry(hit[0], hit[1], t, name), input=True)
-        return tensor
-
-    def _mark_refittable(self, t: torch.Tensor, weights, layer_name: str) -> None:
-        """With ``refit`` (a :class:`builder.refit.Provenance`): a constant that views bytes of the engine
-        directory's safetensors is named after them and marked refittable (``--strip_plan``)."""
-        from builder.refit import entry, weights_name
-        hit = self.refit.resolve(t)
-        if hit is None:
-            self.plan_bytes += t.numel() * t.element_size()
-            return
-        name = weights_name(hit[1], self.refit_weights)
-        self.network.set_weights_name(weights, name)
-        self.network.mark_weights_refittable(name)
-        self.refit_weights[name] = entry(hit[0], hit[1], t, layer_name)
 
     def weight(self, tensor: torch.Tensor, what: str = "weight"):
         """The constant of a bound weight; the same tensor object always gives the same layer."""
