@@ -8,7 +8,9 @@ An engine directory is self-contained:
     verify.engine        (speculative modes) the target scoring K+1 tokens, returning each Mamba
                          layer's chunk inputs (conv inputs, x, B, dt) for the rollback
     draft.engine         (speculative modes) the draft network
-    weights/*.safetensors  the weights in the build dtype (the TorchRunner's input)
+    weights/*.safetensors  the weights in the build dtype, written once (the TorchRunner's input, and
+                         with --strip_plan every engine's: they hold no weights)
+    refit_map.json       (--strip_plan) per engine: each weight -> the safetensors tensors that fill it
     tokenizer.json ...   the checkpoint's tokenizer files, when it has them
     build_report.json    per engine: layers, bytes, build time, the lowering each op got
 
