@@ -90,7 +90,14 @@ def estimate(config, target_weights, draft_bytes: int, options, method: str | No
     draft = int(draft_bytes)
     largest = max(target, draft)
     if method == "inputs":
-        peak = BASE_BYTES + STRIPPED_PLAN_BYTES + GRAPH_BYTES_PER_LAYER * config.num_layers
+        # what cannot leave the plan: NVFP4 linears (FP4 constants) and NVFP4 experts, which the MoE stacks
+        # dequantized (a copy, TensorRT's working copy and the plan's)
+        packed = sum(_nvfp4_bytes(w) for n, w in target_weights.items() if getattr(w, "is_nvfp4", False)
+                     and ".experts." not in n)
+        experts = sum(w.numel() * 2 for n, w in target_weights.items() if getattr(w, "is_nvfp4", False)
+                      and ".experts." in n)
+        peak = BASE_BYTES + STRIPPED_PLAN_BYTES + GRAPH_BYTES_PER_LAYER * config.num_layers + \
+            int((1 + BUILDER_COPY + PLAN_FACTOR) * experts + (BUILDER_COPY + PLAN_FACTOR) * packed)
     else:
         plan = STRIPPED_PLAN_BYTES if method == "refit" else int(PLAN_FACTOR * largest)
         peak = BASE_BYTES + target + draft + int(BUILDER_COPY * largest) + plan

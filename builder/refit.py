@@ -47,7 +47,7 @@ class Provenance:
 
     def resolve(self, t: torch.Tensor) -> tuple[str, list[str]] | None:
         """(file, [tensor names]) whose bytes, concatenated, are exactly ``t``'s; None if none are."""
-        if not t.is_contiguous() or not t.numel():
+        if type(t) is not torch.Tensor or not t.is_contiguous() or not t.numel():
             return None
         ptr = t.untyped_storage().data_ptr()
         offset, end = t.storage_offset() * t.element_size(), (t.storage_offset() + t.numel()) * t.element_size()

@@ -140,11 +140,13 @@ def stack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """``torch.stack(tensors)``, as a view without a copy when they lie back to back in one storage
     (experts of a layer as :func:`write_safetensors` callers here order them, memory-mapped)."""
     first = tensors[0]
+    if any(type(t) is not torch.Tensor for t in tensors):  # e.g. NVFP4 weights: their own torch.stack
+        return torch.stack(list(tensors))
     step = first.numel()
     adjacent = all(t.dtype == first.dtype and t.shape == first.shape and t.is_contiguous() and
                    t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() and
                    t.storage_offset() == first.storage_offset() + i * step for i, t in enumerate(tensors))
-    if not adjacent or type(first) is not torch.Tensor:
+    if not adjacent:
         return torch.stack(list(tensors))
     return torch.as_strided(first, (len(tensors), *first.shape), (step, *first.stride()), first.storage_offset())
 

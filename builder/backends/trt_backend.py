@@ -269,6 +269,8 @@ class NetworkRecorder:
         """A constant layer from a numpy array or torch tensor (kept alive until the build)."""
         if isinstance(value, np.ndarray):
             value = torch.from_numpy(np.array(value, copy=True))  # (ascontiguousarray makes 0-d 1-d)
+        if getattr(value, "is_nvfp4", False):  # an NVFP4 weight used other than by a linear: its values
+            value = value.dequantize()
         t = value.detach().to("cpu").contiguous()
         shape = tuple(t.shape)
         if self.refit is not None and self.refit_method == "inputs":
