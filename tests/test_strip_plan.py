@@ -175,3 +175,15 @@ def test_stripped_engines_refit_from_the_one_copy_and_generate_like_torch(mtp_ch
     prompts = [[5, 9, 17, 33], [7, 3]]
     want = generate(open_engine_dir(out, backend="torch").runner, prompts, 8).output_ids
     assert generate(open_engine_dir(out, backend="tensorrt").runner, prompts, 8).output_ids == want
+
+
+def test_nvfp4_moe_experts_stack_dequantized(checkpoints, tmp_path):
+    """The zero-copy expert stack leaves NVFP4 experts to their own torch.stack (regression)."""
+    from builder.quantization import NVFP4Weight, load_nvfp4_checkpoint, quantize_checkpoint
+    quantize_checkpoint(checkpoints["moe"], tmp_path / "q", log=lambda m: None)
+    config, weights = load_nvfp4_checkpoint(tmp_path / "q", keep_quantized=True)
+    layer = config.layer_indices("moe")[0]
+    names = [f"backbone.layers.{layer}.mixer.experts.{e}.up_proj.weight" for e in range(config.n_routed_experts)]
+    assert all(isinstance(weights[n], NVFP4Weight) for n in names)
+    moe = NemotronH(config, weights, torch.float32).layers[layer][2]
+    assert torch.equal(moe.up, torch.stack([weights[n].dequantize(torch.float32) for n in names]))
