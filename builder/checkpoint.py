@@ -31,6 +31,7 @@ from safetensors import safe_open
 from builder import quantization
 from builder.config import NemotronHConfig, load_config
 from builder.errors import CheckpointError
+from builder.safetensors_io import mmap_tensors
 
 __all__ = [
     "SAFETENSORS_FILE",
@@ -54,6 +55,7 @@ _FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloa
 _DTYPE_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64",
                 "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
                 "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+_PER_EXPERT = re.compile(r"^(.*\.mixer\.experts)\.\d+\.(up_proj|down_proj)\.weight$")
 _FUSED_EXPERTS = re.compile(r"^(backbone\.layers\.\d+\.mixer\.experts)\.(up_proj|down_proj)(?:\.weight)?$")
 
 Shape = tuple[int, ...]
@@ -173,6 +175,36 @@ def validate_mtp(config: NemotronHConfig, tensors: dict, where: str) -> None:
                                   f"expected {_fmt(shape)}")
 
 
+def storage_order(names) -> list[str]:
+    """``names`` in the order to store them: as given, except that a MoE layer's experts lie back to back
+    (every expert's ``up_proj`` in expert order, then every ``down_proj``), so that a memory-mapped
+    reader stacks them without a copy (:func:`builder.safetensors_io.stack`)."""
+    names = list(names)
+    present = set(names)
+    out, done = [], set()
+    for name in names:
+        if name in done:
+            continue
+        fused = _PER_EXPERT.match(name)
+        if fused is None:
+            out.append(name)
+            done.add(name)
+            continue
+        prefix = fused.group(1)
+        for proj in ("up_proj", "down_proj"):
+            e = 0
+            while f"{prefix}.{e}.{proj}.weight" in present:
+                key = f"{prefix}.{e}.{proj}.weight"
+                if key not in done:
+                    out.append(key)
+                    done.add(key)
+                e += 1
+        if name not in done:  # an expert index past a gap: keep it where it was
+            out.append(name)
+            done.add(name)
+    return out
+
+
 def canonical_name(name: str) -> str:
     """``model.`` prefix -> ``backbone.``; every other name unchanged."""
     if name.startswith("model."):
@@ -288,7 +320,9 @@ def load_checkpoint(checkpoint_dir: str | os.PathLike) -> tuple[NemotronHConfig,
     """Read, rename and validate a NemotronH safetensors checkpoint.
 
     Returns the config and canonical name -> tensor (dtype as stored) for every expected tensor,
-    the optional ones present, and every ``mtp.*`` tensor. Raises :class:`CheckpointError`.
+    the optional ones present, and every ``mtp.*`` tensor. The tensors view copy-on-write mappings
+    of the files (:func:`builder.safetensors_io.mmap_tensors`): loading reads headers only, a tensor's
+    bytes are paged in when it is used. Raises :class:`CheckpointError`.
     A ModelOpt NVFP4 checkpoint (``hf_quant_config.json`` / ``quantization_config``) is dequantized
     to the config's dtype (:func:`load_nvfp4_checkpoint` with ``keep_quantized`` keeps it packed).
     """
@@ -349,7 +383,7 @@ def load_checkpoint(checkpoint_dir: str | os.PathLike) -> tuple[NemotronHConfig,
             raise CheckpointError(f"{entry.file}: tensor {entry.stored!r} has shape {_fmt(entry.shape)}, "
                                   f"expected {_fmt(want)}")
 
-    # 4. Read the tensors, one open per file; fused experts are read once and split into views.
+    # 4. Map the tensors, one mapping per file (nothing is read until used); fused experts split into views.
     order = [n for n in expected] + [n for n in optional if n in entries] + \
         sorted(n for n in entries if n.startswith(MTP_PREFIX))
     by_file: dict[Path, list[str]] = {}
@@ -357,16 +391,10 @@ def load_checkpoint(checkpoint_dir: str | os.PathLike) -> tuple[NemotronHConfig,
         by_file.setdefault(entries[name].file, []).append(name)
     loaded: dict[str, torch.Tensor] = {}
     for path, names in by_file.items():
-        fused_cache: dict[str, torch.Tensor] = {}
-        with safe_open(str(path), framework="pt") as f:
-            for name in names:
-                entry = entries[name]
-                if entry.expert is None:
-                    loaded[name] = f.get_tensor(entry.stored)
-                else:
-                    if entry.stored not in fused_cache:
-                        fused_cache[entry.stored] = f.get_tensor(entry.stored)
-                    loaded[name] = fused_cache[entry.stored][entry.expert]
+        mapped = mmap_tensors(path, dict.fromkeys(entries[n].stored for n in names))
+        for name in names:
+            entry = entries[name]
+            loaded[name] = mapped[entry.stored] if entry.expert is None else mapped[entry.stored][entry.expert]
     return config, {name: loaded[name] for name in order}
 
 
@@ -420,23 +448,23 @@ def load_nvfp4_checkpoint(checkpoint_dir: str | os.PathLike, keep_quantized: boo
     raw: dict[str, torch.Tensor] = {}
     files: dict[str, Path] = {}
     for path in layout.files:
-        with safe_open(str(path), framework="pt") as f:
-            for stored in layout.names[path]:
-                name = canonical_name(stored)
-                if name in raw:
-                    raise CheckpointError(f"{path}: tensor {stored!r} duplicates another tensor named {name!r}")
-                t = f.get_tensor(stored)
-                fused = _FUSED_EXPERTS.match(name)
-                if fused:
-                    if t.dtype == torch.uint8:
-                        raise CheckpointError(f"{path}: tensor {stored!r}: fused NVFP4 expert tensors are not "
-                                              "supported; store experts.{e}.up_proj.weight / down_proj.weight "
-                                              "per expert")
-                    for e in range(t.shape[0]):
-                        split = f"{fused.group(1)}.{e}.{fused.group(2)}.weight"
-                        raw[split], files[split] = t[e], path
-                    continue
-                raw[name], files[name] = t, path
+        mapped = mmap_tensors(path, layout.names[path])  # headers only: bytes are paged in when used
+        for stored in layout.names[path]:
+            name = canonical_name(stored)
+            if name in raw:
+                raise CheckpointError(f"{path}: tensor {stored!r} duplicates another tensor named {name!r}")
+            t = mapped[stored]
+            fused = _FUSED_EXPERTS.match(name)
+            if fused:
+                if t.dtype == torch.uint8:
+                    raise CheckpointError(f"{path}: tensor {stored!r}: fused NVFP4 expert tensors are not "
+                                          "supported; store experts.{e}.up_proj.weight / down_proj.weight "
+                                          "per expert")
+                for e in range(t.shape[0]):
+                    split = f"{fused.group(1)}.{e}.{fused.group(2)}.weight"
+                    raw[split], files[split] = t[e], path
+                continue
+            raw[name], files[name] = t, path
     expected, optional = expected_tensors(config), optional_tensors(config)
     shapes = dict(optional)
     shapes.update(expected)

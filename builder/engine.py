@@ -8,7 +8,9 @@ An engine directory is self-contained:
     verify.engine        (speculative modes) the target scoring K+1 tokens, returning each Mamba
                          layer's chunk inputs (conv inputs, x, B, dt) for the rollback
     draft.engine         (speculative modes) the draft network
-    weights/*.safetensors  the weights in the build dtype (the TorchRunner's input)
+    weights/*.safetensors  the weights in the build dtype, written once (the TorchRunner's input, and
+                         with --strip_plan every engine's: they hold no weights)
+    refit_map.json       (--strip_plan) per engine: each weight -> the safetensors tensors that fill it
     tokenizer.json ...   the checkpoint's tokenizer files, when it has them
     (config.json 'files': each engine and weights file's size and sha256, see builder.integrity)
     build_report.json    per engine: layers, bytes, build time, the lowering each op got
@@ -26,7 +28,6 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors.torch import save_file
 
 from builder.atomic_dir import atomic_dir
 from builder.checkpoint import TORCH_DTYPES, checkpoint_hash, convert_weights, load_checkpoint, load_nvfp4_checkpoint
@@ -53,6 +54,10 @@ class BuildOptions:
     draft_confidence_threshold: float = 0.0
     acceptance_rate_threshold: float = 0.0
     acceptance_rate_window_size: int = 8
+    # scale: weight-stripped refittable engines, a host-memory limit, a trial build of the first layers
+    strip_plan: bool = False
+    max_host_memory_gb: float = 0.0     # 0: the machine's available memory
+    num_layers: int = 0                 # 0: every layer
 
     def validate(self):
         for name in ("max_batch_size", "max_input_len", "max_seq_len"):
@@ -62,6 +67,8 @@ class BuildOptions:
             raise BuildError(f"--max_draft_len: expected >= 0, got {self.max_draft_len}")
         if self.max_input_len > self.max_seq_len:
             raise BuildError(f"--max_input_len ({self.max_input_len}) exceeds --max_seq_len ({self.max_seq_len})")
+        if self.max_host_memory_gb < 0 or self.num_layers < 0:
+            raise BuildError("--max_host_memory_gb and --num_layers: expected >= 0 (0: the default)")
         if self.dtype not in ("auto",) + tuple(TORCH_DTYPES):
             raise BuildError(f"--dtype: expected auto, float32, float16 or bfloat16, got {self.dtype}")
         mode = self.speculative_decoding_mode
@@ -216,15 +223,18 @@ def draft_components(module, options: BuildOptions) -> list[Component]:
     return out
 
 
-def record(component: Component, native_plugins: bool = False):
+def record(component: Component, native_plugins: bool = False, refit=None, refit_method: str = "refit"):
     """Records a component's forward into a TensorRT network; returns (recorder, output dtypes).
 
     ``native_plugins`` lowers plugin ops to native layers even where plugin layers exist (the CPU
-    interpreter evaluates native layers only).
+    interpreter evaluates native layers only). ``refit`` (a :class:`builder.refit.Provenance`) names
+    and marks refittable every constant viewing the engine directory's weights (``--strip_plan``), or with
+    ``refit_method="inputs"`` makes each such weight a static-shape network input instead.
     """
     from builder.backends.trt_backend import NetworkRecorder
     recorder = NetworkRecorder(name=component.name)
     recorder.native_plugins = native_plugins
+    recorder.refit, recorder.refit_method = refit, refit_method
     feeds = {}
     for name, entry in component.inputs.items():
         shape = [d if isinstance(d, int) else -1 for d in entry["shape"]]
@@ -236,67 +246,118 @@ def record(component: Component, native_plugins: bool = False):
 
 
 # --- the build ------------------------------------------------------------------------------------
+def first_layers(config, weights: dict, n: int):
+    """(config, weights) of the first ``n`` layers of the pattern (``--num_layers``, a trial build);
+    embeddings, final norm, LM head and ``mtp.*`` are kept."""
+    import dataclasses
+    if not 1 <= n <= config.num_layers:
+        raise BuildError(f"--num_layers: expected 1..{config.num_layers} (the checkpoint's layers), got {n}")
+    keep = {n_: w for n_, w in weights.items()
+            if not n_.startswith("backbone.layers.") or int(n_.split(".")[2]) < n}
+    return dataclasses.replace(config, layer_types=config.layer_types[:n]), keep
+
+
+def strip_plan_supported() -> tuple[bool, str]:
+    """Whether this TensorRT builds weight-stripped refittable engines here (tensorrt_rtx 1.7 does not
+    without a GPU: its Myelin compiler fails a CUDA check for any REFIT/STRIP_PLAN flag)."""
+    from builder.backends.trt_build import probe_strip_plan
+    return probe_strip_plan()
+
+
+def _write_weights(path: Path, tensors: dict) -> None:
+    from builder.checkpoint import storage_order
+    from builder.safetensors_io import write_safetensors
+    order = storage_order(tensors)
+    write_safetensors(path, {n: (tensors[n].dtype, tuple(tensors[n].shape)) for n in order}, tensors.__getitem__)
+
+
 def build(checkpoint_dir, output_dir, options: BuildOptions, log=print, draft_dir=None,
           draft_quantization=None) -> dict:
     """Builds ENGINE_DIR from a checkpoint (and a draft); returns the build report.
 
-    Raises NemospecError subclasses for bad input, before anything is written.
+    Raises NemospecError subclasses for bad input, before anything is written. Tensors are read
+    memory-mapped; each engine is written as soon as it is built; the weights are written once
+    (``weights/*.safetensors``) and the engines are built from that file's mapping, so a constant is a
+    view of its bytes (and, with ``strip_plan``, refit from them at load: ``refit_map.json``).
     """
-    from builder import drafts
+    from builder import build_memory, drafts
     from builder.backends import trt_build
     from builder.backends.trt_import import FLAVOUR, VERSION
+    from builder.refit import Provenance, write_refit_map
+    from builder.safetensors_io import mmap_tensors
 
     options.validate()
     mode = options.speculative_decoding_mode
     started = time.perf_counter()
     checkpoint_dir, output_dir = Path(checkpoint_dir), Path(output_dir)
-    log(f"reading checkpoint {checkpoint_dir}")
+    log(f"reading checkpoint {checkpoint_dir} (memory-mapped)")
     from builder import quantization  # an NVFP4 checkpoint keeps its linears packed: FP4 constants in the engine
-    if quantization.is_nvfp4_checkpoint(checkpoint_dir):
+    quantized = quantization.is_nvfp4_checkpoint(checkpoint_dir)
+    if quantized:
         config, weights = load_nvfp4_checkpoint(checkpoint_dir, keep_quantized=True)
     else:
         config, weights = load_checkpoint(checkpoint_dir)
+    if options.num_layers:
+        config, weights = first_layers(config, weights, options.num_layers)
     dtype_name = options.resolve_dtype(config.dtype)
     dtype = TORCH_DTYPES[dtype_name]
     weights = convert_weights(weights, dtype)
     if draft_quantization and not mode:
         raise BuildError("--quantization: quantizes the draft; it needs --speculative_decoding_mode")
-    draft = drafts.load_draft(mode, config, weights, draft_dir, dtype, log, draft_quantization) if mode else None
-    target = NemotronH(config, weights, dtype, **(draft.target_features if draft else {}))
-    components = [target_component(target, options)]
-    if draft:
-        components += [target_component(target, options, verify=True), *draft_components(draft.module, options)]
+    # --strip_plan: refittable constants where TensorRT can build them, else weights as engine inputs
+    method = ("refit" if strip_plan_supported()[0] else "inputs") if options.strip_plan else None
+    draft_files = sorted(Path(draft_dir).glob("*.safetensors")) if mode and draft_dir else []
+    est = build_memory.estimate(config, weights, sum(p.stat().st_size for p in draft_files), options, method)
+    limit = int(options.max_host_memory_gb * build_memory.GIB) if options.max_host_memory_gb else \
+        build_memory.available_bytes()
+    log(f"estimated peak host memory {est.peak_bytes / build_memory.GIB:.1f} GiB (limit "
+        f"{limit / build_memory.GIB:.1f} GiB; weights {est.weight_bytes / build_memory.GIB:.2f} GiB)")
+    build_memory.check(est, limit, options, config.num_layers)
 
-    contracts, report_engines, blobs = {}, {}, {}
-    for n, component in enumerate(components, 1):
-        log(f"[{n}/{len(components)}] recording {component.name} network")
-        recorder, outputs = record(component)
-        contract = component.contract(options, outputs)
-        layers = recorder.network.num_layers
-        log(f"[{n}/{len(components)}] building {component.name}.engine with {FLAVOUR} {VERSION} "
-            f"({layers} layers, {len(contract['profiles'])} optimization profiles)")
-        t0 = time.perf_counter()
-        blobs[component.name] = trt_build.build_engine_bytes(recorder, [p["shapes"] for p in contract["profiles"]])
-        contracts[component.name] = contract
-        report_engines[component.name] = {
-            "layers": layers,
-            "engine_bytes": len(blobs[component.name]),
-            "build_seconds": round(time.perf_counter() - t0, 3),
-            "profiles": [{"name": p["name"], "max_tokens": p["max_tokens"]} for p in contract["profiles"]],
-            "lowerings": dict(recorder.lowerings),
-        }
-        del recorder
-
-    log(f"writing {output_dir}")
-    weight_files = {"target": quantization.dequantize_weights(weights)}  # the TorchRunner's, in the build dtype
-    if draft and draft.weights is not None:
-        weight_files["draft"] = draft.weights
+    contracts, report_engines, refit = {}, {}, {}
     with atomic_dir(output_dir) as tmp:
-        for name, blob in blobs.items():
-            (tmp / f"{name}.engine").write_bytes(blob)
+        log(f"writing weights into {output_dir}/weights")
         (tmp / "weights").mkdir()
-        for name, tensors in weight_files.items():
-            save_file(tensors, str(tmp / "weights" / f"{name}.safetensors"))
+        target_file = tmp / "weights" / "target.safetensors"
+        _write_weights(target_file, quantization.dequantize_weights(weights))  # the TorchRunner's, build dtype
+        if not quantized:  # build from the written file: experts back to back, every constant a view of it
+            weights = mmap_tensors(target_file)  # (the checkpoint's mapping is released here)
+        draft = drafts.load_draft(mode, config, weights, draft_dir, dtype, log, draft_quantization) if mode else None
+        files = [("weights/target.safetensors", weights)]
+        if draft and draft.weights is not None:
+            _write_weights(tmp / "weights" / "draft.safetensors", draft.weights)
+            files.append(("weights/draft.safetensors", draft.weights))
+        provenance = Provenance(files) if options.strip_plan else None
+        target = NemotronH(config, weights, dtype, **(draft.target_features if draft else {}))
+        components = [target_component(target, options)]
+        if draft:
+            components += [target_component(target, options, verify=True), *draft_components(draft.module, options)]
+        for n, component in enumerate(components, 1):
+            log(f"[{n}/{len(components)}] recording {component.name} network")
+            recorder, outputs = record(component, refit=provenance, refit_method=method or "refit")
+            contract = component.contract(options, outputs)
+            layers = recorder.network.num_layers
+            log(f"[{n}/{len(components)}] building {component.name}.engine with {FLAVOUR} {VERSION} "
+                f"({layers} layers, {len(contract['profiles'])} optimization profiles"
+                f"{', weight-stripped' if provenance else ''})")
+            t0 = time.perf_counter()
+            engine_bytes = trt_build.build_engine_file(recorder, _profiles(contract, recorder),
+                                                       tmp / f"{component.name}.engine", strip_plan=method == "refit")
+            contracts[component.name] = contract
+            report_engines[component.name] = {
+                "layers": layers,
+                "engine_bytes": engine_bytes,
+                "build_seconds": round(time.perf_counter() - t0, 3),
+                "profiles": [{"name": p["name"], "max_tokens": p["max_tokens"]} for p in contract["profiles"]],
+                "lowerings": dict(recorder.lowerings),
+            }
+            if provenance is not None:
+                refit[component.name] = {"method": method, "weights": recorder.refit_weights,
+                                         "plan_constant_bytes": recorder.plan_bytes}
+                report_engines[component.name]["refittable_weights"] = len(recorder.refit_weights)
+            del recorder
+        if refit:
+            write_refit_map(tmp, refit)
         tokenizer = [f for f in TOKENIZER_FILES if (checkpoint_dir / f).is_file()]
         for f in tokenizer:
             shutil.copy2(checkpoint_dir / f, tmp / f)
@@ -312,10 +373,11 @@ def build(checkpoint_dir, output_dir, options: BuildOptions, log=print, draft_di
             "files": record_files(tmp),   # sizes + sha256, checked by serve/generate (builder.integrity)
         }
         (tmp / "config.json").write_text(json.dumps(meta, indent=2))
-        weight_bytes = {n: sum(w.numel() * w.element_size() for w in t.values()) for n, t in weight_files.items()}
         report = {
             "engines": report_engines,
-            "weight_bytes": weight_bytes,
+            "weight_bytes": {p.stem: _data_bytes(p) for p in sorted((tmp / "weights").glob("*.safetensors"))},
+            "memory_estimate": est.as_dict(),
+            "strip_plan": bool(options.strip_plan),
             "speculative_decoding_mode": mode,
             "tensorrt": {"flavour": FLAVOUR, "version": VERSION},
             "dtype": dtype_name,
@@ -323,3 +385,16 @@ def build(checkpoint_dir, output_dir, options: BuildOptions, log=print, draft_di
         }
         (tmp / "build_report.json").write_text(json.dumps(report, indent=2))
     return report
+
+
+def _profiles(contract: dict, recorder) -> list[dict]:
+    """The contract's optimization profiles plus the static shape of every weight input (--strip_plan)."""
+    fixed = {n: [e["shape"]] * 3 for n, e in recorder.refit_weights.items() if e.get("input")}
+    return [dict(p["shapes"], **fixed) for p in contract["profiles"]]
+
+
+def _data_bytes(path: Path) -> int:
+    """Bytes of a safetensors file's tensors (the file less its header)."""
+    from builder.safetensors_io import read_header
+    _, start = read_header(path)
+    return path.stat().st_size - start

@@ -117,12 +117,12 @@ def _constant(ctx, layer, ins):
     weights = layer.weights
     if isinstance(weights, np.ndarray):
         arr = weights
-        value = torch.from_numpy(np.array(arr, copy=True))
+        value = torch.from_numpy(np.array(arr, copy=arr.nbytes < _VIEW_BYTES or not arr.flags.writeable))
         if value.dtype != _torch_dtype(dtype, ctx.where):
             value = value.to(_torch_dtype(dtype, ctx.where))
     elif dtype in _ITEM_BYTES:
         raw = _weights_bytes(weights, dtype, count)
-        value = torch.frombuffer(bytearray(raw), dtype=torch.int16).view(_torch_dtype(dtype, ctx.where))
+        value = _bytes_tensor(raw).view(torch.int16).view(_torch_dtype(dtype, ctx.where))
     else:
         ctx.unsupported(f"constant of type {dtype} cannot be read")
     if value.numel() != count:
@@ -412,12 +412,24 @@ def _matmul(ctx, layer, ins):
         b = b.unsqueeze(-1)
     if a.dtype != b.dtype:
         ctx.fail(f"operand types differ ({a.dtype} vs {b.dtype})")
-    out = torch.matmul(a, b)
+    out = _batched_matmul(a, b)
     if layer.op1 == ops.VECTOR:
         out = out.squeeze(-1)
     if layer.op0 == ops.VECTOR:
         out = out.squeeze(-1 if layer.op1 == ops.VECTOR else -2)
     return [out]
+
+
+_MATMUL_CHUNK_BYTES = 256 << 20
+
+
+def _batched_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.matmul``; a large batched (3-D, same batch) right operand is taken a few batch entries at
+    a time, so a transposed view of it (all experts of a full-width MoE: GBs) is never copied whole."""
+    if b.dim() != 3 or a.dim() != 3 or a.shape[0] != b.shape[0] or b.numel() * b.element_size() <= _MATMUL_CHUNK_BYTES:
+        return torch.matmul(a, b)
+    step = max(1, _MATMUL_CHUNK_BYTES // (b[0].numel() * b.element_size()))
+    return torch.cat([torch.matmul(a[i:i + step], b[i:i + step]) for i in range(0, b.shape[0], step)])
 
 
 def _reduce(ctx, layer, ins):
@@ -630,7 +642,18 @@ def _raw_weights(weights, dtype, count: int, nbytes: int) -> bytes:
     n = ctypes.c_int64.from_address(holder + 16).value
     if kind != int(dtype) or n != count or not values:
         raise InterpreterError(f"unexpected weights layout (type {kind} vs {int(dtype)}, count {n} vs {count})")
+    if nbytes >= _VIEW_BYTES:  # a weight: viewed where it lies (the recorder keeps it alive), not copied
+        return (ctypes.c_char * nbytes).from_address(values)
     return ctypes.string_at(values, nbytes)
+
+
+#: constants at least this large are read in place (full-width weights would otherwise be copied twice)
+_VIEW_BYTES = 1 << 20
+
+
+def _bytes_tensor(raw) -> torch.Tensor:
+    """uint8 tensor over ``raw``: a view of a ctypes array, or a copy of small ``bytes``."""
+    return torch.frombuffer(raw if not isinstance(raw, bytes) else bytearray(raw), dtype=torch.uint8)
 
 
 def _constant_low_precision(ctx, layer, ins):
@@ -642,10 +665,10 @@ def _constant_low_precision(ctx, layer, ins):
     count = math.prod(shape)
     if dtype == _FP8:
         raw = _raw_weights(layer.weights, dtype, count, count)
-        value = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(torch.float8_e4m3fn)
+        value = _bytes_tensor(raw).view(torch.float8_e4m3fn)
         return [value.reshape(shape)]
     raw = _raw_weights(layer.weights, dtype, count, (count + 1) // 2)
-    packed = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    packed = _bytes_tensor(raw)
     codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(-1)[:count]
     return [_E2M1[codes.long()].to(_FP4_CONTAINER).reshape(shape)]
 

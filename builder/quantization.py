@@ -62,7 +62,7 @@ __all__ = [
     "fp4_encode", "fp4_decode", "pack_fp4", "unpack_fp4", "quantize_nvfp4", "dequantize_nvfp4",
     "quantization_error_bound", "NVFP4Weight", "QuantConfig", "read_quant_config", "is_nvfp4_checkpoint",
     "validate_nvfp4", "quantize_tensors", "dequantize_tensors", "nvfp4_weights", "dequantize_weights",
-    "quantizable_weight_names",
+    "quantizable_weight_names", "choose_quantized",
 ]
 
 BLOCK_SIZE = 16
@@ -97,7 +97,10 @@ def fp4_encode(x: torch.Tensor) -> torch.Tensor:
     """uint8 E2M1 codes of fp32 values (round to nearest, ties to the even code, saturating at +-6)."""
     x = x.float()
     mag = x.abs()
-    code = torch.bucketize(mag, _MIDPOINTS, right=False) + torch.isin(mag, _ODD_MIDPOINTS)
+    # midpoints strictly below |x| (bucketize with right=False), plus one on a tie whose lower code is
+    # odd; written as comparisons, which run ~3x faster than bucketize + isin on large weights
+    code = sum((mag > m).to(torch.uint8) for m in _MIDPOINTS.tolist())
+    code = code + sum((mag == m).to(torch.uint8) for m in _ODD_MIDPOINTS.tolist())
     return (code + 8 * (x < 0)).to(torch.uint8)
 
 
@@ -546,3 +549,24 @@ def quantizable_weight_names(names: Iterable[str], shapes: Mapping[str, Sequence
         if leaf.endswith(_LINEAR_SUFFIXES) and (shapes is None or len(shapes[name]) >= 2):
             out.append(name)
     return out
+
+
+def choose_quantized(shapes: Mapping[str, Sequence[int]], exclude_modules: Sequence[str] = (),
+                     log=lambda message: None) -> tuple[list[str], list[str]]:
+    """(weights to pack as NVFP4, module names kept in high precision) of a tensor name -> shape map:
+    linear weights minus ModelOpt's default exclusions, ``exclude_modules`` and input dims that are
+    not a multiple of the block size; conv1d modules are listed as kept (ModelOpt's default)."""
+    patterns = tuple(DEFAULT_EXCLUDE_MODULES) + tuple(p for p in exclude_modules if p)
+    chosen, excluded = [], []
+    for name in quantizable_weight_names(shapes, shapes):
+        module = _module(name)
+        if any(module == p or fnmatch.fnmatchcase(module, p) for p in patterns):
+            excluded.append(module)
+        elif shapes[name][-1] % BLOCK_SIZE:
+            log(f"keeping {module} in high precision: input dim {shapes[name][-1]} is not a multiple of {BLOCK_SIZE}")
+            excluded.append(module)
+        else:
+            chosen.append(name)
+    # modules with weights ModelOpt would give quantizers (conv1d) but leaves alone by default
+    excluded += [_module(n) for n in shapes if n.endswith(".conv1d.weight")]
+    return chosen, excluded

@@ -1,7 +1,6 @@
 """``nemospec quantize``: write a ModelOpt-layout W4A16 NVFP4 copy of a NemotronH checkpoint."""
 from __future__ import annotations
 
-import fnmatch
 import json
 import os
 import shutil
@@ -10,9 +9,8 @@ from typing import Sequence
 
 from builder.checkpoint import load_checkpoint
 from builder.errors import CheckpointError
-from builder.quantization import (BLOCK_SIZE, CONFIG_FILE, DEFAULT_EXCLUDE_MODULES, HF_QUANT_CONFIG, QUANT_ALGO,
-                                  QuantConfig, _module, _read_json, quantizable_weight_names, quantize_tensors,
-                                  read_quant_config)
+from builder.quantization import (BLOCK_SIZE, CONFIG_FILE, HF_QUANT_CONFIG, QUANT_ALGO, QuantConfig, _read_json,
+                                  choose_quantized, quantize_tensors, read_quant_config)
 
 __all__ = ["quantize_checkpoint"]
 
@@ -38,21 +36,7 @@ def quantize_checkpoint(checkpoint_dir: str | os.PathLike, output_dir: str | os.
     if src.resolve() == dst.resolve():
         raise CheckpointError(f"--output_dir {dst}: must differ from --checkpoint_dir")
     _config, weights = load_checkpoint(src)
-    patterns = tuple(DEFAULT_EXCLUDE_MODULES) + tuple(p for p in exclude_modules if p)
-    candidates = quantizable_weight_names(weights, {n: tuple(w.shape) for n, w in weights.items()})
-    chosen, excluded = [], []
-    for name in candidates:
-        module = _module(name)
-        if any(module == p or fnmatch.fnmatchcase(module, p) for p in patterns):
-            excluded.append(module)
-        elif weights[name].shape[-1] % BLOCK_SIZE:
-            log(f"keeping {module} in high precision: input dim {weights[name].shape[-1]} is not a multiple of "
-                f"{BLOCK_SIZE}")
-            excluded.append(module)
-        else:
-            chosen.append(name)
-    # modules with weights ModelOpt would give quantizers (conv1d) but leaves alone by default
-    excluded += [_module(n) for n in weights if n.endswith(".conv1d.weight")]
+    chosen, excluded = choose_quantized({n: tuple(w.shape) for n, w in weights.items()}, exclude_modules, log)
     if not chosen:
         raise CheckpointError(f"{src}: no linear layer left to quantize (check --exclude_modules)")
     qc = QuantConfig(QUANT_ALGO, BLOCK_SIZE, tuple(sorted(set(excluded))))  # module names, as ModelOpt lists them

@@ -5,6 +5,9 @@ checkpoint (so its layout is the reference's), with weights re-drawn at a spread
 token-dependent logits instead of transformers' near-flat 0.02 init. Optionally a byte-level BPE
 tokenizer is trained on local text (the running Python's standard library sources) so `--prompt`
 works; nothing is downloaded.
+
+Run as a module (``python -m builder.random_checkpoint --config CONFIG.json --output_dir D``) it writes
+a checkpoint at a shipped model's real shapes instead, tensor by tensor: :mod:`builder.shaped_checkpoint`.
 """
 from __future__ import annotations
 
@@ -196,3 +199,45 @@ def write_random_checkpoint(directory, pattern: str = "M*E-M", seed: int = 0, to
         tok = train_tokenizer(model.config.vocab_size, stdlib_corpus())
         tok.save(str(directory / "tokenizer.json"))
     return directory
+
+
+def main(argv=None) -> int:
+    """``python -m builder.random_checkpoint --config CONFIG.json --output_dir D ...``: a random checkpoint
+    at a shipped model's shapes (see :mod:`builder.shaped_checkpoint`); exit 2 with one line on bad input."""
+    import argparse
+    import sys
+
+    from builder.errors import NemospecError
+    from builder.shaped_checkpoint import FILLS, write_shaped_checkpoint
+
+    p = argparse.ArgumentParser(prog="python -m builder.random_checkpoint",
+                                description="random NemotronH checkpoint with the tensor names and shapes of a "
+                                            "public config.json (tests and benchmarks only)")
+    p.add_argument("--config", required=True, help="a NemotronH config.json (e.g. benchmarks/configs/*.json)")
+    p.add_argument("--output_dir", required=True)
+    p.add_argument("--num_layers", type=int, default=None, help="keep the first N entries of the layer pattern")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--quantize", default=None, choices=["nvfp4_w4a16"], help="pack linears as ModelOpt NVFP4")
+    p.add_argument("--vocab_size", type=int, default=None, help="a reduced vocabulary (default: the config's)")
+    p.add_argument("--fill", default="random", choices=FILLS,
+                   help="zeros: structure only (sparse files, no disk or time for the weights)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max_shard_gb", type=float, default=4.0)
+    p.add_argument("--pattern", default=None, help="tests: replace the layer pattern (e.g. '*': one attention block)")
+    p.add_argument("--no_mtp", action="store_true", help="drop the config's MTP layers")
+    args = p.parse_args(argv)
+    try:
+        summary = write_shaped_checkpoint(args.config, args.output_dir, args.num_layers, args.dtype, args.quantize,
+                                          args.vocab_size, args.fill, args.seed, args.max_shard_gb,
+                                          log=lambda m: print(m, file=sys.stderr), pattern=args.pattern,
+                                          mtp=not args.no_mtp)
+    except NemospecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    import json
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

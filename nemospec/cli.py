@@ -33,6 +33,12 @@ def _add_build_args(p):
                    help="quantize the draft's linear layers (ModelOpt NVFP4 W4A16) while building")
     p.add_argument("--draft_dir", default=None,
                    help="draft checkpoint (every mode but mtp); default with the embedded model: its trained draft")
+    p.add_argument("--strip_plan", action="store_true",
+                   help="weight-stripped refittable engines, refit at load from the directory's one copy of the "
+                        "weights (needs a TensorRT that builds them: a GPU machine)")
+    p.add_argument("--max_host_memory_gb", type=float, default=0.0,
+                   help="refuse (exit 2) a build whose estimated peak host memory exceeds this (default: available)")
+    p.add_argument("--num_layers", type=int, default=0, help="a trial build of the first N layers (default: all)")
     add_policy_args(p, build=True)
 
 
@@ -106,7 +112,9 @@ def cmd_build(args):
     if args.speculative_decoding_mode:
         policy_from(args.max_draft_len, vars(args))  # a bad flag exits 2 before anything is built
     options = BuildOptions(args.max_batch_size, args.max_input_len, args.max_seq_len, args.max_draft_len, args.dtype,
-                           args.speculative_decoding_mode, **{f: getattr(args, f) for f in POLICY_FLAGS})
+                           args.speculative_decoding_mode, **{f: getattr(args, f) for f in POLICY_FLAGS},
+                           strip_plan=args.strip_plan, max_host_memory_gb=args.max_host_memory_gb,
+                           num_layers=args.num_layers)
     with err.status("building ...") as status:
         def log(message):
             status.update(message)

@@ -29,6 +29,9 @@ class InterpretedExecutor:
         return run_network(self.recorder.network, feeds)
 
 
+_DEVICE_WEIGHTS: dict = {}  # the device copies of --strip_plan weight inputs, shared by the engines
+
+
 class TensorRTExecutor:
     """Runs a serialized engine with the TensorRT runtime; one execution context per profile."""
 
@@ -46,6 +49,9 @@ class TensorRTExecutor:
         self.engine = self._runtime.deserialize_cuda_engine(path.read_bytes())
         if self.engine is None:
             raise RuntimeError(f"{path}: TensorRT could not deserialize the engine")
+        from builder.refit import input_weights, refit_engine  # --strip_plan: weights from weights/ at load
+        self.refitted = refit_engine(self.engine, engine_dir, path.stem, self._logger)
+        self.weight_inputs = input_weights(engine_dir, path.stem, "cuda", _DEVICE_WEIGHTS)
         self.stream = torch.cuda.Stream()
         self.contexts = []
         for index, profile in enumerate(contract["profiles"]):
@@ -66,6 +72,9 @@ class TensorRTExecutor:
         for name, tensor in feeds.items():
             tensor = tensor.to("cuda").contiguous()
             keep.append(tensor)
+            ctx.set_input_shape(name, tuple(tensor.shape))
+            ctx.set_tensor_address(name, tensor.data_ptr())
+        for name, tensor in self.weight_inputs.items():
             ctx.set_input_shape(name, tuple(tensor.shape))
             ctx.set_tensor_address(name, tensor.data_ptr())
         outputs = {}

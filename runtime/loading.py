@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from builder.safetensors_io import mmap_tensors as load_file  # memory-mapped: pages read when used
 
 from builder.config import NemotronHConfig
 from builder.drafts import draft_from_engine_dir

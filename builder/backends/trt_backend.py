@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from builder.backends.trt_build import build_engine_bytes
+from builder.backends.trt_dtypes import _TORCH_TO_TRT, torch_dtype, trt_dtype  # noqa: F401 (re-exported)
 from builder.backends.trt_import import FLAVOUR, trt
 from builder.errors import BuildError
 
@@ -36,32 +37,7 @@ EW = trt.ElementWiseOperation
 UN = trt.UnaryOperation
 ACT = trt.ActivationType
 
-_TORCH_TO_TRT = {
-    torch.float32: trt.float32,
-    torch.float16: trt.float16,
-    torch.bfloat16: trt.bfloat16,
-    torch.int32: trt.int32,
-    torch.int64: trt.int64,
-    torch.int8: trt.int8,
-    torch.uint8: trt.uint8,
-    torch.bool: trt.bool,
-}
-_TRT_TO_TORCH = {v: k for k, v in _TORCH_TO_TRT.items()}
 _HALF = (torch.float16, torch.bfloat16)
-
-
-def trt_dtype(dtype: torch.dtype):
-    try:
-        return _TORCH_TO_TRT[dtype]
-    except KeyError:
-        raise TypeError(f"no TensorRT data type for torch dtype {dtype}") from None
-
-
-def torch_dtype(dtype) -> torch.dtype:
-    try:
-        return _TRT_TO_TORCH[dtype]
-    except KeyError:
-        raise TypeError(f"no torch dtype for TensorRT data type {dtype}") from None
 
 
 # --- symbolic tensors ----------------------------------------------------------------------------
@@ -176,6 +152,12 @@ class NetworkRecorder:
         self._prefix: list[str] = []
         self._op_counts: collections.Counter = collections.Counter()
         self._layer_names: collections.Counter = collections.Counter()
+        #: --strip_plan: a builder.refit.Provenance; constants viewing its files become refittable
+        self.refit = None
+        #: "refit" (named refittable constants, STRIP_PLAN) or "inputs" (weights as static-shape inputs)
+        self.refit_method = "refit"
+        self.refit_weights: dict[str, dict] = {}   # refit name -> builder.refit.entry
+        self.plan_bytes = 0                         # bytes of constants that stay in the plan
         #: whether to use the cumulative layer (TensorRT >= 10.4 and tensorrt_rtx have it)
         self.has_cumulative = hasattr(self.network, "add_cumulative")
 
@@ -263,8 +245,15 @@ class NetworkRecorder:
         """A constant layer from a numpy array or torch tensor (kept alive until the build)."""
         if isinstance(value, np.ndarray):
             value = torch.from_numpy(np.array(value, copy=True))  # (ascontiguousarray makes 0-d 1-d)
+        if getattr(value, "is_nvfp4", False):  # an NVFP4 weight used other than by a linear: its values
+            value = value.dequantize()
         t = value.detach().to("cpu").contiguous()
         shape = tuple(t.shape)
+        if self.refit is not None and self.refit_method == "inputs":
+            from builder.refit import weight_input
+            bound = weight_input(self, t)
+            if bound is not None:
+                return bound
         if t.dtype == torch.bfloat16:
             arr = t.view(torch.int16).numpy()
             weights = trt.Weights(trt.bfloat16, arr.ctypes.data, arr.size)
@@ -274,7 +263,12 @@ class NetworkRecorder:
             arr = t.numpy()
             weights = trt.Weights(arr)
         self._keep.append((t, arr))
-        return self._out(self.network.add_constant(shape, weights), what)
+        layer = self.network.add_constant(shape, weights)
+        out = self._out(layer, what)
+        if self.refit is not None:
+            from builder.refit import mark_refittable
+            mark_refittable(self, t, weights, layer.name)
+        return out
 
     def weight(self, tensor: torch.Tensor, what: str = "weight"):
         """The constant of a bound weight; the same tensor object always gives the same layer."""

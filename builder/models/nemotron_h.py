@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from builder import functional as F
+from builder.safetensors_io import stack
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -116,8 +117,9 @@ class MoE:
     def __init__(self, cfg: NemotronHConfig, w: dict, p: str, dtype):
         self.cfg = cfg
         experts = range(cfg.n_routed_experts)
-        self.up = torch.stack([w[f"{p}experts.{e}.up_proj.weight"] for e in experts]).to(dtype)
-        self.down = torch.stack([w[f"{p}experts.{e}.down_proj.weight"] for e in experts]).to(dtype)
+        # a view, not a copy, when the experts lie back to back in a memory-mapped file
+        self.up = stack([w[f"{p}experts.{e}.up_proj.weight"] for e in experts]).to(dtype)
+        self.down = stack([w[f"{p}experts.{e}.down_proj.weight"] for e in experts]).to(dtype)
         self.router = w[p + "gate.weight"].float()
         self.router_bias = w[p + "gate.e_score_correction_bias"].float()
         shared = p + "shared_experts."
