@@ -179,7 +179,9 @@ def test_stripped_engines_refit_from_the_one_copy_and_generate_like_torch(mtp_ch
 
 def test_nvfp4_moe_experts_stack_dequantized(checkpoints, tmp_path):
     """The zero-copy expert stack leaves NVFP4 experts to their own torch.stack (regression)."""
-    from builder.quantization import NVFP4Weight, load_nvfp4_checkpoint, quantize_checkpoint
+    from builder.checkpoint import load_nvfp4_checkpoint
+    from builder.quantization import NVFP4Weight
+    from builder.quantize_checkpoint import quantize_checkpoint
     quantize_checkpoint(checkpoints["moe"], tmp_path / "q", log=lambda m: None)
     config, weights = load_nvfp4_checkpoint(tmp_path / "q", keep_quantized=True)
     layer = config.layer_indices("moe")[0]
