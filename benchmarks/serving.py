@@ -195,13 +195,15 @@ def run(args, engine_dir, streams):
             single_runs.append(args.new_tokens / stream(grpc_url, prompt, args.new_tokens)[1])
         offline_tps, single = statistics.median(offline_runs), statistics.median(single_runs)
         via_openai = lambda p: openai_stream(openai_url, model, p, args.new_tokens)  # noqa: E731
-        aggregate, frontend_tps = {}, {}
-        for n in streams:              # Triton direct and the OpenAI frontend alternate per run
-            direct, front = [], []
+        target_only = lambda p: stream(grpc_url, p, args.new_tokens, speculative=False)  # noqa: E731
+        aggregate, frontend_tps, plain_tps = {}, {}, {}
+        for n in streams:              # Triton direct, the OpenAI frontend and target-only alternate per run
+            direct, front, plain = [], [], []
             for _ in range(args.runs):
                 direct.append(concurrent(grpc_url, n, args.new_tokens))
                 front.append(concurrent(None, n, args.new_tokens, via_openai))
-            aggregate[n], frontend_tps[n] = statistics.median(direct), statistics.median(front)
+                plain.append(concurrent(None, n, args.new_tokens, target_only))
+            aggregate[n], frontend_tps[n], plain_tps[n] = map(statistics.median, (direct, front, plain))
         aiperf = run_aiperf(args, openai_url, model, engine_dir, streams) if args.aiperf else None
         max_batch = next((line.split()[-1] for line in metrics_text(endpoints["metrics"]).splitlines()
                           if line.startswith("nemospec_max_batch_seen")), "?")
