@@ -251,3 +251,10 @@ def tree_attention(q, k_cache, v_cache, positions, ancestors, scale):
     """GQA for a tree chunk written at cache rows positions[b, t] (= base + t): query (b, t) sees the
     rows before the chunk's first one and the rows of its own ancestors. Returns [B, T, Hq, D]."""
     return _tree_backend(q, k_cache, positions, ancestors).tree_attention(q, k_cache, v_cache, positions, ancestors, scale)
+
+
+def masked_attention(q, k_cache, v_cache, visible, scale):
+    """GQA where query (b, t) sees the cache rows j with ``visible[b, t, j]`` (bool [B, T, S]): a
+    draft's tree step, whose rows see the committed context plus their own ancestors' slots, written
+    by earlier steps. Softmax in fp32. Returns [B, T, Hq, D]."""
+    return _tree_backend(q, k_cache, visible).masked_attention(q, k_cache, v_cache, visible, scale)

@@ -162,8 +162,10 @@ class CompiledRunner(TorchRunner):
         return super().new_state(batch, capacity + HEADROOM)
 
     @torch.no_grad()
-    def forward(self, input_ids, positions, lengths, logit_index, state, verify=False):
+    def forward(self, input_ids, positions, lengths, logit_index, state, verify=False, tree=None):
         batch, tokens = input_ids.shape
+        if tree is not None:  # tree verifies run eagerly (under no_grad, as the compiled steps' state)
+            return self.module.forward(input_ids, positions, lengths, logit_index, state, verify, tree)
         if tokens > MAX_TOKENS:
             return self.module.forward(input_ids, positions, lengths, logit_index, state, verify)
         pad = next((b for b in self.verify_buckets if b >= tokens), tokens) if verify else tokens
@@ -191,6 +193,10 @@ class CompiledRunner(TorchRunner):
                                                    state, verify=True)
         features = {k: v[:, :tokens] if v.dim() > 1 and v.shape[1] == pad else v for k, v in features.items()}
         return logits[:, :rows], new_state, features
+
+    @torch.no_grad()
+    def tree_rollback(self, state, verified, paths, lengths, base):
+        return self.module.tree_rollback(state, verified, paths, lengths, base)
 
     @torch.no_grad()
     def rollback(self, state, verified, accepted_rows):
@@ -224,6 +230,10 @@ class CompiledDraft(EagerDraft):
 
     def new_state(self, batch, capacity):
         return super().new_state(batch, capacity + HEADROOM)
+
+    @torch.no_grad()
+    def tree_step(self, ids, own_hidden, positions, slots, visible, state):
+        return self._tree_step(ids, own_hidden, positions, slots, visible, state)
 
     @torch.no_grad()
     def run(self, name: str, feeds: dict) -> dict:

@@ -72,6 +72,28 @@ class EagerDraft:
         out = self.run("draft", feeds)
         return self.to_target_vocab(out["logits"]), out["hidden_out"], _present(out)
 
+    @torch.inference_mode()
+    def tree_step(self, ids, own_hidden, positions, slots, visible, state):
+        return self._tree_step(ids, own_hidden, positions, slots, visible, state)
+
+    def _tree_step(self, ids, own_hidden, positions, slots, visible, state):
+        """A feature draft's step over frontier nodes of a token tree: row (b, f) is node f's token
+        with its parent's ``hidden_out``, RoPE at ``positions`` (its depth past the draft's position),
+        KV written at ``slots``, attending to the slots ``visible`` [B, F, S] marks. Returns (logits
+        over the target vocabulary for every row, hidden_out, new state)."""
+        m = self.module
+        batch, rows = ids.shape
+        lengths = torch.full((batch,), rows, dtype=torch.int32, device=self.device)
+        index = torch.arange(rows, dtype=torch.int32, device=self.device).expand(batch, -1)
+        if self.kind == "eagle3":
+            logits, out, new = m.forward(ids, None, own_hidden, None, positions, lengths, index, state,
+                                         tree=(slots, visible))
+        elif self.kind == "eagle":
+            logits, out, new = m.forward(ids, own_hidden, positions, lengths, index, state, tree=(slots, visible))
+        else:  # mtp: no RoPE, a row's cache row is its slot
+            logits, out, new = m.forward(ids, own_hidden, slots, lengths, index, state, visible=visible)
+        return self.to_target_vocab(logits), out, new
+
     def logits_and_state(self, feeds: dict, state: dict):
         """Block and parallel drafts: (logits over the draft vocabulary, new state) of one forward."""
         out = self.run("draft", {**feeds, **{"past." + k: v for k, v in state.items()}})

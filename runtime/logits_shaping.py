@@ -51,6 +51,32 @@ def shape(logits: torch.Tensor, seqs, drafts: torch.Tensor | None = None) -> tor
     return logits
 
 
+def shape_tree(logits: torch.Tensor, seqs, tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor):
+    """A tree verify's logits [B, T, V]: row r is shaped with the history its root path continues
+    (the sequence so far plus the drafted tokens from the root's child down to r)."""
+    from runtime.tree import ancestors
+    params = [s.params for s in seqs]
+    if not any(p.banned or p.uses_history for p in params):
+        return logits
+    logits = logits.clone()
+    vocab = logits.shape[-1]
+    drafted = ancestors(parents)
+    drafted[:, :, 0] = False                                     # the root's token is already in the history
+    for b, s in enumerate(seqs):
+        p = s.params
+        if p.banned:
+            logits[b, :, list(p.banned)] = float("-inf")
+        if not p.uses_history:
+            continue
+        history = torch.bincount(torch.tensor(s.prompt + s.outputs, dtype=torch.long), minlength=vocab).to(logits)
+        for r in range(logits.shape[1]):
+            counts = history + torch.bincount(tokens[b][drafted[b, r]].long(), minlength=vocab).to(logits)
+            logits[b, r] = _penalise(logits[b, r], counts, p)
+            if len(s.outputs) + int(depth[b, r]) < p.min_length and s.end_ids:
+                logits[b, r, list(s.end_ids)] = float("-inf")
+    return logits
+
+
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]) -> list[list[float]]:
     """logits [B, T, V] (shaped), tokens [B, T] -> each row's log-probabilities of its tokens under
     the distribution they were chosen from (temperature, top-k, top-p for sampled rows; the softmax

@@ -26,6 +26,7 @@ from runtime.prefill import prefill
 from runtime.rollback import select_snapshots
 from runtime.sampling import draw
 from runtime.state import chunk_inputs, keep_rows
+from runtime.tree_draft import DraftTree, TreeShape, grow
 
 
 def _take_rows(state: dict, keep: torch.Tensor) -> dict:
@@ -146,6 +147,10 @@ class ModelDraftProposer(_PerSequence):
             token = chain.draw(logits[:, 0])
         return chain.result()
 
+    def propose_tree(self, shape: TreeShape, params) -> DraftTree:
+        raise ValueError("--tree: a draft_target draft keeps one Mamba state per sequence and cannot grow a "
+                         "token tree; use eagle, eagle3, mtp, dflash, dspark or peagle")
+
     def accept(self, accepted, next_tokens, drafts, verify_features):
         if drafts.shape[1] == 0:  # a target-only step: queue the token (consumed with the next proposal)
             self.pending = [p + [int(t)] for p, t in zip(self.pending, next_tokens.tolist())]
@@ -231,6 +236,34 @@ class FeatureDraftProposer(_PerSequence):
             token = chain.draw(logits[:, 0])
         return chain.result()
 
+    def propose_tree(self, shape: TreeShape, params) -> DraftTree:
+        """EAGLE-2 tree growth: one draft forward per depth over the frontier nodes, each fed its
+        parent's hidden_out and seeing the committed slots plus its ancestors' (``tree_step``). The
+        frontier of depth d writes slots position + (d-1)*topk + f; the next catch-up overwrites them."""
+        if any(self.pending):
+            self._catch_up()
+        dev = self.draft.device
+        position = torch.tensor(self.position, dtype=torch.long)[:, None]
+        cache = next(iter(self.state.values()))
+        slots_all = torch.arange(cache.shape[1])
+        if int(position.max()) + shape.draft_rows > cache.shape[1]:
+            raise ValueError(f"tree: draft cache of {cache.shape[1]} slots cannot hold {shape.draft_rows} tree rows "
+                             f"past position {int(position.max())}")
+        front = {"hidden": self.hidden[:, None], "visible": (slots_all[None] < position)[:, None]}
+
+        def expand(tokens, parent, depth):
+            rows = tokens.shape[1]
+            slots = position + (depth - 1) * shape.topk + torch.arange(rows)             # [B, F]
+            visible = front["visible"].gather(1, parent[..., None].expand(-1, -1, slots_all.shape[0])).clone()
+            visible.scatter_(2, slots[..., None], True)
+            hidden = front["hidden"].gather(1, parent[..., None].to(dev).expand(-1, -1, self.hidden.shape[-1]))
+            logits, out, self.state = self.draft.tree_step(
+                tokens.to(device=dev, dtype=torch.int32), hidden, (position + depth - 1).expand(-1, rows).to(dev, torch.int32),
+                slots.to(dev, torch.int32), visible.to(dev), self.state)
+            front["hidden"], front["visible"] = out, visible
+            return logits
+        return grow(self.logits, expand, shape, params)
+
     def accept(self, accepted, next_tokens, drafts, verify_features):
         """Queues the verified rows (the kept drafts and the target's token, with the verify's
         features); the draft consumes them in one catch-up chunk at its next proposal."""
@@ -298,18 +331,33 @@ class BlockDraftProposer(_AuxProposer):
             if last:
                 return logits
 
+    def _row(self, base, j, prev):
+        """Draft row j's logits over the target vocabulary [B, F, V] after each of the previous tokens
+        ``prev`` [B, F] (DSpark's Markov bias; DFlash rows do not depend on them)."""
+        batch, width = prev.shape
+        row = base[:, j:j + 1]
+        if getattr(self.module, "has_markov", False):
+            flat = row.expand(-1, width, -1).reshape(batch * width, 1, -1)
+            row = self.draft.markov(flat, prev.reshape(-1, 1).to(row.device)).reshape(batch, width, -1)
+        else:
+            row = row.expand(-1, width, -1)
+        return self.draft.to_target_vocab(row)
+
     def propose(self, k, params, stop_below=0.0):
         base = self._run(k)                                          # [B, k, Vd]
         chain = _Chain(params, self.draft.target_vocab, stop_below)
         prev = torch.tensor(self.anchor, dtype=torch.long)[:, None]
-        markov = getattr(self.module, "has_markov", False)
         for j in range(k):
-            row = base[:, j:j + 1]
-            if markov:
-                row = self.draft.markov(row, prev.to(row.device))
-            token = chain.draw(self.draft.to_target_vocab(row[:, 0]))
+            token = chain.draw(self._row(base, j, prev)[:, 0])
             prev = token.long().cpu()[:, None]
         return chain.result()
+
+    def propose_tree(self, shape: TreeShape, params) -> DraftTree:
+        """DDTree-style: block row d's top-k tokens are the children of every depth-d node (after the
+        node's own token, for DSpark's Markov head); one draft forward per step."""
+        base = self._run(shape.depth)
+        root = self._row(base, 0, torch.tensor(self.anchor, dtype=torch.long)[:, None])[:, 0]
+        return grow(root, lambda tokens, parent, depth: self._row(base, depth, tokens), shape, params)
 
     def accept(self, accepted, next_tokens, drafts, verify_features):
         """Queues the verified rows' features as context (written by the next step's network)."""
@@ -335,7 +383,8 @@ class ParallelDraftProposer(_AuxProposer):
         self.feats = list(features["aux_hidden"])
         self.start_pos = [0] * len(prompts)
 
-    def propose(self, k, params, stop_below=0.0):
+    def _logits(self, k):
+        """Writes the queued rows (in chunks) and runs K placeholders: their logits [B, k, V]."""
         m, dev = self.module, self.draft.device
         while True:
             take = [min(len(r), self.prefill_chunk) for r in self.rows]
@@ -353,11 +402,20 @@ class ParallelDraftProposer(_AuxProposer):
             self.feats = [f[n:] for f, n in zip(self.feats, take)]
             self.start_pos = [s + n for s, n in zip(self.start_pos, take)]
             if last:
-                break
+                return self.draft.to_target_vocab(logits)
+
+    def propose(self, k, params, stop_below=0.0):
+        logits = self._logits(k)
         chain = _Chain(params, self.draft.target_vocab, stop_below)
         for j in range(k):
-            chain.draw(self.draft.to_target_vocab(logits[:, j]))
+            chain.draw(logits[:, j])
         return chain.result()
+
+    def propose_tree(self, shape: TreeShape, params) -> DraftTree:
+        """Every depth-d node's children are the top-k tokens of placeholder row d (rows are independent)."""
+        logits = self._logits(shape.depth)
+        return grow(logits[:, 0], lambda tokens, parent, depth: logits[:, depth:depth + 1].expand(-1, tokens.shape[1], -1),
+                    shape, params)
 
     def accept(self, accepted, next_tokens, drafts, verify_features):
         """Queues the verified rows (start_pos already points where the verify chunk began)."""

@@ -22,10 +22,13 @@ class Runner(Protocol):
 
     def new_state(self, batch: int, capacity: int) -> dict[str, torch.Tensor]: ...
 
-    def forward(self, input_ids, positions, lengths, logit_index, state: dict, verify=False):
+    def forward(self, input_ids, positions, lengths, logit_index, state: dict, verify=False, tree=None):
         ...
 
     def rollback(self, state: dict, verified: dict, accepted_rows: torch.Tensor) -> dict: ...
+
+    # runners that verify token trees (tree speculation) also have
+    # tree_rollback(state, verified, paths, lengths, base) -> dict
 
 
 class TorchRunner:
@@ -41,9 +44,13 @@ class TorchRunner:
         return state_lib.allocate(self.module.state_spec(batch, capacity), self.device)
 
     @torch.inference_mode()
-    def forward(self, input_ids, positions, lengths, logit_index, state, verify=False):
-        return self.module.forward(input_ids, positions, lengths, logit_index, state, verify)
+    def forward(self, input_ids, positions, lengths, logit_index, state, verify=False, tree=None):
+        return self.module.forward(input_ids, positions, lengths, logit_index, state, verify, tree)
 
     @torch.inference_mode()
     def rollback(self, state, verified, accepted_rows):
         return self.module.rollback(state, verified, accepted_rows)
+
+    @torch.inference_mode()
+    def tree_rollback(self, state, verified, paths, lengths, base):
+        return self.module.tree_rollback(state, verified, paths, lengths, base)

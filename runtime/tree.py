@@ -54,3 +54,59 @@ def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Ten
     node = score.argmax(-1)                                 # deepest agreeing row (first among equals)
     lengths = d[rows, node] + 1
     return path_to(parents, node, int(d.max()) + 1), lengths, best[rows, node]
+
+
+def rejection_accept(tokens, parents, q, logits, params):
+    """Recursive rejection sampling down one sampled sequence's tree (SpecInfer's multi-candidate
+    verification, with children drawn without replacement). At an accepted node with target
+    distribution p, its children c_1, c_2, ... (drawn in that order from q, each without the earlier
+    ones) are tried in turn: c_i is kept with probability min(1, p(c_i) / q_i(c_i)); after a rejection
+    p becomes norm(max(p - q_i, 0)) and q_{i+1} is q_i without c_i, renormalised. When every child
+    is rejected (or there is none) the token is drawn from p. The emitted tokens are distributed as
+    sampling from the target.
+
+    tokens, parents [T]; q [T, V] (each row's children's distribution); logits [T, V]. Returns (the
+    accepted path's rows, root first; the token drawn after it)."""
+    from runtime.sampling import probabilities
+    children = [[] for _ in range(tokens.shape[0])]
+    for r in range(1, tokens.shape[0]):
+        children[int(parents[r])].append(r)
+    node, path = 0, [0]
+    while True:
+        p = probabilities(logits[node], params.temperature, params.top_p, params.top_k).cpu()
+        qi = q[node].clone()
+        kept = None
+        for c in children[node]:
+            t = int(tokens[c])
+            u = float(torch.rand((), generator=params.generator))
+            if u * float(qi[t]) < float(p[t]):
+                kept = c
+                break
+            residual = torch.clamp(p - qi, min=0)
+            if float(residual.sum()) > 0:
+                p = residual / residual.sum()
+            qi[t] = 0
+            if float(qi.sum()) <= 0:
+                break
+            qi = qi / qi.sum()
+        if kept is None:
+            return path, int(torch.multinomial(p, 1, generator=params.generator)[0])
+        node = kept
+        path.append(node)
+
+
+def accept(tree, logits, params) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per sequence: greedy acceptance, or recursive rejection sampling with its own settings.
+    Returns (paths [B, D+1] tree rows root first, padded with the last; lengths [B]; bonus [B])."""
+    paths, lengths, bonus = greedy_accept(tree.tokens, tree.parents, logits)
+    sampled = [b for b, p in enumerate(params) if p.temperature]
+    if not sampled:
+        return paths, lengths, bonus
+    rows = {b: rejection_accept(tree.tokens[b], tree.parents[b], tree.q[b], logits[b].float(), params[b])
+            for b in sampled}
+    width = max([paths.shape[1]] + [len(r[0]) for r in rows.values()])
+    paths = torch.cat([paths, paths[:, -1:].expand(-1, width - paths.shape[1])], 1)
+    for b, (path, token) in rows.items():
+        paths[b] = torch.tensor(path + [path[-1]] * (width - len(path)))
+        lengths[b], bonus[b] = len(path), token
+    return paths, lengths, bonus

@@ -71,3 +71,26 @@ def test_on_a_chain_the_tree_ops_are_the_chain_ops():
     B, Cm, h = randn(1, t, G, N, seed=5), randn(1, t, G, N, seed=6), randn(1, H, P, N, seed=7)
     torch.testing.assert_close(F.tree_ssm_scan(xs, dt, A, B, Cm, D, h, tree.ancestors(chain)),
                                F.ssm_scan(xs, dt, A, B, Cm, D, h, 16)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_masked_attention():
+    """A draft tree step's attention: each row sees a prefix of the cache plus a scattered set of slots
+    (its ancestors'), as the proposer's mask says."""
+    Hq, Hkv, Dh, S = 4, 2, 8, 16
+
+    def case(bt, t):
+        g = torch.Generator().manual_seed(bt * 10 + t)
+        visible = torch.rand(bt, t, S, generator=g) < 0.4
+        visible[..., 0] = True                      # every row sees at least one slot
+        return [randn(bt, t, Hq, Dh, seed=1), randn(bt, S, Hkv, Dh, seed=2), randn(bt, S, Hkv, Dh, seed=3), visible]
+    check(lambda q, k, v, vis: F.masked_attention(q, k, v, vis, Dh ** -0.5),
+          [("q", torch.float32, (-1, -1, Hq, Dh)), ("k", torch.float32, (-1, S, Hkv, Dh)),
+           ("v", torch.float32, (-1, S, Hkv, Dh)), ("vis", torch.bool, (-1, -1, S))],
+          [case(bt, t) for bt, t in CASES])
+
+
+def test_masked_attention_is_causal_attention_under_the_causal_mask():
+    q, k, v = randn(2, 3, 4, 8, seed=1), randn(2, 10, 2, 8, seed=2), randn(2, 10, 2, 8, seed=3)
+    positions = torch.tensor([[4, 5, 6], [1, 2, 3]], dtype=torch.int32)
+    visible = torch.arange(10)[None, None] <= positions[..., None].long()
+    assert torch.equal(F.masked_attention(q, k, v, visible, 0.3), F.attention(q, k, v, positions, 0.3))

@@ -41,17 +41,22 @@ def tree_ssm_scan(x, dt, A, B, C, D, state, ancestors):
 
 
 def tree_attention(q, k_cache, v_cache, positions, ancestors, scale):
-    batch, seq, q_heads, dim = q.shape
-    kv_heads = k_cache.shape[2]
-    group = q_heads // kv_heads
-    qg = q.reshape(batch, seq, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
-    scores = torch.matmul(qg, k_cache.permute(0, 2, 3, 1)[:, :, None]) * scale
+    batch, seq = q.shape[:2]
     keys = torch.arange(k_cache.shape[1], device=q.device)
     base = positions.long()[:, :1]                                           # [B, 1]: the root's row
     visible = (keys[None, None, :] < base[:, :, None]).expand(batch, seq, -1).clone()
     rows = positions.long()[:, None, :].expand(batch, seq, seq)              # ancestor j's cache row
     visible.scatter_(2, rows, ancestors.to(torch.bool))
-    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+    return masked_attention(q, k_cache, v_cache, visible, scale)
+
+
+def masked_attention(q, k_cache, v_cache, visible, scale):
+    batch, seq, q_heads, dim = q.shape
+    kv_heads = k_cache.shape[2]
+    group = q_heads // kv_heads
+    qg = q.reshape(batch, seq, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
+    scores = torch.matmul(qg, k_cache.permute(0, 2, 3, 1)[:, :, None]) * scale
+    scores = scores.masked_fill(~visible.to(torch.bool)[:, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     out = torch.matmul(probs, v_cache.permute(0, 2, 1, 3)[:, :, None])
     return out.permute(0, 3, 1, 2, 4).reshape(batch, seq, q_heads, dim)

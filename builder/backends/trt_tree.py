@@ -105,8 +105,30 @@ def tree_attention(q, k_cache, v_cache, positions, ancestors, scale):
         visible = r.ew(r.reshape(before, [0, 1, -1], "before_row"),
                        r.ew(ancestor, r.reshape(inside, [0, 1, -1], "inside_row"), EW.AND, "ancestor_in_chunk"),
                        EW.OR, "visible")
-        visible = r.transpose(r.reshape(visible, [0, 0, 0, 1, 1], "visible_columns"), [0, 3, 4, 1, 2], "visible_heads")
-        scores = r.select(visible, scores, r.scalar(float("-inf"), dtype, 5, "neg_inf"), "mask")
-        probs = r.cast(r.softmax(r.cast(scores, torch.float32, "scores_fp32"), -1), dtype, "probs_cast")
-        out = r.matmul(probs, vt, what="pv")
-        return r.wrap(r.reshape(r.transpose(out, [0, 3, 1, 2, 4], "out_time_first"), [0, 0, q_heads, dim], "out"))
+        return r.wrap(_masked(r, vt, scores, visible, dtype, q_heads, dim))
+
+
+def masked_attention(q, k_cache, v_cache, visible, scale):
+    r = tb._recorder(q, k_cache, visible)
+    with r.op("masked_attention", "native: matmul + given visibility mask + fp32 softmax + matmul"):
+        tq, k, v = r.itensor(q), r.itensor(k_cache, "k_cache"), r.itensor(v_cache, "v_cache")
+        mask = r.itensor(visible, "visible")
+        dtype = tb.torch_dtype(tq.dtype)
+        q_heads, dim, kv_heads = tq.shape[2], tq.shape[3], k.shape[2]
+        group = q_heads // kv_heads
+        qg = r.transpose(r.reshape(tq, [0, 0, kv_heads, group, dim], "q_groups"), [0, 2, 3, 1, 4], "q")
+        kt = r.reshape(r.transpose(k, [0, 2, 3, 1], "k_transposed"), [0, 0, 1, dim, -1], "k")
+        vt = r.reshape(r.transpose(v, [0, 2, 1, 3], "v_heads_first"), [0, 0, 1, -1, dim], "v")
+        scores = r.ew_scalar(r.matmul(qg, kt, what="qk"), float(scale), EW.PROD, "scale")  # [B,Hkv,g,T,S]
+        visible = r.ew(r.cast(mask, torch.int32, "visible_int"), r.scalar(0, torch.int32, 3, "zero_int"),
+                       EW.GREATER, "is_visible")                                         # [B, T, S] bool
+        return r.wrap(_masked(r, vt, scores, visible, dtype, q_heads, dim))
+
+
+def _masked(r, vt, scores, visible, dtype, q_heads, dim):
+    """Scores [B, Hkv, g, T, S] masked by visible [B, T, S], softmax in fp32, times values."""
+    visible = r.transpose(r.reshape(visible, [0, 0, 0, 1, 1], "visible_columns"), [0, 3, 4, 1, 2], "visible_heads")
+    scores = r.select(visible, scores, r.scalar(float("-inf"), dtype, 5, "neg_inf"), "mask")
+    probs = r.cast(r.softmax(r.cast(scores, torch.float32, "scores_fp32"), -1), dtype, "probs_cast")
+    out = r.matmul(probs, vt, what="pv")
+    return r.reshape(r.transpose(out, [0, 3, 1, 2, 4], "out_time_first"), [0, 0, q_heads, dim], "out")

@@ -3,7 +3,9 @@
 Math only, written against ``builder.functional``; weights are bound at construction (canonical
 names of ``builder.formats.tensors``). The KV cache is explicit state: each attention takes and
 returns its key and value caches ``[B, S, Hkv, D]``; row (b, t) writes slot ``positions[b, t]`` and
-attends to slots ``<= positions[b, t]``.
+attends to slots ``<= positions[b, t]``. A tree step (``tree`` = (slots [B, T], visible [B, T, S]))
+writes row (b, t) at ``slots[b, t]`` instead and attends to the slots ``visible`` marks; ``positions``
+then only places the row for RoPE (its depth in the token tree).
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ class DraftAttention:
         self.k_norm = bind(w, p + "k_norm.weight", dtype) if cfg.qk_norm else None
         self.scaling = cfg.rope_scaling_dict
 
-    def __call__(self, x, key_cache, value_cache, positions):
+    def __call__(self, x, key_cache, value_cache, positions, tree=None):
         c = self.cfg
         q = F.reshape(F.linear(x, self.q, self.q_bias), [0, 0, c.num_attention_heads, c.head_dim])
         k = F.reshape(F.linear(x, self.k, self.k_bias), [0, 0, c.num_key_value_heads, c.head_dim])
@@ -41,9 +43,13 @@ class DraftAttention:
             k = F.rms_norm(k, self.k_norm, c.rms_norm_eps)
         q = F.rope(q, positions, c.rope_theta, c.rotary_dim, self.scaling)
         k = F.rope(k, positions, c.rope_theta, c.rotary_dim, self.scaling)
-        key_cache = F.kv_cache_update(key_cache, k, positions)
-        value_cache = F.kv_cache_update(value_cache, v, positions)
-        y = F.attention(q, key_cache, value_cache, positions, c.head_dim ** -0.5)
+        slots = positions if tree is None else tree[0]
+        key_cache = F.kv_cache_update(key_cache, k, slots)
+        value_cache = F.kv_cache_update(value_cache, v, slots)
+        if tree is None:
+            y = F.attention(q, key_cache, value_cache, positions, c.head_dim ** -0.5)
+        else:
+            y = F.masked_attention(q, key_cache, value_cache, tree[1], c.head_dim ** -0.5)
         y = F.reshape(y, [0, 0, c.num_attention_heads * c.head_dim])
         return F.linear(y, self.o, self.o_bias), key_cache, value_cache
 
@@ -73,9 +79,9 @@ class DecoderLayer:
         self.attn = DraftAttention(cfg, w, p + "self_attn.", dtype)
         self.mlp = GatedMLP(cfg, w, p + "mlp.", dtype)
 
-    def __call__(self, x, key_cache, value_cache, positions):
+    def __call__(self, x, key_cache, value_cache, positions, tree=None):
         h = x if self.input_norm is None else F.rms_norm(x, self.input_norm, self.eps)
-        h, key_cache, value_cache = self.attn(h, key_cache, value_cache, positions)
+        h, key_cache, value_cache = self.attn(h, key_cache, value_cache, positions, tree)
         x = x + h
         x = x + self.mlp(F.rms_norm(x, self.post_norm, self.eps))
         return x, key_cache, value_cache

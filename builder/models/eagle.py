@@ -63,9 +63,10 @@ class EagleDraft:
         """KV cache per draft layer: ``layers.{i}.key_cache`` / ``value_cache`` [batch, capacity, Hkv, D]."""
         return kv_state_spec(self.cfg, batch, capacity, self.dtype)
 
-    def forward(self, input_ids, hidden, positions, lengths, logit_index, state: dict):
+    def forward(self, input_ids, hidden, positions, lengths, logit_index, state: dict, tree=None):
         """input_ids [B, T] int32; hidden [B, T, H] (target feature or recycled hidden_out);
-        positions [B, T] int32; lengths [B] int32; logit_index [B, G] int32.
+        positions [B, T] int32; lengths [B] int32; logit_index [B, G] int32; ``tree`` (slots,
+        visible): a tree step (``draft_layers``).
 
         Returns (logits [B, G, V] fp32, hidden_out [B, T, H] (zero at padding), new state).
         """
@@ -78,7 +79,7 @@ class EagleDraft:
         for i, layer in enumerate(self.layers):
             p = f"layers.{i}."
             x, new_state[p + "key_cache"], new_state[p + "value_cache"] = layer(
-                x, state[p + "key_cache"], state[p + "value_cache"], positions)
+                x, state[p + "key_cache"], state[p + "value_cache"], positions, tree)
         if c.norm_hidden_out:
             x = F.rms_norm(x, self.norm, c.rms_norm_eps)
         rows = F.gather_rows(x, logit_index)

@@ -103,15 +103,18 @@ class Eagle3Draft:
         """KV cache per draft layer: ``layers.{i}.key_cache`` / ``value_cache`` [batch, capacity, Hkv, D]."""
         return kv_state_spec(self.cfg, batch, capacity, self.dtype)
 
-    def forward(self, input_ids, aux, hidden, from_target, positions, lengths, logit_index, state: dict):
+    def forward(self, input_ids, aux, hidden, from_target, positions, lengths, logit_index, state: dict, tree=None):
         """input_ids [B, T] int32; aux [B, T, k*Ht] target features; hidden [B, T, H] recycled
         hidden; from_target [B, T] int32 (1: use fc(aux), 0: use hidden); positions [B, T] int32;
         lengths [B] int32 (right padding); logit_index [B, G] int32.
 
+        ``tree`` (slots, visible): a tree step over recycled hidden only (``draft_layers``; aux and
+        from_target are then unused).
+
         Returns (logits [B, G, draft_vocab] fp32, hidden_out [B, T, H] (zero at padding), new state).
         """
-        h = F.where(F.reshape(from_target, [0, 0, 1]), self.fused_features(aux), hidden)
-        logits, x, new_state = self.decode(input_ids, h, positions, logit_index, state)
+        h = hidden if tree is not None else F.where(F.reshape(from_target, [0, 0, 1]), self.fused_features(aux), hidden)
+        logits, x, new_state = self.decode(input_ids, h, positions, logit_index, state, tree)
         return logits, F.mask_padding(x, lengths), new_state
 
     def fused_features(self, aux):
@@ -124,7 +127,7 @@ class Eagle3Draft:
             a = F.concat([F.rms_norm(x, w, eps) for x, w in zip(parts, self.fc_norms)])
         return F.linear(a, self.fc)
 
-    def decode(self, input_ids, h, positions, logit_index, state: dict):
+    def decode(self, input_ids, h, positions, logit_index, state: dict, tree=None):
         """The decoder over rows (token, hidden h): (logits at logit_index fp32, hidden_out, new state)."""
         c, eps = self.cfg, self.eps
         new_state = {}
@@ -132,13 +135,13 @@ class Eagle3Draft:
         hn = F.rms_norm(h, self.hidden_norm, eps)
         residual = hn if c.norm_before_residual else h
         y, new_state["layers.0.key_cache"], new_state["layers.0.value_cache"] = self.attn(
-            F.concat([e, hn]), state["layers.0.key_cache"], state["layers.0.value_cache"], positions)
+            F.concat([e, hn]), state["layers.0.key_cache"], state["layers.0.value_cache"], positions, tree)
         x = residual + y
         x = x + self.mlp(F.rms_norm(x, self.post_norm, eps))
         for i, layer in enumerate(self.layers, start=1):
             p = f"layers.{i}."
             x, new_state[p + "key_cache"], new_state[p + "value_cache"] = layer(
-                x, state[p + "key_cache"], state[p + "value_cache"], positions)
+                x, state[p + "key_cache"], state[p + "value_cache"], positions, tree)
         if c.norm_output:
             x = F.rms_norm(x, self.norm, eps)
             rows = F.gather_rows(x, logit_index)

@@ -41,14 +41,16 @@ class MTPDraft:
             spec.update(block_state_spec(self.cfg, kind, f"mtp.{i}.", batch, capacity, self.dtype))
         return spec
 
-    def forward(self, input_ids, hidden, positions, lengths, logit_index, state):
-        """-> (logits [B, G, V] fp32, hidden_out [B, T, H] post-norm, new state)."""
+    def forward(self, input_ids, hidden, positions, lengths, logit_index, state, visible=None):
+        """-> (logits [B, G, V] fp32, hidden_out [B, T, H] post-norm, new state). ``visible``
+        [B, T, S]: a tree step, rows written at cache rows ``positions`` (no RoPE here)."""
         eps = self.cfg.layer_norm_epsilon
         e = F.rms_norm(F.embedding(input_ids, self.embeddings), self.enorm, eps)
         x = F.linear(F.concat([e, F.rms_norm(hidden, self.hnorm, eps)], -1), self.eh_proj)
         new_state = {}
         for i, (kind, norm, mixer) in enumerate(self.layers):
-            x = x + run_block(kind, mixer, F.rms_norm(x, norm, eps), lengths, positions, state, new_state, f"mtp.{i}.")
+            x = x + run_block(kind, mixer, F.rms_norm(x, norm, eps), lengths, positions, state, new_state, f"mtp.{i}.",
+                              visible=visible)
         out = F.rms_norm(x, self.final_norm, eps)
         logits = F.to_float32(F.linear(F.gather_rows(out, logit_index), self.lm_head))
         return logits, out, new_state

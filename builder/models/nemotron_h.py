@@ -88,14 +88,18 @@ class Attention:
         self.q_bias, self.k_bias, self.v_bias, self.o_bias = (
             _bind(w, p + n + "_proj.bias", dtype) for n in "qkvo")
 
-    def __call__(self, x, key_cache, value_cache, positions, tree=None):
+    def __call__(self, x, key_cache, value_cache, positions, tree=None, visible=None):
+        """``tree``: a tree verify chunk; ``visible`` [B, T, S]: a draft's tree step (rows written at
+        cache rows ``positions``, each seeing the rows its mask marks)."""
         c = self.cfg
         q = F.reshape(F.linear(x, self.q, self.q_bias), [0, 0, c.num_attention_heads, c.head_dim])
         k = F.reshape(F.linear(x, self.k, self.k_bias), [0, 0, c.num_key_value_heads, c.head_dim])
         v = F.reshape(F.linear(x, self.v, self.v_bias), [0, 0, c.num_key_value_heads, c.head_dim])
         key_cache = F.kv_cache_update(key_cache, k, positions)
         value_cache = F.kv_cache_update(value_cache, v, positions)
-        if tree is not None:  # no positional encoding: a node's cache row is all that places it
+        if visible is not None:
+            y = F.masked_attention(q, key_cache, value_cache, visible, c.head_dim ** -0.5)
+        elif tree is not None:  # no positional encoding: a node's cache row is all that places it
             y = F.tree_attention(q, key_cache, value_cache, positions, tree[1], c.head_dim ** -0.5)
         else:
             y = F.attention(q, key_cache, value_cache, positions, c.head_dim ** -0.5)
@@ -143,9 +147,12 @@ class MoE:
 MIXERS = {"mamba": Mamba2Mixer, "attention": Attention, "mlp": MLP, "moe": MoE}
 
 
-def run_block(kind, mixer, x, lengths, positions, state, new_state, p, verify=False, tree=None):
-    """One mixer on the normed stream; state names under prefix ``p``. Returns the mixer output."""
+def run_block(kind, mixer, x, lengths, positions, state, new_state, p, verify=False, tree=None, visible=None):
+    """One mixer on the normed stream; state names under prefix ``p``. Returns the mixer output.
+    ``visible``: a draft's tree step (attention only: a Mamba layer keeps one state per sequence)."""
     if kind == "mamba":
+        if visible is not None:
+            raise ValueError(f"{p}: a Mamba layer cannot run a draft tree step (one state per sequence)")
         out = mixer(x, state[p + "conv_state"], state[p + "ssm_state"], lengths, verify, tree)
         if verify or tree is not None:
             new_state.update({p + k: v for k, v in out[1].items()})
@@ -154,7 +161,7 @@ def run_block(kind, mixer, x, lengths, positions, state, new_state, p, verify=Fa
         return out[0]
     if kind == "attention":
         h, new_state[p + "key_cache"], new_state[p + "value_cache"] = mixer(
-            x, state[p + "key_cache"], state[p + "value_cache"], positions, tree)
+            x, state[p + "key_cache"], state[p + "value_cache"], positions, tree, visible)
         return h
     return mixer(x)
 

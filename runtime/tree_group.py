@@ -1,0 +1,110 @@
+"""Tree speculation: each step verifies a token tree in one target forward instead of a chain.
+
+The draft grows a tree (``runtime.tree_draft``); the target scores every node along its own root
+path (``NemotronH.forward(..., tree=...)``: tree attention mask, Mamba scan and conv along ancestor
+paths); acceptance keeps the longest agreeing root path (greedy) or walks the tree by recursive
+rejection sampling (``runtime.tree``); the target's state is rolled back to that path
+(``tree_rollback``: Mamba states from the path's kept inputs, attention rows compacted into place).
+The draft is then told what was kept exactly as after a chain step (the path's tokens and the
+target's features along it), so every proposer's catch-up works unchanged.
+
+A step that cannot grow a full tree (the cache is nearly full, a request asked for fewer draft
+tokens than the tree is deep, the policy turned speculation off) runs as a chain or target-only
+step: exactness never depends on which kind of step ran.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from runtime import tree as tree_lib
+from runtime.batching import SpeculativeGroup, _logprobs
+from runtime.logits_shaping import shape_tree
+from runtime.step_costs import Stopwatch
+from runtime.tree_draft import DraftTree, TreeShape
+
+
+class TreeSpeculativeGroup(SpeculativeGroup):
+    """A SpeculativeGroup whose steps verify token trees of ``shape``."""
+
+    def __init__(self, target, make_proposer, shape: TreeShape, capacity: int, prefill_chunk: int = 512,
+                 policy=None, trace=None):
+        if not hasattr(target, "tree_rollback"):
+            raise ValueError("--tree: this backend's target cannot verify token trees; use --backend torch or compiled")
+        super().__init__(target, make_proposer, shape.depth, capacity, prefill_chunk, policy, trace)
+        self.shape = shape
+        self.tree_sizes = Counter()        # verify rows (root included) per tree step
+        self.path_depths = Counter()       # accepted drafted tokens per sequence per tree step
+
+    def _tree_fits(self) -> bool:
+        room = self.capacity - max(s.position for s in self.seqs)
+        return (room > self.shape.max_nodes + 1 and room > self.shape.draft_rows + 1
+                and all(s.max_draft is None or s.max_draft >= self.shape.depth for s in self.seqs)
+                and self.policy.k_for_batch(len(self.seqs)) >= self.shape.depth)
+
+    def step(self):
+        if self._draft_len() == 0 or not self._tree_fits():
+            return super().step()
+        watch = Stopwatch()
+        dev = self.target.device
+        n = len(self.seqs)
+        params = [s.params for s in self.seqs]
+        tree = self.proposer.propose_tree(self.shape, params)
+        draft = watch.lap()
+        size = tree.size
+        rows = torch.arange(size, dtype=torch.int32, device=dev)
+        tokens = tree.tokens.clone()
+        tokens[:, 0] = torch.tensor([s.last for s in self.seqs])
+        base = torch.tensor([s.position for s in self.seqs], dtype=torch.int32, device=dev)
+        structure = (tree.parents.to(dev), tree_lib.ancestors(tree.parents).to(dev))
+        watch.lap()
+        logits, verified, features = self.target.forward(
+            tokens.to(device=dev, dtype=torch.int32), base[:, None] + rows, torch.full((n,), size, dtype=torch.int32, device=dev),
+            rows.expand(n, -1), self.state, verify=True, tree=structure)
+        verify = watch.lap()
+        logits = shape_tree(logits, self.seqs, tokens, tree.parents, tree.depth)
+        tree = DraftTree(tokens, tree.parents, tree.depth, tree.q)
+        paths, lengths, bonus = tree_lib.accept(tree, logits, params)
+        self.state = self.target.tree_rollback(self.state, verified, paths.to(dev), lengths.to(dev), base.long())
+        accept = watch.lap()
+        kept = lengths - 1
+        path_tokens = tokens.gather(1, paths)[:, 1:]                           # [B, D]: drafted tokens on the path
+        along = {k: _gather_path(v, paths) for k, v in features.items()}
+        self.proposer.accept(kept, bonus, path_tokens, along)
+        draft += watch.lap()
+        self.verifies += 1
+        self.forwards += 1
+        self.steps += 1
+        self.draft_lens[self.shape.depth] += 1
+        self.tree_sizes[size] += 1
+        out, emitted = [], 0
+        want_logprobs = any(p.logprobs for p in params)
+        for b, (s, d, m, t) in enumerate(zip(self.seqs, path_tokens.tolist(), kept.tolist(), bonus.tolist())):
+            gained = d[:m] + [t]
+            lp = None
+            if want_logprobs:
+                rows_b = paths[b, :m + 1]
+                lp = _logprobs(logits[b:b + 1, rows_b], torch.tensor([gained]), [s])[0]
+            emitted += len(gained)
+            s.gained[len(gained)] += 1
+            s.drafted += self.shape.depth
+            self.histogram[len(gained)] += 1
+            self.path_depths[m] += 1
+            self.draft_tokens += size - 1
+            for j in range(m):
+                self.accepted_at[j] += 1
+            s.acceptance.record(m, self.shape.depth)
+            out.append(s.emit(gained, lp))
+            if self.trace is not None:
+                self._trace(s, size - 1, d[:m], m, t, out[-1], draft, verify)
+            s.position, s.last = s.position + len(gained), t
+        self.costs.add(watch.total(), tokens=emitted, rows=n, proposals=n * self.shape.depth, draft=draft,
+                       verify=verify, accept=accept)
+        return out
+
+
+def _gather_path(feature: torch.Tensor, paths: torch.Tensor) -> torch.Tensor:
+    """Rows [B, T, ...] of a tree verify's feature -> [B, D+1, ...] along each accepted path."""
+    index = paths.to(feature.device).reshape(paths.shape + (1,) * (feature.dim() - 2))
+    return feature.gather(1, index.expand(paths.shape + feature.shape[2:]))
