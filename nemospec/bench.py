@@ -49,6 +49,11 @@ def add_bench_args(p) -> None:
     p.add_argument("--backend", default=None, choices=["torch", "compiled"],
                    help="offline runs: compiled (default; the fastest exact CPU path, for both sides of every "
                         "ratio) or torch (eager; the default with --quick, which must not wait for compiles)")
+    p.add_argument("--tree", action="store_true",
+                   help="also run tree speculation (every mode but draft_target) beside its chain, interleaved")
+    p.add_argument("--max_tree_nodes", type=int, default=16, help="with --tree: drafted nodes per verify")
+    p.add_argument("--tree_topk", type=int, default=4, help="with --tree: children per expanded node")
+    p.add_argument("--tree_depth", type=int, default=0, help="with --tree: deepest node (0 = --num_draft_tokens)")
     p.add_argument("--quick", action="store_true",
                    help=f"small: modes {','.join(QUICK_MODES)}, 2 prompts x 24 tokens, 1 run (for tests)")
 
@@ -92,9 +97,10 @@ def _timed(fn, runs: int):
 
 
 def _offline(engine_dir: Path, prompts: list[list[int]], new_tokens: int, k: int, runs: int,
-             backend: str = "compiled") -> dict:
+             backend: str = "compiled", tree=None) -> dict:
     """Per prompt (batch 1): speculative then target-only on the same engines and backend, interleaved
-    (the compiled path's steps are compiled, or loaded from its cache, before anything is timed)."""
+    (the compiled path's steps are compiled, or loaded from its cache, before anything is timed);
+    with ``tree`` (a TreeShape) also tree speculation, interleaved with both."""
     from runtime.generation import generate
     from runtime.loading import open_engine_dir
     from runtime.speculative import speculative_generate
@@ -104,6 +110,7 @@ def _offline(engine_dir: Path, prompts: list[list[int]], new_tokens: int, k: int
     warm_up(loaded, prompts[:1], k)
     speculative_generate(loaded.runner, loaded.proposer(), prompts[:1], 8, k)      # warm-up (allocations, caches)
     generate(loaded.runner, prompts[:1], 8)
+    trees = _TreeRuns(loaded, tree, k) if tree is not None else None
     spec_s = plain_s = 0.0
     tokens = forwards = 0
     hist: dict[str, int] = {}
@@ -113,6 +120,8 @@ def _offline(engine_dir: Path, prompts: list[list[int]], new_tokens: int, k: int
         plain, t = _timed(lambda: generate(loaded.runner, [ids], new_tokens), runs)
         if spec.output_ids != plain.output_ids:
             raise RuntimeError(f"{engine_dir}: speculative output differs from target-only greedy")
+        if trees is not None:
+            trees.run(ids, new_tokens, runs, plain.output_ids, engine_dir)
         spec_s, plain_s, tokens = spec_s + s, plain_s + t, tokens + spec.num_tokens
         spec_costs.merge(spec.extra["cost"])
         plain_costs.merge(plain.extra["cost"])
@@ -122,10 +131,54 @@ def _offline(engine_dir: Path, prompts: list[list[int]], new_tokens: int, k: int
             hist[n] = hist.get(n, 0) + c
     total = sum(hist.values())
     mean = sum(int(n) * c for n, c in hist.items()) / total if total else 0.0
-    return {"mean_accepted_tokens": round(mean, 3), "histogram": hist, "verify_forwards": forwards,
-            "tokens": tokens, "tokens_per_second": round(tokens / spec_s, 1),
-            "target_only_tokens_per_second": round(tokens / plain_s, 1), "speedup": round(plain_s / spec_s, 3),
-            "exact": True, "cost": cost_model(spec_costs.summary(), plain_costs.summary())}
+    out = {"mean_accepted_tokens": round(mean, 3), "histogram": hist, "verify_forwards": forwards,
+           "tokens": tokens, "tokens_per_second": round(tokens / spec_s, 1),
+           "target_only_tokens_per_second": round(tokens / plain_s, 1), "speedup": round(plain_s / spec_s, 3),
+           "exact": True, "cost": cost_model(spec_costs.summary(), plain_costs.summary())}
+    if trees is not None:
+        out["tree"] = trees.summary(spec_s, plain_s, mean, plain_costs)
+    return out
+
+
+class _TreeRuns:
+    """Tree speculation beside a mode's chain runs: the same prompts, interleaved, output checked."""
+
+    def __init__(self, loaded, shape, k):
+        from runtime.speculative import speculative_generate
+        from runtime.step_costs import StepCosts
+        self.loaded, self.shape = loaded, shape
+        self.run_one = lambda ids, n: speculative_generate(loaded.runner, loaded.proposer(), [ids], n, k, tree=shape)
+        self.run_one([0, 1, 2], 8)                                                  # warm-up
+        self.seconds, self.tokens, self.costs = 0.0, 0, StepCosts()
+        self.hist, self.sizes, self.depths, self.off_chain = {}, {}, {}, 0
+
+    def run(self, ids, new_tokens, runs, want, engine_dir):
+        result, seconds = _timed(lambda: self.run_one(ids, new_tokens), runs)
+        if result.output_ids != want:
+            raise RuntimeError(f"{engine_dir}: tree speculative output differs from target-only greedy")
+        self.seconds += seconds
+        self.tokens += result.num_tokens
+        self.costs.merge(result.extra["cost"])
+        a = result.extra["acceptance"]
+        for key, into in (("histogram", self.hist),):
+            for n, c in a[key].items():
+                into[n] = into.get(n, 0) + c
+        for key, into in (("steps_by_size", self.sizes), ("steps_by_accepted_depth", self.depths)):
+            for n, c in a["tree"][key].items():
+                into[n] = into.get(n, 0) + c
+        self.off_chain += a["tree"]["accepted_off_chain"]
+
+    def summary(self, chain_seconds, plain_seconds, chain_mean, plain_costs) -> dict:
+        from runtime.step_costs import cost_model
+        total = sum(self.hist.values())
+        mean = sum(int(n) * c for n, c in self.hist.items()) / total if total else 0.0
+        return {"max_nodes": self.shape.max_nodes, "topk": self.shape.topk, "depth": self.shape.depth,
+                "mean_accepted_tokens": round(mean, 3), "over_chain_accepted": round(mean - chain_mean, 3),
+                "tokens_per_second": round(self.tokens / self.seconds, 1),
+                "over_chain": round(chain_seconds / self.seconds, 3), "speedup": round(plain_seconds / self.seconds, 3),
+                "histogram": self.hist, "steps_by_size": self.sizes, "steps_by_accepted_depth": self.depths,
+                "accepted_off_chain": self.off_chain, "exact": True,
+                "cost": cost_model(self.costs.summary(), plain_costs.summary())}
 
 
 def _peers(target_dir: Path, draft_dir: Path | None, prompts: list[list[int]], new_tokens: int, runs: int) -> dict:
@@ -204,6 +257,10 @@ def run_bench(args) -> dict:
     backend = args.backend or ("torch" if quick else "compiled")
     runs = 1 if quick else args.runs
     k = args.num_draft_tokens
+    tree = None
+    if getattr(args, "tree", False):
+        from runtime.tree_draft import TreeShape
+        tree = TreeShape(args.max_tree_nodes, args.tree_topk, args.tree_depth or k)
     root = Path(args.output_dir)
     root.mkdir(parents=True, exist_ok=True)
     target_dir, _ = resolve_sources(args.checkpoint_dir)
@@ -222,12 +279,17 @@ def run_bench(args) -> dict:
         engines = {n: {"bytes": e["engine_bytes"], "layers": e["layers"], "build_seconds": round(e["build_seconds"], 1)}
                    for n, e in build["engines"].items()}
         _log(f"bench: {mode}: generating ({len(prompts)} prompts x {new_tokens} tokens, with and without speculation)")
-        entry = _offline(engine_dir, prompts, new_tokens, k, runs, backend)
+        entry = _offline(engine_dir, prompts, new_tokens, k, runs, backend, tree if mode != "draft_target" else None)
         entry.update(engine_dir=portable_path(engine_dir, root), build_seconds=round(build["total_seconds"], 1),
                      engine_bytes=sum(e["bytes"] for e in engines.values()), engines=engines)
         report["modes"][mode] = entry
         _log(f"bench: {mode}: mean accepted {entry['mean_accepted_tokens']:.2f}, {entry['tokens_per_second']} vs "
              f"{entry['target_only_tokens_per_second']} tokens/s ({entry['speedup']:.2f}x)")
+        if "tree" in entry:
+            t = entry["tree"]
+            _log(f"bench: {mode} tree ({t['max_nodes']} nodes): mean accepted {t['mean_accepted_tokens']:.2f} "
+                 f"({t['over_chain_accepted']:+.2f} vs chain), {t['tokens_per_second']} tokens/s "
+                 f"({t['over_chain']:.2f}x the chain, {t['speedup']:.2f}x target-only)")
     _log("bench: peers (transformers generate, assisted generation)")
     draft_target = embedded.draft_dir("draft_target") if args.checkpoint_dir is None else None
     report["peers"] = _peers(Path(target_dir), draft_target, prompts, new_tokens, runs)

@@ -36,6 +36,28 @@ def cost_table(report: dict) -> list[str]:
     return rows
 
 
+def tree_table(report: dict) -> list[str]:
+    """Tree speculation beside each mode's chain: acceptance, speed and the step's cost breakdown."""
+    trees = {mode: m["tree"] for mode, m in report["modes"].items() if "tree" in m}
+    if not trees:
+        return []
+    t0 = next(iter(trees.values()))
+    rows = ["", "## Tree speculation", "",
+            f"Each mode's chain beside a token tree of {t0['max_nodes']} drafted nodes (top-{t0['topk']} children "
+            f"per expanded node, depth {t0['depth']}) verified in one target forward, interleaved on the same prompts; "
+            "tree output equals target-only greedy output (checked).", "",
+            "| mode | accepted / forward: chain | tree | tree - chain | tokens/s chain | tree | tree / chain | "
+            "tree step ms: draft | verify | accept + rollback | host | paths off the top chain |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for mode, t in trees.items():
+        m, s = report["modes"][mode], t["cost"]["speculative"]
+        rows.append(f"| {mode} | {m['mean_accepted_tokens']:.2f} | {t['mean_accepted_tokens']:.2f} | "
+                    f"{t['over_chain_accepted']:+.2f} | {m['tokens_per_second']:.1f} | {t['tokens_per_second']:.1f} | "
+                    f"{t['over_chain']:.2f}x | {s['draft_ms']:.3f} | {s['verify_ms']:.3f} | {s['accept_ms']:.3f} | "
+                    f"{s['host_ms']:.3f} | {t['accepted_off_chain']} |")
+    return rows
+
+
 def markdown(report: dict) -> str:
     k = report["num_draft_tokens"]
     lines = [f"# nemospec bench ({report['created']}{', quick' if report['quick'] else ''})", "",
@@ -50,6 +72,7 @@ def markdown(report: dict) -> str:
               "Milliseconds per decode step (prefill excluded), speculative vs target-only on the same engines; "
               "predicted speedup = tokens per step x target-only step / speculative step.", ""]
     lines += cost_table(report)
+    lines += tree_table(report)
     lines += ["", "Acceptance histogram (tokens emitted per target forward: count):", ""]
     for mode, m in report["modes"].items():
         lines.append(f"- {mode}: " + ", ".join(f"{n}: {c}" for n, c in m["histogram"].items()))

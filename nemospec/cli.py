@@ -10,6 +10,7 @@ from rich.console import Console
 from builder.errors import NemospecError
 from builder.embedded import resolve_sources
 from runtime.draft_policy import POLICY_FLAGS, add_policy_args, policy_from
+from runtime.tree_draft import TREE_FLAGS, add_tree_args, tree_from
 from runtime.step_costs import cost_line
 
 err = Console(stderr=True, highlight=False)
@@ -40,6 +41,7 @@ def _add_build_args(p):
                    help="refuse (exit 2) a build whose estimated peak host memory exceeds this (default: available)")
     p.add_argument("--num_layers", type=int, default=0, help="a trial build of the first N layers (default: all)")
     add_policy_args(p, build=True)
+    add_tree_args(p, build=True)
 
 
 def _parser():
@@ -78,6 +80,7 @@ def _parser():
                    help="speculation trace: one JSON line per verify step per sequence (proposed ids, accepted, "
                         "bonus, K, draft/verify ms)")
     add_policy_args(g, build=False)
+    add_tree_args(g, build=False)
     g.add_argument("--speculative_decoding_mode", default=None,
                    choices=["draft_target", "eagle", "eagle3", "mtp", "dflash", "dspark", "peagle"],
                    help="with a checkpoint: speculate eagerly with this draft (no engines needed)")
@@ -113,6 +116,7 @@ def cmd_build(args):
         policy_from(args.max_draft_len, vars(args))  # a bad flag exits 2 before anything is built
     options = BuildOptions(args.max_batch_size, args.max_input_len, args.max_seq_len, args.max_draft_len, args.dtype,
                            args.speculative_decoding_mode, **{f: getattr(args, f) for f in POLICY_FLAGS},
+                           **{f: getattr(args, f) for f in TREE_FLAGS},
                            strip_plan=args.strip_plan, max_host_memory_gb=args.max_host_memory_gb,
                            num_layers=args.num_layers)
     with err.status("building ...") as status:
@@ -203,6 +207,17 @@ def cmd_generate(args):
         raise NemospecError(f"--num_draft_tokens: expected 1..{loaded.max_draft_len} (the engine's max_draft_len), got {k}")
     if args.trace is not None and not speculate:
         raise NemospecError("--trace: traces speculative decoding; this run is target-only")
+    tree = None
+    if args.tree:
+        if not speculate:
+            raise NemospecError("--tree: tree speculation needs a speculative run (a draft, no --no_speculation)")
+        if loaded.backend not in ("torch", "compiled"):
+            raise NemospecError(f"--tree: runs on --backend torch or compiled (backend {loaded.backend} has no tree "
+                                "verify engine yet)")
+        try:
+            tree = tree_from(k, loaded.build_options, args)
+        except ValueError as e:
+            raise NemospecError(str(e)) from None
     trace_file = None
     if args.trace is not None:
         try:
@@ -220,7 +235,7 @@ def cmd_generate(args):
                                           temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                                           end_ids=end_ids, max_seq_len=loaded.max_seq_len, prefill_chunk=chunk,
                                           policy=policy, trace=None if trace_file is None else
-                                          lambda r: trace_file.write(json.dumps(r) + "\n"))
+                                          lambda r: trace_file.write(json.dumps(r) + "\n"), tree=tree)
         else:
             result = generate(loaded.runner, prompts, args.max_new_tokens, temperature=args.temperature,
                               top_p=args.top_p, seed=args.seed, end_ids=end_ids, max_seq_len=loaded.max_seq_len,
@@ -242,6 +257,11 @@ def cmd_generate(args):
         a = result.extra["acceptance"]
         err.print(f"mean accepted tokens per target forward {a['mean_accepted_tokens']:.2f} (K={k}), "
                   f"histogram {a['histogram']}")
+        if tree is not None:
+            t = a["tree"]
+            err.print(f"tree: {tree.max_nodes} nodes, top-{tree.topk}, depth {tree.depth}; steps by size "
+                      f"{t['steps_by_size']}, accepted depth {t['steps_by_accepted_depth']}, "
+                      f"{t['accepted_off_chain']} paths off the draft's top chain")
         # the target-only step beside it: a short greedy run of the first prompt on the same runner
         plain = generate(loaded.runner, prompts[:1], min(32, args.max_new_tokens), max_seq_len=loaded.max_seq_len,
                          prefill_chunk=chunk)

@@ -157,6 +157,7 @@ class CompiledRunner(TorchRunner):
         self.capacity_dims = _dims(module.state_spec)
         self._forward = _Steps(module.forward, "target forward")
         self._rollback = _Steps(module.rollback, "target rollback") if hasattr(module, "rollback") else None
+        self._tree_rollback = _Steps(module.tree_rollback, "target tree rollback")
 
     def new_state(self, batch, capacity):
         return super().new_state(batch, capacity + HEADROOM)
@@ -164,8 +165,12 @@ class CompiledRunner(TorchRunner):
     @torch.no_grad()
     def forward(self, input_ids, positions, lengths, logit_index, state, verify=False, tree=None):
         batch, tokens = input_ids.shape
-        if tree is not None:  # tree verifies run eagerly (under no_grad, as the compiled steps' state)
-            return self.module.forward(input_ids, positions, lengths, logit_index, state, verify, tree)
+        if tree is not None:  # a tree verify: one graph per tree size
+            key = (batch == 1, tokens, "tree")
+            args = [_prepare(a, batch, {}) for a in (input_ids, positions, lengths, logit_index)]
+            return self._forward(key, f"tree verify ({tokens} rows, {_batch_label(batch)})", STEP_CALLS, *args,
+                                 _prepare(state, batch, self.capacity_dims), verify=verify,
+                                 tree=tuple(_prepare(t, batch, {}) for t in tree))
         if tokens > MAX_TOKENS:
             return self.module.forward(input_ids, positions, lengths, logit_index, state, verify)
         pad = next((b for b in self.verify_buckets if b >= tokens), tokens) if verify else tokens
@@ -196,7 +201,13 @@ class CompiledRunner(TorchRunner):
 
     @torch.no_grad()
     def tree_rollback(self, state, verified, paths, lengths, base):
-        return self.module.tree_rollback(state, verified, paths, lengths, base)
+        batch = paths.shape[0]
+        tokens = max((v.shape[1] for k, v in verified.items() if k not in self.capacity_dims and v.dim() > 1),
+                     default=0)
+        key = (batch == 1, tokens, paths.shape[1])
+        return self._tree_rollback(key, f"tree rollback ({tokens} rows, {_batch_label(batch)})", STEP_CALLS,
+                                   _prepare(state, batch, self.capacity_dims), _prepare(verified, batch, self.capacity_dims),
+                                   *(_prepare(t, batch, {}) for t in (paths, lengths, base)))
 
     @torch.no_grad()
     def rollback(self, state, verified, accepted_rows):
@@ -227,13 +238,20 @@ class CompiledDraft(EagerDraft):
         self.pad_to = max_draft_len + 1
         self.capacity_dims = {"past." + k: v for k, v in _dims(module.state_spec).items()}
         self._steps = _Steps(self.components["draft"].call, f"{self.kind} draft", DRAFT_OPTIONS)
+        self._tree_steps = _Steps(self._tree_step, f"{self.kind} draft tree", DRAFT_OPTIONS)
 
     def new_state(self, batch, capacity):
         return super().new_state(batch, capacity + HEADROOM)
 
     @torch.no_grad()
     def tree_step(self, ids, own_hidden, positions, slots, visible, state):
-        return self._tree_step(ids, own_hidden, positions, slots, visible, state)
+        batch, rows = ids.shape
+        key = (batch == 1, rows)
+        visible = _prepare(visible, batch, {})
+        torch._dynamo.maybe_mark_dynamic(visible, 2)
+        return self._tree_steps(key, f"{self.kind} draft tree step ({rows} rows, {_batch_label(batch)})", STEP_CALLS,
+                                *(_prepare(t, batch, {}) for t in (ids, own_hidden, positions, slots)), visible,
+                                _prepare(state, batch, {k[len("past."):]: v for k, v in self.capacity_dims.items()}))
 
     @torch.no_grad()
     def run(self, name: str, feeds: dict) -> dict:

@@ -66,6 +66,7 @@ def speculative_generate(target, proposer, prompts: list[list[int]], max_new_tok
     if tree is not None:
         stats["tree"] = {"max_nodes": tree.max_nodes, "topk": tree.topk, "depth": tree.depth,
                          "steps_by_size": {str(k): v for k, v in sorted(group.tree_sizes.items())},
-                         "steps_by_accepted_depth": {str(k): v for k, v in sorted(group.path_depths.items())}}
+                         "steps_by_accepted_depth": {str(k): v for k, v in sorted(group.path_depths.items())},
+                         "accepted_off_chain": group.off_chain}
     return GenerationResult([s.outputs for s in seqs], time.perf_counter() - start, group.forwards,
                             {"acceptance": stats, "cost": group.costs})

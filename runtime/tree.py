@@ -26,34 +26,33 @@ def depths(parents: torch.Tensor) -> torch.Tensor:
     return ancestors(parents).sum(-1) - 1
 
 
-def path_to(parents: torch.Tensor, node: torch.Tensor, length: int) -> torch.Tensor:
+def path_to(parents: torch.Tensor, node: torch.Tensor, length: int, anc: torch.Tensor | None = None) -> torch.Tensor:
     """[B, length] rows of the root path ending at ``node`` [B], root first, padded with the node."""
-    out = []
-    for b, n in enumerate(node.tolist()):
-        path = [n]
-        while path[-1] != 0:
-            path.append(int(parents[b, path[-1]]))
-        path.reverse()
-        out.append(path + [path[-1]] * (length - len(path)))
-    return torch.tensor(out, dtype=torch.long)
+    anc = ancestors(parents) if anc is None else anc
+    batch, seq = parents.shape
+    on_path = anc[torch.arange(batch), node.long()]                  # [B, T]: rows on the path (ascending)
+    rows = torch.arange(seq).expand(batch, -1)
+    ordered = torch.where(on_path, rows, seq).sort(dim=1).values[:, :length]
+    if ordered.shape[1] < length:
+        ordered = torch.cat([ordered, ordered.new_full((batch, length - ordered.shape[1]), seq)], 1)
+    return torch.where(ordered < seq, ordered, node.long()[:, None])
 
 
 def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor):
     """tokens [B, T] (row 0 the root's token), logits [B, T, V] of the tree verify ->
     (paths [B, D+1] root first, path lengths [B], bonus token [B])."""
     batch, seq = tokens.shape
-    best = logits.argmax(-1)                                # [B, T]
+    best = logits.argmax(-1).cpu()                                   # [B, T]
     rows = torch.arange(batch)
-    ok = torch.zeros(batch, seq, dtype=torch.bool)
-    ok[:, 0] = True
-    for r in range(1, seq):
-        parent = parents[:, r].long()
-        ok[:, r] = ok[rows, parent] & (tokens[:, r] == best[rows, parent])
-    d = depths(parents)
+    anc = ancestors(parents)
+    match = tokens.cpu() == best.gather(1, parents.long().clamp_min(0))   # row r agrees with its parent's argmax
+    match[:, 0] = True
+    ok = ~(anc & ~match[:, None, :]).any(-1)                          # every row on the path agrees
+    d = anc.sum(-1) - 1
     score = torch.where(ok, d, -1)
-    node = score.argmax(-1)                                 # deepest agreeing row (first among equals)
+    node = score.argmax(-1)                                           # deepest agreeing row (first among equals)
     lengths = d[rows, node] + 1
-    return path_to(parents, node, int(d.max()) + 1), lengths, best[rows, node]
+    return path_to(parents, node, int(d.max()) + 1, anc), lengths, best[rows, node]
 
 
 def rejection_accept(tokens, parents, q, logits, params):

@@ -88,35 +88,34 @@ def grow(root_logits: torch.Tensor, expand, shape: TreeShape, params: list[Sampl
     batch = root_logits.shape[0]
     k = min(shape.topk, root_logits.shape[-1])
     sampled = torch.tensor([bool(p.temperature) for p in params])
-    tokens, parents, scores, depths, qs = [], [], [], [], []   # per candidate, columns [B]
+    # per depth: candidates' tokens, parents, scores [B, F*k] and count; the expanded nodes [B, F], their q
+    tokens, parents, scores, depths, heads, qs = [], [], [], [], [], []
     front_index = torch.full((batch, 1), -1)                    # frontier nodes' candidate indices (-1: root)
     front_score = torch.zeros(batch, 1)
-    logits = root_logits[:, None]
+    logits, made = root_logits[:, None], 0
     for d in range(1, shape.depth + 1):
         child, logq, q = _children(logits, params, k)            # [B, F, k]
         width = child.shape[1]
-        first = len(tokens)
-        for f in range(width):
-            qs.append(None if q is None else q[:, f])
-            for j in range(k):
-                tokens.append(child[:, f, j])
-                parents.append(front_index[:, f])
-                scores.append(front_score[:, f] + logq[:, f, j])
-                depths.append(d)
-        if d == shape.depth or (bool(sampled.all()) and len(tokens) >= shape.max_nodes):
+        tokens.append(child.reshape(batch, -1))
+        parents.append(front_index.repeat_interleave(k, 1))
+        cand = (front_score[..., None] + logq).reshape(batch, -1)
+        scores.append(cand)
+        depths.append(width * k)
+        heads.append(front_index)
+        qs.append(q)
+        first, made = made, made + width * k
+        if d == shape.depth or (bool(sampled.all()) and made >= shape.max_nodes):
             break                                                # (sampled trees keep creation order)
-        cand = torch.stack(scores[first:], 1)                    # [B, width * k]
         best = cand.topk(min(shape.topk, cand.shape[1]), dim=1).indices
-        front_index = first + best
-        front_score = cand.gather(1, best)
-        parent_in_front = best // k
-        logits = expand(torch.stack(tokens[first:], 1).gather(1, best), parent_in_front, d)
-    return _select(tokens, parents, scores, depths, qs, shape.max_nodes, sampled, k)
+        front_index, front_score = first + best, cand.gather(1, best)
+        logits = expand(tokens[-1].gather(1, best), best // k, d)
+    return _select(tokens, parents, scores, depths, heads, qs, shape.max_nodes, sampled)
 
 
-def _select(tokens, parents, scores, depths, qs, max_nodes, sampled, k) -> DraftTree:
+def _select(tokens, parents, scores, depths, heads, qs, max_nodes, sampled) -> DraftTree:
     """The kept candidates, as tree rows (root first, then creation order: parents before children)."""
-    tokens, parents, scores = torch.stack(tokens, 1), torch.stack(parents, 1), torch.stack(scores, 1)
+    tokens, parents, scores = torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(scores, 1)
+    depth_of = torch.cat([torch.full((n,), d + 1) for d, n in enumerate(depths)])
     batch, n = tokens.shape
     keep = min(max_nodes, n)
     order = torch.arange(n).expand(batch, -1)
@@ -125,29 +124,58 @@ def _select(tokens, parents, scores, depths, qs, max_nodes, sampled, k) -> Draft
     row_of = torch.full((batch, n + 1), -1, dtype=torch.long)    # candidate index (+1; 0 = root) -> tree row
     row_of[:, 0] = 0
     row_of.scatter_(1, chosen + 1, torch.arange(1, keep + 1).expand(batch, -1))
-    rows_tokens = tokens.gather(1, chosen)
     rows_parents = row_of.gather(1, parents.gather(1, chosen) + 1)
     assert bool((rows_parents >= 0).all()), "tree selection dropped a kept node's parent"
-    depth = torch.tensor(depths)[chosen]
     zero = torch.zeros(batch, 1, dtype=torch.long)
     q = None
     if any(x is not None for x in qs):
-        # qs[i] belongs to the i-th node that had children: the root, then each frontier in turn
+        # each expanded node's q row (the root, then each depth's frontier), placed at its tree row
         vocab = next(x for x in qs if x is not None).shape[-1]
         q = torch.zeros(batch, keep + 1, vocab)
-        q[:, 0] = qs[0]
-        expanded = _expanded_candidates(parents, k)               # [B, len(qs) - 1] candidate index of each
-        for i, cand in enumerate(expanded.unbind(1), start=1):
-            if qs[i] is None:
+        for head, x in zip(heads, qs):
+            if x is None:
                 continue
-            r = row_of.gather(1, cand[:, None] + 1)[:, 0]
-            has = r > 0
-            q[has, r[has]] = qs[i][has]
-    return DraftTree(torch.cat([zero, rows_tokens], 1), torch.cat([zero - 1, rows_parents], 1),
-                     torch.cat([zero, depth], 1), q)
+            where = row_of.gather(1, head + 1)                  # [B, F]: tree row (-1: not kept)
+            kept = where >= 0
+            rows = torch.arange(batch)[:, None].expand_as(where)
+            q[rows[kept], where[kept]] = x[kept]
+    return DraftTree(torch.cat([zero, tokens.gather(1, chosen)], 1), torch.cat([zero - 1, rows_parents], 1),
+                     torch.cat([zero, depth_of[chosen]], 1), q)
 
 
-def _expanded_candidates(parents, k):
-    """Candidate indices of the expanded nodes in expansion order: every block of k candidates shares
-    a parent, and blocks after the root's are in the order their parents were expanded."""
-    return parents[:, k::k]
+# --- flags: recorded at build (BuildOptions), overridable by generate, bench and serve --------------
+TREE_FLAGS = {  # flag -> (type, build default, help)
+    "max_tree_nodes": (int, 16, "tree speculation: drafted nodes verified per step (the root excluded)"),
+    "tree_topk": (int, 4, "tree speculation: children per expanded node, and nodes expanded per depth"),
+    "tree_depth": (int, 0, "tree speculation: the deepest node (0 = max_draft_len)"),
+}
+
+
+def add_tree_args(parser, build: bool) -> None:
+    """At build the tree flags set the engine directory's defaults and maximum node count; at
+    generate, bench and serve ``--tree`` turns tree speculation on (off by default) and the flags
+    override the recorded values."""
+    group = parser.add_argument_group("tree speculation")
+    if not build:
+        group.add_argument("--tree", action="store_true",
+                           help="verify a token tree per step instead of a chain (eagle, eagle3, mtp, dflash, dspark, "
+                                "peagle; torch and compiled backends)")
+    for flag, (kind, default, text) in TREE_FLAGS.items():
+        group.add_argument(f"--{flag}", type=kind, default=default if build else None,
+                           help=text + ("" if build else " (default: the engine directory's)"))
+
+
+def tree_from(max_draft_len: int, recorded: dict, overrides=None) -> TreeShape:
+    """The tree shape of an engine directory (``recorded``: its build options) with flags on top; a
+    node count above the recorded one is refused (the build sized its buffers for it)."""
+    values = {f: recorded.get(f, default) for f, (_, default, _) in TREE_FLAGS.items()}
+    built = int(values["max_tree_nodes"])
+    for f in TREE_FLAGS:
+        given = getattr(overrides, f, None) if overrides is not None else None
+        if given is not None:
+            values[f] = given
+    if "max_tree_nodes" in recorded and int(values["max_tree_nodes"]) > built:
+        raise ValueError(f"--max_tree_nodes: expected at most {built} (the engine directory's), "
+                         f"got {values['max_tree_nodes']}")
+    depth = int(values["tree_depth"]) or max_draft_len
+    return TreeShape(int(values["max_tree_nodes"]), int(values["tree_topk"]), depth)

@@ -36,6 +36,7 @@ class TreeSpeculativeGroup(SpeculativeGroup):
         self.shape = shape
         self.tree_sizes = Counter()        # verify rows (root included) per tree step
         self.path_depths = Counter()       # accepted drafted tokens per sequence per tree step
+        self.off_chain = 0                 # accepted paths that took a node other than its parent's first child
 
     def _tree_fits(self) -> bool:
         room = self.capacity - max(s.position for s in self.seqs)
@@ -66,9 +67,13 @@ class TreeSpeculativeGroup(SpeculativeGroup):
         logits = shape_tree(logits, self.seqs, tokens, tree.parents, tree.depth)
         tree = DraftTree(tokens, tree.parents, tree.depth, tree.q)
         paths, lengths, bonus = tree_lib.accept(tree, logits, params)
+        width = self.shape.depth + 1                                            # one path width per shape
+        if paths.shape[1] < width:
+            paths = torch.cat([paths, paths[:, -1:].expand(-1, width - paths.shape[1])], 1)
         self.state = self.target.tree_rollback(self.state, verified, paths.to(dev), lengths.to(dev), base.long())
         accept = watch.lap()
         kept = lengths - 1
+        self.off_chain += _off_chain(tree.parents, paths, lengths)
         path_tokens = tokens.gather(1, paths)[:, 1:]                           # [B, D]: drafted tokens on the path
         along = {k: _gather_path(v, paths) for k, v in features.items()}
         self.proposer.accept(kept, bonus, path_tokens, along)
@@ -102,6 +107,19 @@ class TreeSpeculativeGroup(SpeculativeGroup):
         self.costs.add(watch.total(), tokens=emitted, rows=n, proposals=n * self.shape.depth, draft=draft,
                        verify=verify, accept=accept)
         return out
+
+
+def _off_chain(parents, paths, lengths) -> int:
+    """How many accepted paths pass through a node that is not its parent's first child (the draft's
+    top choice there): what a chain of the draft's top choices would have missed."""
+    count = 0
+    for b in range(parents.shape[0]):
+        first = {}
+        for r, p in enumerate(parents[b].tolist()[1:], start=1):
+            first.setdefault(p, r)
+        rows = paths[b, 1:int(lengths[b])].tolist()
+        count += any(first[int(parents[b, r])] != r for r in rows)
+    return count
 
 
 def _gather_path(feature: torch.Tensor, paths: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,8 @@ from nemospec import cli
 @pytest.fixture(scope="module")
 def report_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    assert cli.main(["bench", "--quick", "--output_dir", str(out)]) == 0
+    assert cli.main(["bench", "--quick", "--tree", "--max_tree_nodes", "8", "--tree_topk", "2",
+                     "--output_dir", str(out)]) == 0
     return out
 
 
@@ -43,6 +44,18 @@ def test_report_json_holds_every_field(report_dir):
         assert c["target_only_step_ms"] == plain["step_ms"] and c["target_decode_ms"] == plain["verify_ms"]
         assert c["model_speedup"] == pytest.approx(spec["tokens_per_step"] * plain["step_ms"] / spec["step_ms"], rel=1e-2)
         assert not m["engine_dir"].startswith("/") and not r["model"].startswith("/")
+        t = m["tree"]                                    # tree speculation beside the chain, same prompts
+        assert (t["max_nodes"], t["topk"], t["depth"]) == (8, 2, r["num_draft_tokens"]) and t["exact"] is True
+        sizes = {int(n): c for n, c in t["steps_by_size"].items()}
+        assert set(sizes) <= set(range(2, 10)) and sum(sizes.values()) == t["cost"]["speculative"]["steps"]
+        thist = {int(n): c for n, c in t["histogram"].items()}
+        assert t["mean_accepted_tokens"] == pytest.approx(sum(n * c for n, c in thist.items()) / sum(thist.values()),
+                                                          abs=1e-3)
+        assert t["over_chain_accepted"] == pytest.approx(t["mean_accepted_tokens"] - m["mean_accepted_tokens"], abs=2e-3)
+        assert sum(int(d) * c for d, c in t["steps_by_accepted_depth"].items()) == sum(
+            (n - 1) * c for n, c in thist.items())
+        ts = t["cost"]["speculative"]
+        assert ts["step_ms"] == pytest.approx(sum(ts[p] for p in parts), abs=1e-3)
     peers = r["peers"]
     assert peers["transformers_generate"]["tokens_per_second"] > 0
     assert "tokens_per_second" in peers["transformers_assisted"] or peers["transformers_assisted"]["error"]
@@ -58,6 +71,9 @@ def test_report_md_and_plots(report_dir):
         assert f"| {mode} | {m['mean_accepted_tokens']:.2f} |" in md
     assert "transformers `generate`" in md and "Through the Triton server" in md
     assert "Where a step's time goes" in md and "predicted speedup" in md
+    assert "## Tree speculation" in md
+    for mode, m in r["modes"].items():
+        assert f"| {mode} | {m['mean_accepted_tokens']:.2f} | {m['tree']['mean_accepted_tokens']:.2f} |" in md
     for mode in r["modes"]:
         assert f"| {mode} | {r['modes'][mode]['cost']['speculative']['draft_ms']:.3f} (" in md
     for name in r["plots"]:
