@@ -21,6 +21,7 @@ know) runs eagerly from then on, with one warning.
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -38,6 +39,7 @@ MAX_TOKENS = 16        # chunks longer than this always run eagerly (prefill)
 STEP_CALLS = 2         # decode, verify, rollback and draft rows compile on their 2nd call
 OTHER_CALLS = 16       # any other short chunk shape compiles once it has run this often
 FEATURE_DRAFTS = ("eagle", "eagle3", "mtp")
+BLOCK_DRAFTS = ("dflash", "dspark")      # context rows padded to K+1 by the proposer: one graph per step
 # Inductor turns a one-row attention (q [.., 1, D] x keys [.., D, S]) into a pointwise product and a
 # sum, and by default recomputes q's rotary embedding (pow, cos, sin) inside it for every key slot.
 # Storing such intermediates instead: embedded eagle3 draft step 0.50 -> 0.35 ms (the target's decode
@@ -72,6 +74,7 @@ def _dims(state_spec) -> dict[str, tuple[int, ...]]:
     return {name: tuple(i for i, d in enumerate(shape) if d == "capacity") for name, (shape, _) in spec.items()}
 
 
+@functools.lru_cache(maxsize=1024)
 def _dense_strides(shape) -> tuple:
     out, step = [], 1
     for d in reversed(shape):
@@ -87,7 +90,7 @@ def _prepare(tree, batch: int, capacity_dims: dict):
     def one(name, t):
         if not isinstance(t, torch.Tensor):
             return t
-        if t.stride() != _dense_strides(t.shape):
+        if t.stride() != _dense_strides(tuple(t.shape)):
             t = t.clone(memory_format=torch.contiguous_format)
         if batch > 1 and t.dim() and t.shape[0] == batch:
             torch._dynamo.maybe_mark_dynamic(t, 0)
@@ -228,10 +231,11 @@ class CompiledDraft(EagerDraft):
     Feature drafts (eagle, eagle3, mtp) pad a catch-up chunk of 2..K rows to K+1 rows (``pad_to``):
     padded rows lie past ``lengths`` and past every valid position, so they change no valid output
     and write only KV slots that later rows overwrite before anything reads them; so one graph serves
-    every catch-up. One-row steps (proposals, a catch-up of one row) have their own graph. Block and
-    parallel drafts (dflash, dspark, peagle) run eagerly: their context width changes every step
-    (1..K+1 verified rows), and compiling each width inside timed runs cost far more than it saved
-    (measured: dflash 17 tokens/s compiled vs 480 target-only)."""
+    every catch-up. One-row steps (proposals, a catch-up of one row) have their own graph. Block drafts
+    (dflash, dspark) get one graph per step too: their proposer pads the context rows verified since
+    the last step (1..K+1) to K+1 (``pad_to``), rows whose slots the block itself overwrites. P-EAGLE
+    runs eagerly (its verified rows and placeholders share one chunk whose width changes every step;
+    compiling each width cost far more than it saved: 17 tokens/s against 480 target-only)."""
 
     def __init__(self, module, target_vocab: int, device="cpu", max_draft_len: int = 4):
         super().__init__(module, target_vocab, device)
@@ -255,6 +259,8 @@ class CompiledDraft(EagerDraft):
 
     @torch.no_grad()
     def run(self, name: str, feeds: dict) -> dict:
+        if name == "draft" and self.kind in BLOCK_DRAFTS:
+            return self._run_block(feeds)
         if name != "draft" or self.kind not in FEATURE_DRAFTS:
             return super().run(name, feeds)
         batch, rows = feeds["input_ids"].shape
@@ -272,6 +278,19 @@ class CompiledDraft(EagerDraft):
         if pad > rows and "hidden_out" in out:
             out = dict(out, hidden_out=out["hidden_out"][:, :rows])
         return out
+
+    def _run_block(self, feeds: dict) -> dict:
+        """A block draft's step: compiled once its shapes recur (the proposer pads the context rows
+        to ``pad_to``, so a steady step has one shape); a prompt's context stays eager."""
+        batch = feeds["input_ids"].shape[0]
+        if feeds["aux"].shape[1] > MAX_TOKENS:
+            return self.components["draft"].call(feeds)
+        shapes = tuple((k, tuple(v.shape[1:])) for k, v in feeds.items()
+                       if isinstance(v, torch.Tensor) and k not in self.capacity_dims)
+        steady = feeds["aux"].shape[1] == self.pad_to
+        return self._steps((batch == 1, shapes), f"{self.kind} draft step ({feeds['aux'].shape[1]} context rows, "
+                           f"{_batch_label(batch)})", STEP_CALLS if steady else OTHER_CALLS,
+                           _prepare(feeds, batch, self.capacity_dims))
 
 
 def _pad_rows(feeds: dict, batch: int, rows: int, pad: int) -> dict:

@@ -310,6 +310,9 @@ class BlockDraftProposer(_AuxProposer):
             take = [min(len(c), self.prefill_chunk) for c in self.context]
             last = all(len(c) <= self.prefill_chunk for c in self.context)
             width = max(1, max(take))
+            pad = getattr(self.draft, "pad_to", 0)  # one context width per step (a compiled draft's graph);
+            if last and width < pad <= k + 1:        # the padded rows' slots are the block's, overwritten by it
+                width = pad
             aux = torch.zeros(len(take), width, m.aux_width, dtype=m.dtype, device=dev)
             for b, n in enumerate(take):
                 aux[b, :n] = self.context[b][:n]

@@ -11,14 +11,18 @@ import torch
 
 
 def ancestors(parents: torch.Tensor) -> torch.Tensor:
-    """parents [B, T] -> [B, T, T] bool: [b, i, j] when row j is row i or an ancestor of it."""
+    """parents [B, T] -> [B, T, T] bool: [b, i, j] when row j is row i or an ancestor of it (one
+    gather per tree level: every row climbs one step at a time)."""
     batch, seq = parents.shape
+    up = parents.long().clamp_min(0)                                  # the root is its own parent here
+    node = torch.arange(seq).expand(batch, -1)
     out = torch.zeros(batch, seq, seq, dtype=torch.bool)
-    out[:, 0, 0] = True
-    rows = torch.arange(batch)
-    for r in range(1, seq):
-        out[:, r] = out[rows, parents[:, r].long()]
-        out[:, r, r] = True
+    out.scatter_(2, node[..., None], True)
+    for _ in range(seq - 1):
+        node = up.gather(1, node)
+        out.scatter_(2, node[..., None], True)
+        if not bool(node.any()):                                      # every row reached the root
+            break
     return out
 
 
@@ -38,13 +42,13 @@ def path_to(parents: torch.Tensor, node: torch.Tensor, length: int, anc: torch.T
     return torch.where(ordered < seq, ordered, node.long()[:, None])
 
 
-def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor):
+def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor, anc: torch.Tensor | None = None):
     """tokens [B, T] (row 0 the root's token), logits [B, T, V] of the tree verify ->
-    (paths [B, D+1] root first, path lengths [B], bonus token [B])."""
+    (paths [B, D+1] root first, path lengths [B], bonus token [B]). ``anc``: ancestors(parents)."""
     batch, seq = tokens.shape
     best = logits.argmax(-1).cpu()                                   # [B, T]
     rows = torch.arange(batch)
-    anc = ancestors(parents)
+    anc = ancestors(parents) if anc is None else anc
     match = tokens.cpu() == best.gather(1, parents.long().clamp_min(0))   # row r agrees with its parent's argmax
     match[:, 0] = True
     ok = ~(anc & ~match[:, None, :]).any(-1)                          # every row on the path agrees
@@ -94,10 +98,10 @@ def rejection_accept(tokens, parents, q, logits, params):
         path.append(node)
 
 
-def accept(tree, logits, params) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def accept(tree, logits, params, anc=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per sequence: greedy acceptance, or recursive rejection sampling with its own settings.
     Returns (paths [B, D+1] tree rows root first, padded with the last; lengths [B]; bonus [B])."""
-    paths, lengths, bonus = greedy_accept(tree.tokens, tree.parents, logits)
+    paths, lengths, bonus = greedy_accept(tree.tokens, tree.parents, logits, anc)
     sampled = [b for b, p in enumerate(params) if p.temperature]
     if not sampled:
         return paths, lengths, bonus

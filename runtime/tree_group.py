@@ -58,7 +58,8 @@ class TreeSpeculativeGroup(SpeculativeGroup):
         tokens = tree.tokens.clone()
         tokens[:, 0] = torch.tensor([s.last for s in self.seqs])
         base = torch.tensor([s.position for s in self.seqs], dtype=torch.int32, device=dev)
-        structure = (tree.parents.to(dev), tree_lib.ancestors(tree.parents).to(dev))
+        anc = tree_lib.ancestors(tree.parents)
+        structure = (tree.parents.to(dev), anc.to(dev))
         watch.lap()
         logits, verified, features = self.target.forward(
             tokens.to(device=dev, dtype=torch.int32), base[:, None] + rows, torch.full((n,), size, dtype=torch.int32, device=dev),
@@ -66,7 +67,7 @@ class TreeSpeculativeGroup(SpeculativeGroup):
         verify = watch.lap()
         logits = shape_tree(logits, self.seqs, tokens, tree.parents, tree.depth)
         tree = DraftTree(tokens, tree.parents, tree.depth, tree.q)
-        paths, lengths, bonus = tree_lib.accept(tree, logits, params)
+        paths, lengths, bonus = tree_lib.accept(tree, logits, params, anc)
         width = self.shape.depth + 1                                            # one path width per shape
         if paths.shape[1] < width:
             paths = torch.cat([paths, paths[:, -1:].expand(-1, width - paths.shape[1])], 1)

@@ -77,6 +77,24 @@ def test_eagle3_greedy_ids_equal_eager(models, k):
     assert compiled.runner._rollback.ready
 
 
+def test_eagle3_tree_greedy_ids_equal_eager(models):
+    """Tree speculation on the compiled path (tree verify, tree rollback and the draft's tree steps as
+    graphs) gives the eager greedy ids; a second run with another max_new_tokens builds no graph."""
+    from runtime.tree_draft import TreeShape
+    eager, compiled = models
+    shape = TreeShape(6, 2, 3)
+    prompts = RAGGED[:1]
+    want = generate(eager.runner, prompts, NEW).output_ids
+    got = speculative_generate(compiled.runner, compiled.proposer(), prompts, NEW, 3, tree=shape)
+    assert got.output_ids == want and got.extra["acceptance"]["tree"]["steps_by_size"] == {
+        "7": got.extra["acceptance"]["num_verify_forwards"]}
+    assert compiled.runner._forward.ready and compiled.runner._tree_rollback.ready
+    assert compiled.proposer().draft._tree_steps.ready
+    before = _graphs()
+    again = speculative_generate(compiled.runner, compiled.proposer(), prompts, NEW + 7, 3, tree=shape)
+    assert again.output_ids == generate(eager.runner, prompts, NEW + 7).output_ids and _graphs() == before
+
+
 def test_no_graph_beyond_the_step_shapes(models):
     """Every graph dynamo built is one the runner meant to compile (no silent recompiles on strides,
     tensor kinds or capacity), and a new capacity (another max_new_tokens) builds none."""
@@ -115,3 +133,19 @@ def test_cli_backend_compiled(models):
     record = json.loads(out.getvalue().strip().splitlines()[-1])
     assert record["backend"] == "compiled"
     assert record["output_ids"] == generate(eager.runner, RAGGED[:2], NEW).output_ids
+
+
+def test_dflash_block_draft_compiles_one_graph_per_step(one_thread):
+    """A block draft's steady step (context rows padded to K+1) runs as one graph; greedy ids equal
+    the eager path's, as chains and as trees (the tree's depth is K, so its block has the same shape)."""
+    from runtime.tree_draft import TreeShape
+    target, draft = embedded.target_dir(), embedded.draft_dir("dflash")
+    eager = open_checkpoint(target, mode="dflash", draft_dir=draft, backend="torch")
+    compiled = open_checkpoint(target, mode="dflash", draft_dir=draft, backend="compiled")
+    prompts = RAGGED[:1]
+    want = generate(eager.runner, prompts, NEW).output_ids
+    assert speculative_generate(compiled.runner, compiled.proposer(), prompts, NEW, 4).output_ids == want
+    steps = compiled.proposer().draft._steps
+    assert [k for k in steps.ready if dict(k[1])["aux"][0] == 5], steps.ready    # the padded context width K+1
+    tree = speculative_generate(compiled.runner, compiled.proposer(), prompts, NEW, 4, tree=TreeShape(8, 2, 4))
+    assert tree.output_ids == want
