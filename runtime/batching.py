@@ -162,10 +162,10 @@ class PlainGroup:
         self.costs.add(watch.total(), tokens=n, rows=n, draft=draft, verify=decode)
         return out
 
-    def _trace(self, s, k, proposed, accepted, bonus, emitted, draft, verify):
+    def _trace(self, s, k, proposed, accepted, bonus, emitted, draft, verify, **extra):
         self.trace({"step": self.steps, "sequence": s.request_id, "position": s.position, "k": k,
                     "proposed": proposed, "accepted": accepted, "bonus": bonus, "emitted": len(emitted),
-                    "draft_ms": round(draft * 1e3, 3), "verify_ms": round(verify * 1e3, 3)})
+                    "draft_ms": round(draft * 1e3, 3), "verify_ms": round(verify * 1e3, 3), **extra})
 
     def drop(self, keep: list[int]):
         """Keeps the sequences at these indices (finished or cancelled ones leave)."""

@@ -103,7 +103,8 @@ class TreeSpeculativeGroup(SpeculativeGroup):
             s.acceptance.record(m, self.shape.depth)
             out.append(s.emit(gained, lp))
             if self.trace is not None:
-                self._trace(s, size - 1, d[:m], m, t, out[-1], draft, verify)
+                self._trace(s, size - 1, d[:m], m, t, out[-1], draft, verify, tree_parents=tree.parents[b].tolist(),
+                            tree_tokens=tokens[b].tolist(), accepted_path=paths[b, :m + 1].tolist())
             s.position, s.last = s.position + len(gained), t
         self.costs.add(watch.total(), tokens=emitted, rows=n, proposals=n * self.shape.depth, draft=draft,
                        verify=verify, accept=accept)

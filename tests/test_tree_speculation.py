@@ -285,3 +285,19 @@ def test_sequence_asking_for_fewer_drafts_runs_chain_steps(pair):
         group.step()
     assert not group.tree_sizes and group.draft_lens
     assert seqs[0].outputs == generate(target, [PROMPTS[0]], 20).output_ids[0]
+
+
+def test_trace_of_a_tree_step_names_the_tree_and_its_accepted_path(pair, reference):
+    target, proposer = pair
+    records = []
+    result = speculative_generate(target, proposer("eagle3"), PROMPTS[:2], 40, 4, tree=TreeShape(8, 2, 4),
+                                  trace=records.append)
+    assert result.output_ids == reference[:2]
+    for r in records:
+        parents, tokens, path = r["tree_parents"], r["tree_tokens"], r["accepted_path"]
+        assert r["k"] == len(parents) - 1 == 8 and parents[0] == -1
+        assert path[0] == 0 and all(parents[c] == p for p, c in zip(path, path[1:]))     # a root path
+        assert [tokens[c] for c in path[1:]] == r["proposed"] and r["accepted"] == len(path) - 1
+    for seq in range(2):
+        emitted = sum(r["emitted"] for r in records if r["sequence"] == seq)
+        assert emitted == len(result.output_ids[seq]) - 1                                 # all but the prefill's token
