@@ -360,7 +360,7 @@ class BlockDraftProposer(_AuxProposer):
         node's own token, for DSpark's Markov head); one draft forward per step."""
         base = self._run(shape.depth)
         root = self._row(base, 0, torch.tensor(self.anchor, dtype=torch.long)[:, None])[:, 0]
-        return grow(root, lambda tokens, parent, depth: self._row(base, depth, tokens), shape, params)
+        return grow(root, lambda tokens, parent, depth: self._row(base, depth, tokens), shape, params, shape.max_nodes)
 
     def accept(self, accepted, next_tokens, drafts, verify_features):
         """Queues the verified rows' features as context (written by the next step's network)."""
@@ -418,7 +418,7 @@ class ParallelDraftProposer(_AuxProposer):
         """Every depth-d node's children are the top-k tokens of placeholder row d (rows are independent)."""
         logits = self._logits(shape.depth)
         return grow(logits[:, 0], lambda tokens, parent, depth: logits[:, depth:depth + 1].expand(-1, tokens.shape[1], -1),
-                    shape, params)
+                    shape, params, shape.max_nodes)
 
     def accept(self, accepted, next_tokens, drafts, verify_features):
         """Queues the verified rows (start_pos already points where the verify chunk began)."""

@@ -81,10 +81,14 @@ def _children(logits, params: list[SamplingParams], k: int):
     return tokens, scores, q
 
 
-def grow(root_logits: torch.Tensor, expand, shape: TreeShape, params: list[SamplingParams]) -> DraftTree:
+def grow(root_logits: torch.Tensor, expand, shape: TreeShape, params: list[SamplingParams],
+         frontier: int | None = None) -> DraftTree:
     """root_logits [B, V] (the draft's distribution after the root); ``expand(tokens [B, F],
     parent [B, F] (each node's parent's index in the previous frontier), depth)`` returns the
-    draft's logits [B, F, V] at those nodes. Returns the tree over target ids."""
+    draft's logits [B, F, V] at those nodes. ``frontier``: nodes expanded per depth (default
+    ``shape.topk``; a block draft, whose expansion costs no forward, expands ``max_nodes``: then the
+    kept set is exactly the ``max_nodes`` most probable paths over the top-k tokens per depth).
+    Returns the tree over target ids."""
     batch = root_logits.shape[0]
     k = min(shape.topk, root_logits.shape[-1])
     sampled = torch.tensor([bool(p.temperature) for p in params])
@@ -106,7 +110,7 @@ def grow(root_logits: torch.Tensor, expand, shape: TreeShape, params: list[Sampl
         first, made = made, made + width * k
         if d == shape.depth or (bool(sampled.all()) and made >= shape.max_nodes):
             break                                                # (sampled trees keep creation order)
-        best = cand.topk(min(shape.topk, cand.shape[1]), dim=1).indices
+        best = cand.topk(min(frontier or shape.topk, cand.shape[1]), dim=1).indices
         front_index, front_score = first + best, cand.gather(1, best)
         logits = expand(tokens[-1].gather(1, best), best // k, d)
     return _select(tokens, parents, scores, depths, heads, qs, shape.max_nodes, sampled)
