@@ -14,7 +14,9 @@
    --draft_len_schedule, passed with --serve_args, may switch speculation off for large batches).
 
 Outputs are checked equal to offline generation first. Times are wall clock from sending the
-request to its final response (what a client sees), medians over --runs.
+request to its final response (what a client sees), medians over --runs. At the concurrency levels
+stream i keeps one client across runs on both sides (its gRPC channel, its HTTP keep-alive
+connection), as a serving client would, so connection setup is in neither side's numbers.
 
     python benchmarks/serving.py [--engine_dir E] [--new_tokens 64] [--runs 3] [--streams 1,4,16] [--threads 1]
         [--aiperf] [--aiperf_venv build/aiperf-venv] [--json FILE]
@@ -72,24 +74,62 @@ def offline(engine_dir, prompt, new_tokens):
     return json.loads(out.getvalue().strip().splitlines()[-1])
 
 
-def stream(url, prompt, new_tokens, speculative=True):
-    """One gRPC streaming request: (ids, seconds from send to the final response)."""
-    result = stream_generate(url, prompt, new_tokens, speculative=speculative)
+def stream(url, prompt, new_tokens, speculative=True, client=None):
+    """One gRPC streaming request: (ids, seconds from send to the final response); ``client``: a
+    tritonclient gRPC client to reuse (default: one per request)."""
+    result = stream_generate(url, prompt, new_tokens, speculative=speculative, client=client)
     return result.ids, result.seconds
 
 
-def openai_stream(base_url, model, prompt, new_tokens):
+class Clients:
+    """One client per stream slot, kept across runs and levels, on both sides alike: slot i reuses its
+    gRPC channel (Triton direct) and its HTTP/1.1 keep-alive connection (the OpenAI frontend), so
+    neither side pays connection setup per request (a gRPC channel costs far more to make than a
+    TCP connection, which would favour the frontend)."""
+
+    def __init__(self):
+        self.grpc, self.http = {}, {}
+
+    def grpc_client(self, url, slot):
+        if (url, slot) not in self.grpc:
+            import tritonclient.grpc as grpcclient
+            self.grpc[url, slot] = grpcclient.InferenceServerClient(url)
+        return self.grpc[url, slot]
+
+    def http_connection(self, base_url, slot):
+        if (base_url, slot) not in self.http:
+            import http.client
+            from urllib.parse import urlparse
+            url = urlparse(base_url)
+            self.http[base_url, slot] = http.client.HTTPConnection(url.hostname, url.port, timeout=600)
+        return self.http[base_url, slot]
+
+    def close(self):
+        for c in [*self.grpc.values(), *self.http.values()]:
+            c.close()
+
+
+def openai_stream(base_url, model, prompt, new_tokens, connection=None):
     """One streamed OpenAI completion (greedy, ignore_eos) read as raw server-sent events (a light
-    client, as the gRPC side's): (tokens per the usage chunk, seconds to the last event)."""
+    client, as the gRPC side's): (tokens per the usage chunk, seconds to the last event).
+    ``connection``: an http.client.HTTPConnection to reuse (keep-alive; default: one per request)."""
     import http.client
     from urllib.parse import urlparse
     url = urlparse(base_url)
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "stream": True,
                        "stream_options": {"include_usage": True}, "ignore_eos": True})
+    own = connection is None
     start = time.perf_counter()
-    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=600)
-    connection.request("POST", f"{url.path}/completions", body, {"Content-Type": "application/json"})
-    response = connection.getresponse()
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=600) if own else connection
+    for attempt in (0, 1):
+        try:
+            connection.request("POST", f"{url.path}/completions", body, {"Content-Type": "application/json"})
+            response = connection.getresponse()
+            break
+        except (http.client.RemoteDisconnected, ConnectionError):   # the server closed an idle keep-alive
+            connection.close()
+            if attempt:
+                raise
     if response.status != 200:
         raise RuntimeError(f"{base_url}: {response.status} {response.read()[:300]!r}")
     tokens = 0
@@ -99,18 +139,21 @@ def openai_stream(base_url, model, prompt, new_tokens):
             tokens = usage["completion_tokens"] if usage else tokens
         elif line.startswith(b"data: [DONE]"):
             break
-    connection.close()
-    return [0] * tokens, time.perf_counter() - start
+    response.read()              # the end of the chunked body: the connection can carry the next request
+    seconds = time.perf_counter() - start
+    if own:
+        connection.close()
+    return [0] * tokens, seconds
 
 
 def concurrent(url, n, new_tokens, one=None):
     """n streams at once, stream i on PROMPTS[i % 4] (the same set at every level): aggregate
-    tokens/s over the wall time. ``one(prompt)`` makes one request (default: gRPC to ``url``)."""
+    tokens/s over the wall time. ``one(i, prompt)`` makes stream i's request (default: gRPC to ``url``)."""
     results = [None] * n
-    one = one or (lambda prompt: stream(url, prompt, new_tokens))
+    one = one or (lambda i, prompt: stream(url, prompt, new_tokens))
 
     def run(i):
-        results[i] = one(PROMPTS[i % len(PROMPTS)])
+        results[i] = one(i, PROMPTS[i % len(PROMPTS)])
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
     start = time.perf_counter()
@@ -194,16 +237,24 @@ def run(args, engine_dir, streams):
             offline_runs.append(offline(engine_dir, prompt, args.new_tokens)["tokens_per_second"])
             single_runs.append(args.new_tokens / stream(grpc_url, prompt, args.new_tokens)[1])
         offline_tps, single = statistics.median(offline_runs), statistics.median(single_runs)
-        via_openai = lambda p: openai_stream(openai_url, model, p, args.new_tokens)  # noqa: E731
-        target_only = lambda p: stream(grpc_url, p, args.new_tokens, speculative=False)  # noqa: E731
-        aggregate, frontend_tps, plain_tps = {}, {}, {}
+        clients = Clients()            # one gRPC client / one HTTP connection per stream slot, both sides
+        via_grpc = lambda i, p: stream(grpc_url, p, args.new_tokens, client=clients.grpc_client(grpc_url, i))  # noqa: E731
+        via_openai = lambda i, p: openai_stream(openai_url, model, p, args.new_tokens,  # noqa: E731
+                                                clients.http_connection(openai_url, i))
+        target_only = lambda i, p: stream(grpc_url, p, args.new_tokens, speculative=False,  # noqa: E731
+                                          client=clients.grpc_client(grpc_url, i))
+        for one in (via_grpc, via_openai):  # every slot's client made and used once before timing
+            concurrent(None, max(streams), args.new_tokens, one)
+        aggregate, frontend_tps, plain_tps, paired = {}, {}, {}, {}
         for n in streams:              # Triton direct, the OpenAI frontend and target-only alternate per run
             direct, front, plain = [], [], []
             for _ in range(args.runs):
-                direct.append(concurrent(grpc_url, n, args.new_tokens))
+                direct.append(concurrent(None, n, args.new_tokens, via_grpc))
                 front.append(concurrent(None, n, args.new_tokens, via_openai))
                 plain.append(concurrent(None, n, args.new_tokens, target_only))
             aggregate[n], frontend_tps[n], plain_tps[n] = map(statistics.median, (direct, front, plain))
+            paired[n] = statistics.median(f / d for f, d in zip(front, direct))   # back-to-back pairs: load drifts cancel
+        clients.close()
         aiperf = run_aiperf(args, openai_url, model, engine_dir, streams) if args.aiperf else None
         max_batch = next((line.split()[-1] for line in metrics_text(endpoints["metrics"]).splitlines()
                           if line.startswith("nemospec_max_batch_seen")), "?")
@@ -214,7 +265,7 @@ def run(args, engine_dir, streams):
     for n, tps in aggregate.items():
         print(f"gRPC streaming, {n:2d} concurrent      {tps:8.1f} tokens/s   {tps / aggregate[streams[0]]:.2f}x "
               f"{streams[0]} stream{'s' if streams[0] > 1 else ''}; OpenAI frontend {frontend_tps[n]:8.1f} tokens/s "
-              f"= {frontend_tps[n] / tps:.2f}x Triton direct (goal >= 0.95); target-only {plain_tps[n]:8.1f} "
+              f"= {frontend_tps[n] / tps:.2f}x Triton direct (per run pair {paired[n]:.2f}; goal >= 0.95); target-only {plain_tps[n]:8.1f} "
               f"tokens/s: speculative {tps / plain_tps[n]:.2f}x")
     if 16 in aggregate and 1 in aggregate:
         print(f"16 streams / 1 stream: {aggregate[16] / aggregate[1]:.2f}x (goal >= 4); largest batch {max_batch}")
@@ -225,6 +276,7 @@ def run(args, engine_dir, streams):
                   triton_direct={str(n): v for n, v in aggregate.items()},
                   openai_frontend={str(n): v for n, v in frontend_tps.items()},
                   openai_over_triton={str(n): frontend_tps[n] / aggregate[n] for n in aggregate},
+                  openai_over_triton_paired={str(n): v for n, v in paired.items()},
                   target_only={str(n): v for n, v in plain_tps.items()},
                   speculative_over_target_only={str(n): aggregate[n] / plain_tps[n] for n in aggregate},
                   max_batch_seen=max_batch, aiperf=aiperf)

@@ -43,12 +43,14 @@ def _inputs(prompt: str, max_tokens: int, end_id: int | None):
 
 
 def stream_generate(url: str, prompt: str, max_tokens: int, *, speculative: bool = True, end_id: int | None = -1,
-                    on_text=None, timeout: float = 600.0, model: str = "ensemble") -> StreamResult:
+                    on_text=None, timeout: float = 600.0, model: str = "ensemble", client=None) -> StreamResult:
     """One streaming request; ``on_text(chunk)`` sees the text as it arrives. ``end_id=-1`` ignores
-    EOS (a fixed number of tokens, for timing); None uses the model's. Raises RuntimeError on a
-    server error."""
+    EOS (a fixed number of tokens, for timing); None uses the model's. ``client``: a
+    ``tritonclient.grpc.InferenceServerClient`` to reuse (its channel stays open; default: one made
+    and closed for this request). Raises RuntimeError on a server error."""
     import tritonclient.grpc as grpcclient
-    client = grpcclient.InferenceServerClient(url)
+    own = client is None
+    client = grpcclient.InferenceServerClient(url) if own else client
     results: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: results.put((result, error)))
     out = StreamResult()
@@ -76,4 +78,5 @@ def stream_generate(url: str, prompt: str, max_tokens: int, *, speculative: bool
                 return out
     finally:
         client.stop_stream()
-        client.close()
+        if own:
+            client.close()

@@ -50,6 +50,33 @@ def test_stop_matcher_holds_back_a_partial_stop_string():
     assert m.feed("1\n") == "1" and m.feed("\nrest") == "" and m.matched
 
 
+def test_streamed_responses_are_read_as_tritonclient_reads_them():
+    """The frontend reads text, token count and finish reason from a response's raw contents and its
+    acceptance stats only when asked: the same values tritonclient's as_numpy gives."""
+    import numpy as np
+    from tritonclient.grpc import InferResult, service_pb2
+    from tritonclient.utils import serialize_byte_tensor
+
+    from serving.openai.backend import Delta, read_response
+    values = {"text_output": ("BYTES", np.array(["é = 'x'\n".encode()], dtype=object)),
+              "output_ids": ("INT32", np.array([[5, 6, 7]], dtype=np.int32)),
+              "finish_reason": ("BYTES", np.array([b"length"], dtype=object)),
+              "total_draft_tokens": ("INT32", np.array([9], dtype=np.int32)),
+              "total_accepted_draft_tokens": ("INT32", np.array([4], dtype=np.int32)),
+              "acceptance_histogram": ("INT32", np.array([2, 1, 0, 1], dtype=np.int32))}
+    response = service_pb2.ModelInferResponse()
+    for name, (datatype, array) in values.items():
+        response.outputs.add(name=name, datatype=datatype, shape=list(array.shape))
+        response.raw_output_contents.append(serialize_byte_tensor(array).item() if datatype == "BYTES"
+                                            else array.tobytes())
+    result = InferResult(response)
+    d = read_response(result)
+    assert (d.text, d.tokens, d.finish_reason) == (result.as_numpy("text_output")[0].decode(), 3, "length")
+    assert d.text == "é = 'x'\n"
+    assert d.stats == {"drafts": 9, "accepted": 4, "histogram": [2, 1, 0, 1], "steps": 4}
+    assert Delta("", 0, result=InferResult(service_pb2.ModelInferResponse())).stats == {}   # no stats outputs
+
+
 def test_models_lists_the_engine(client, stack):
     assert [m.id for m in client.models.list().data] == [_model(stack)]
 

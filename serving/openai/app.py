@@ -1,6 +1,7 @@
 """The FastAPI application: routes, the API key, errors as OpenAI's JSON, server-sent events."""
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -42,9 +43,13 @@ def model_info(engine_dir, name: str | None = None) -> ModelInfo:
 
 def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = None, ready=None):
     """``ready``: an optional extra readiness check (a callable returning bool), e.g. the supervisor's."""
+    checked = {"at": -1.0, "ready": False, "refresh": None}   # Triton's readiness on file; its refresh task
+
     @asynccontextmanager
     async def lifespan(app):
         yield
+        if checked["refresh"] is not None:
+            checked["refresh"].cancel()
         await backend.close()
 
     app = FastAPI(title="nemospec OpenAI-compatible API", docs_url=None, redoc_url=None, lifespan=lifespan)
@@ -57,16 +62,22 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
         if api_key and request.headers.get("authorization", "") != f"Bearer {api_key}":
             raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'")
 
-    checked = {"at": -1.0, "ready": False}
+    async def refresh():
+        checked["ready"], checked["at"] = await backend.ready(), time.monotonic()
 
     async def is_ready(fresh: bool = False) -> bool:
-        """Triton's readiness is asked at most every READY_SECONDS for requests (two round trips
-        each), always for /health/ready; the supervisor's check (``ready``) every time."""
+        """Triton's readiness (two gRPC round trips), asked at most every READY_SECONDS: while it was
+        ready the answer on file serves the request and a refresh runs beside it, off the request's
+        path; awaited while it was not ready and always for /health/ready. The supervisor's check
+        (``ready``) every time."""
         if ready is not None and not ready():
             return False
-        now = time.monotonic()
-        if fresh or now - checked["at"] > READY_SECONDS or not checked["ready"]:
-            checked["ready"], checked["at"] = await backend.ready(), now
+        if fresh or not checked["ready"]:
+            await refresh()
+        elif time.monotonic() - checked["at"] > READY_SECONDS and checked["refresh"] is None:
+            task = asyncio.ensure_future(refresh())
+            task.add_done_callback(lambda _: checked.update(refresh=None))
+            checked["refresh"] = task
         return checked["ready"]
 
     async def body_of(request: Request) -> dict:
@@ -128,19 +139,19 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
             first = await _first(stream)      # errors before the first byte keep their status
             return StreamingResponse(_events(first, stream, g, base, chat, prompt_tokens),
                                      media_type="text/event-stream")
-        text, tokens, reason, stats = [], 0, "", {}
+        text, tokens, reason, last = [], 0, "", None
         stops = StopMatcher(g.stop)
         try:
             async for d in stream:
                 text.append(stops.feed(d.text))
-                tokens, reason, stats = tokens + d.tokens, d.finish_reason, d.stats
+                tokens, reason, last = tokens + d.tokens, d.finish_reason, d
                 if stops.matched:
                     reason = "stop"
                     break
         finally:
             await stream.aclose()
         text.append(stops.flush() if not stops.matched else "")
-        out = "".join(text)
+        out, stats = "".join(text), last.stats if last is not None else {}
         choice = ({"index": 0, "message": {"role": "assistant", "content": out}, "logprobs": None,
                    "finish_reason": reason or "stop"} if chat else
                   {"index": 0, "text": out, "logprobs": None, "finish_reason": reason or "stop"})
@@ -165,28 +176,32 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
                         "finish_reason": reason}
             return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
 
+        # a text chunk is the same JSON every time but for its text: encoded once, the text spliced in
+        head, _, tail = event(choice("\0")).partition(json.dumps("\0"))
+
         if chat:
             yield event({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                          "finish_reason": None})
-        stops, tokens, reason, stats = StopMatcher(g.stop), 0, "", {}
+        stops, tokens, reason, last = StopMatcher(g.stop), 0, "", None
         try:
             d = first
             while d is not None:
                 text = stops.feed(d.text)
-                tokens, reason, stats = tokens + d.tokens, d.finish_reason, d.stats
+                tokens, reason, last = tokens + d.tokens, d.finish_reason, d
                 if stops.matched:
                     reason = "stop"
                 if text:
-                    yield event(choice(text))
+                    yield head + json.dumps(text) + tail
                 if reason:
                     break
                 try:
                     d = await stream.__anext__()
                 except StopAsyncIteration:
                     d = None
-            tail = "" if stops.matched else stops.flush()
-            if tail:
-                yield event(choice(tail))
+            tail_text = "" if stops.matched else stops.flush()
+            if tail_text:
+                yield event(choice(tail_text))
+            stats = last.stats if last is not None else {}
             metrics = speculative_metrics(stats, info.draft_len) if stats else {}
             yield event(choice("", reason or "stop"), **({} if g.include_usage else {"metrics": metrics}))
             if g.include_usage:

@@ -5,7 +5,9 @@ through the ensemble's cancellation relay."""
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -21,7 +23,41 @@ class Delta:
     text: str
     tokens: int
     finish_reason: str = ""                    # "" until the last one
-    stats: dict = field(default_factory=dict)  # steps, drafts, accepted, histogram
+    result: object = field(default=None, repr=False)   # the response (an InferResult): stats on demand
+
+    @cached_property
+    def stats(self) -> dict:
+        """steps, drafts, accepted, histogram (the request's so far), read only when asked for: the
+        frontend needs them once, at the end, not per streamed response."""
+        values = {name: None if self.result is None else self.result.as_numpy(name)
+                  for name in ("total_draft_tokens", "total_accepted_draft_tokens", "acceptance_histogram")}
+        if any(v is None for v in values.values()):
+            return {}
+        stats = {"drafts": int(values["total_draft_tokens"].reshape(-1)[0]),
+                 "accepted": int(values["total_accepted_draft_tokens"].reshape(-1)[0]),
+                 "histogram": [int(v) for v in values["acceptance_histogram"].reshape(-1)]}
+        stats["steps"] = sum(stats["histogram"])
+        return stats
+
+
+def _first_string(raw: bytes) -> bytes:
+    """The first element of a Triton BYTES tensor's raw content (a 4-byte little-endian length, then
+    that many bytes)."""
+    return raw[4:4 + int.from_bytes(raw[:4], "little")]
+
+
+def read_response(result) -> Delta:
+    """One streamed response's text, token count and finish reason, read straight from the response's
+    raw output contents (as_numpy per output scans the outputs and builds an array each time)."""
+    response = result.get_response()
+    outputs, raw = response.outputs, response.raw_output_contents
+    if len(raw) != len(outputs):        # Triton's gRPC server always sends raw contents
+        raise ValueError("a streamed response without raw output contents")
+    index = {o.name: i for i, o in enumerate(outputs)}
+    text = _first_string(raw[index["text_output"]]).decode("utf-8", "replace")
+    tokens = math.prod(outputs[index["output_ids"]].shape) if "output_ids" in index else 0
+    reason = _first_string(raw[index["finish_reason"]]).decode() if "finish_reason" in index else ""
+    return Delta(text, tokens, reason, result)
 
 
 def _tensor(name, array, dtype):
@@ -98,16 +134,9 @@ class TritonBackend:
             async for result, error in call:
                 if error is not None:
                     raise from_triton(error.message() if hasattr(error, "message") else str(error))
-                reason = result.as_numpy("finish_reason")
-                reason = reason.reshape(-1)[0].decode() if reason is not None else ""
-                ids = result.as_numpy("output_ids")
-                text = result.as_numpy("text_output").reshape(-1)[0].decode("utf-8", "replace")
-                stats = {"drafts": int(result.as_numpy("total_draft_tokens").reshape(-1)[0]),
-                         "accepted": int(result.as_numpy("total_accepted_draft_tokens").reshape(-1)[0]),
-                         "histogram": [int(v) for v in result.as_numpy("acceptance_histogram").reshape(-1)]}
-                stats["steps"] = sum(stats["histogram"])
-                yield Delta(text, 0 if ids is None else int(ids.size), reason, stats)
-                if reason:
+                delta = read_response(result)
+                yield delta
+                if delta.finish_reason:
                     return
         except APIError:
             raise
