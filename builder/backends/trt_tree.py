@@ -79,15 +79,8 @@ def tree_ssm_scan(x, dt, A, B, C, D, state, ancestors):
 def tree_attention(q, k_cache, v_cache, positions, ancestors, scale):
     r = tb._recorder(q, k_cache, positions, ancestors)
     with r.op("tree_attention", "native: matmul + (rows before the chunk | ancestor rows) mask + fp32 softmax + matmul"):
-        tq, k, v = r.itensor(q), r.itensor(k_cache, "k_cache"), r.itensor(v_cache, "v_cache")
+        tq, k, vt, scores, dtype, q_heads, dim = _scores(r, q, k_cache, v_cache, scale)
         pos, mask = r.itensor(positions, "positions"), r.itensor(ancestors, "ancestors")
-        dtype = tb.torch_dtype(tq.dtype)
-        q_heads, dim, kv_heads = tq.shape[2], tq.shape[3], k.shape[2]
-        group = q_heads // kv_heads
-        qg = r.transpose(r.reshape(tq, [0, 0, kv_heads, group, dim], "q_groups"), [0, 2, 3, 1, 4], "q")
-        kt = r.reshape(r.transpose(k, [0, 2, 3, 1], "k_transposed"), [0, 0, 1, dim, -1], "k")
-        vt = r.reshape(r.transpose(v, [0, 2, 1, 3], "v_heads_first"), [0, 0, 1, -1, dim], "v")
-        scores = r.ew_scalar(r.matmul(qg, kt, what="qk"), float(scale), EW.PROD, "scale")  # [B,Hkv,g,T,S]
         pdt = tb._int_dtype(pos)
         seq = r.dim(tq, 1)
         keys = r.reshape(r.iota(r.dim(k, 1), pdt, what="keys"), [1, -1], "keys_row")       # [1, S]
@@ -111,18 +104,24 @@ def tree_attention(q, k_cache, v_cache, positions, ancestors, scale):
 def masked_attention(q, k_cache, v_cache, visible, scale):
     r = tb._recorder(q, k_cache, visible)
     with r.op("masked_attention", "native: matmul + given visibility mask + fp32 softmax + matmul"):
-        tq, k, v = r.itensor(q), r.itensor(k_cache, "k_cache"), r.itensor(v_cache, "v_cache")
+        _, _, vt, scores, dtype, q_heads, dim = _scores(r, q, k_cache, v_cache, scale)
         mask = r.itensor(visible, "visible")
-        dtype = tb.torch_dtype(tq.dtype)
-        q_heads, dim, kv_heads = tq.shape[2], tq.shape[3], k.shape[2]
-        group = q_heads // kv_heads
-        qg = r.transpose(r.reshape(tq, [0, 0, kv_heads, group, dim], "q_groups"), [0, 2, 3, 1, 4], "q")
-        kt = r.reshape(r.transpose(k, [0, 2, 3, 1], "k_transposed"), [0, 0, 1, dim, -1], "k")
-        vt = r.reshape(r.transpose(v, [0, 2, 1, 3], "v_heads_first"), [0, 0, 1, -1, dim], "v")
-        scores = r.ew_scalar(r.matmul(qg, kt, what="qk"), float(scale), EW.PROD, "scale")  # [B,Hkv,g,T,S]
         visible = r.ew(r.cast(mask, torch.int32, "visible_int"), r.scalar(0, torch.int32, 3, "zero_int"),
                        EW.GREATER, "is_visible")                                         # [B, T, S] bool
         return r.wrap(_masked(r, vt, scores, visible, dtype, q_heads, dim))
+
+
+def _scores(r, q, k_cache, v_cache, scale):
+    """GQA's scaled q.k [B, Hkv, g, T, S] and the values [B, Hkv, 1, S, D] it will weigh."""
+    tq, k, v = r.itensor(q), r.itensor(k_cache, "k_cache"), r.itensor(v_cache, "v_cache")
+    dtype = tb.torch_dtype(tq.dtype)
+    q_heads, dim, kv_heads = tq.shape[2], tq.shape[3], k.shape[2]
+    group = q_heads // kv_heads
+    qg = r.transpose(r.reshape(tq, [0, 0, kv_heads, group, dim], "q_groups"), [0, 2, 3, 1, 4], "q")
+    kt = r.reshape(r.transpose(k, [0, 2, 3, 1], "k_transposed"), [0, 0, 1, dim, -1], "k")
+    vt = r.reshape(r.transpose(v, [0, 2, 1, 3], "v_heads_first"), [0, 0, 1, -1, dim], "v")
+    scores = r.ew_scalar(r.matmul(qg, kt, what="qk"), float(scale), EW.PROD, "scale")
+    return tq, k, vt, scores, dtype, q_heads, dim
 
 
 def _masked(r, vt, scores, visible, dtype, q_heads, dim):
