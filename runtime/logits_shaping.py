@@ -28,39 +28,40 @@ def _penalise(row: torch.Tensor, counts: torch.Tensor, p: SamplingParams) -> tor
 
 def shape(logits: torch.Tensor, seqs, drafts: torch.Tensor | None = None) -> torch.Tensor:
     """logits [B, T, V] for the next T positions of each sequence (T = 1 for a decode step; a verify
-    chunk's rows follow ``drafts`` [B, T-1]) -> shaped logits (a copy only when something applies).
-    A chain is the tree whose row t has rows 1..t as its drafted ancestors."""
-    if not _applies(seqs):
+    chunk's rows follow ``drafts`` [B, T-1]) -> shaped logits (a copy only when something applies)."""
+    params = [s.params for s in seqs]
+    if not any(p.banned or p.uses_history for p in params):
         return logits
-    batch, rows = logits.shape[:2]
-    tokens = torch.zeros(batch, rows, dtype=torch.long)
-    if drafts is not None and rows > 1:
-        tokens[:, 1:] = drafts[:, :rows - 1].long().cpu()
-    drafted = torch.tril(torch.ones(rows, rows, dtype=torch.bool)).expand(batch, -1, -1).clone()
-    drafted[:, :, 0] = False
-    return _shape_paths(logits, seqs, tokens, drafted, torch.arange(rows).expand(batch, -1))
+    logits = logits.clone()
+    vocab = logits.shape[-1]
+    for b, s in enumerate(seqs):
+        p = s.params
+        if p.banned:
+            logits[b, :, list(p.banned)] = float("-inf")
+        if not p.uses_history:
+            continue
+        following = [] if drafts is None else drafts[b].tolist()
+        counts = torch.bincount(torch.tensor(s.prompt + s.outputs, dtype=torch.long), minlength=vocab).to(logits)
+        for t in range(logits.shape[1]):
+            if t:
+                counts[following[t - 1]] += 1
+            logits[b, t] = _penalise(logits[b, t], counts, p)
+            if len(s.outputs) + t < p.min_length and s.end_ids:
+                logits[b, t, list(s.end_ids)] = float("-inf")
+    return logits
 
 
 def shape_tree(logits: torch.Tensor, seqs, tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor):
     """A tree verify's logits [B, T, V]: row r is shaped with the history its root path continues
     (the sequence so far plus the drafted tokens from the root's child down to r)."""
     from runtime.tree import ancestors
-    if not _applies(seqs):
+    params = [s.params for s in seqs]
+    if not any(p.banned or p.uses_history for p in params):
         return logits
-    drafted = ancestors(parents)
-    drafted[:, :, 0] = False                                     # the root's token is already in the history
-    return _shape_paths(logits, seqs, tokens, drafted, depth)
-
-
-def _applies(seqs) -> bool:
-    return any(s.params.banned or s.params.uses_history for s in seqs)
-
-
-def _shape_paths(logits, seqs, tokens, drafted, depth):
-    """Row r of sequence b follows the drafted tokens ``tokens[b][drafted[b, r]]`` (``depth[b, r]`` of
-    them): banned tokens, penalties over the history plus those, ``min_length`` at that depth."""
     logits = logits.clone()
     vocab = logits.shape[-1]
+    drafted = ancestors(parents)
+    drafted[:, :, 0] = False                                     # the root's token is already in the history
     for b, s in enumerate(seqs):
         p = s.params
         if p.banned:
