@@ -75,11 +75,13 @@ def triton_ready(http_url: str, timeout: float = 2.0) -> bool:
 
 def check_server(handle, stubs: dict[int, str], timeout: float = 2.0) -> Health:
     """``handle``: a ``serving.launch.ServerHandle``; ``stubs``: {pid: model} seen when it became ready."""
+    # every death seen is named: a killed stub can take the server down with it (SIGABRT) before a check
+    dead = [f"the Python stub of model '{model}' (pid {pid}) died"
+            for pid, model in sorted(stubs.items()) if not process_alive(pid)]
     if not handle.alive():
-        return Health(False, f"tritonserver (pid {handle.process.pid}) exited with code {handle.process.returncode}")
-    for pid, model in sorted(stubs.items()):
-        if not process_alive(pid):
-            return Health(False, f"the Python stub of model '{model}' (pid {pid}) died")
+        dead.append(f"tritonserver (pid {handle.process.pid}) exited with code {handle.process.returncode}")
+    if dead:
+        return Health(False, "; ".join(dead))
     if not triton_ready(handle.http_url, timeout):
         return Health(False, "tritonserver: /v2/health/ready is not 200")
     return Health(True)
@@ -87,26 +89,42 @@ def check_server(handle, stubs: dict[int, str], timeout: float = 2.0) -> Health:
 
 class StallWatch:
     """A stub that is alive but stuck (a deadlocked scheduler, a stopped process): requests are in
-    flight (``nemospec_active_sequences`` + ``nemospec_queued_requests`` > 0 on the metrics port) and
-    ``nemospec_steps_total`` has not moved for ``timeout`` seconds. No request in flight: no verdict."""
+    flight and ``nemospec_steps_total`` has not moved for ``timeout`` seconds. No request in flight:
+    no verdict.
 
-    METRIC = re.compile(r'^(nemospec_steps_total|nemospec_active_sequences|nemospec_queued_requests)'
-                        r'\{[^}]*model="speculative"[^}]*\} ([0-9.eE+-]+)$', re.M)
+    In flight is read two ways from the metrics port, the larger wins: the gauges
+    (``nemospec_active_sequences`` + ``nemospec_queued_requests``), which the stub publishes at most
+    every 0.1 s and so can still read 0 when it stops right after a request's first tokens; and
+    ``nemospec_requests_received_total`` (counted in ``execute`` before any response) minus
+    ``nemospec_requests_total`` over its outcomes (counted when a request ends), which cannot."""
+
+    LINE = re.compile(r'^(nemospec_\w+)\{([^}]*)\} ([0-9.eE+-]+)$', re.M)
+    MODEL = re.compile(r'(?:^|,)model="speculative"(?:,|$)')
 
     def __init__(self, timeout: float):
         self.timeout = timeout
         self._steps = None
         self._since = None
 
+    @classmethod
+    def in_flight(cls, metrics_text: str) -> tuple[float | None, float]:
+        """(scheduler steps, requests in flight) of the speculative model; steps None: no metrics yet."""
+        values: dict[str, float] = {}
+        for name, labels, value in cls.LINE.findall(metrics_text):
+            if cls.MODEL.search(labels):
+                values[name] = values.get(name, 0.0) + float(value)   # nemospec_requests_total: every outcome
+        gauges = values.get("nemospec_active_sequences", 0.0) + values.get("nemospec_queued_requests", 0.0)
+        counted = values.get("nemospec_requests_received_total", 0.0) - values.get("nemospec_requests_total", 0.0)
+        return values.get("nemospec_steps_total"), max(gauges, counted)
+
     def update(self, metrics_text: str, now: float | None = None) -> str | None:
         """The stall's reason, or None."""
         now = time.monotonic() if now is None else now
-        values = {name: float(value) for name, value in self.METRIC.findall(metrics_text)}
-        if "nemospec_steps_total" not in values:
+        steps, busy = self.in_flight(metrics_text)
+        if steps is None:
             return None
-        busy = values.get("nemospec_active_sequences", 0) + values.get("nemospec_queued_requests", 0)
-        if not busy or values["nemospec_steps_total"] != self._steps:
-            self._steps, self._since = values["nemospec_steps_total"], now
+        if not busy or steps != self._steps:
+            self._steps, self._since = steps, now
             return None
         if now - self._since >= self.timeout:
             return (f"the speculative model stalled: {busy:.0f} requests in flight and no scheduler step for "

@@ -474,6 +474,16 @@ def test_metrics_exported(server):
                     for j in range(OPTIONS["max_draft_len"])]
     assert sum(per_position) == accepted and per_position == sorted(per_position, reverse=True)
     assert metric(server, "nemospec_prompt_tokens_total") > 0
+    # every request handed to the model ends in one outcome (the supervisor's stall check reads the gap)
+    deadline = time.monotonic() + 10     # a cancelled request of an earlier test may still be ending
+    while True:
+        received = metric(server, "nemospec_requests_received_total")
+        ended = sum(metric(server, "nemospec_requests_total", outcome=o)
+                    for o in ("completed", "cancelled", "rejected", "failed"))
+        if received == ended or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert received == ended > 0, (received, ended)
     for name in ("nemospec_e2e_request_latency_seconds_count", "nemospec_time_to_first_token_seconds_count",
                  "nemospec_inter_token_latency_seconds_count"):
         assert any(k.startswith(name + "{") for k in m), name

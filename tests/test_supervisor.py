@@ -149,6 +149,13 @@ def _active_sequences(serve):
     return next((float(line.split()[-1]) for line in text.splitlines() if line.startswith("nemospec_active_sequences{")), 0)
 
 
+def _speculative_metrics(serve):
+    """The lines the stall check reads, for a failure message."""
+    _, text = _get(f"http://127.0.0.1:{serve.ports[2]}/metrics")
+    return "".join(line + "\n" for line in text.splitlines() if line.startswith(
+        ("nemospec_steps_total{", "nemospec_active_sequences{", "nemospec_queued_requests{", "nemospec_requests_")))
+
+
 def _http_generate(serve, max_tokens):
     """(status or exception name, body) of an HTTP generate through the server's guard."""
     request = urllib.request.Request(f"http://{serve.http_url}/v2/models/ensemble/generate", method="POST",
@@ -261,7 +268,8 @@ def test_stalled_stub_is_restarted(engine_dir, tmp_path):
         stopped = time.monotonic()
         # --stall_timeout 2 plus the supervisor's checks, each a metrics scrape that a stopped stub can
         # slow down; a loaded CI machine has taken over 10 s
-        assert serve.wait_not_ready(30), "not ready within --stall_timeout + a few checks"
+        assert serve.wait_not_ready(30), ("not ready within --stall_timeout + a few checks:\n"
+                                          + _speculative_metrics(serve) + serve.log()[-2000:])
         MEASURED["stall_not_ready_s"] = time.monotonic() - stopped
         assert stream.done.wait(30) and stream.error is not None
         assert serve.wait_ready(60)

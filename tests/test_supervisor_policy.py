@@ -138,3 +138,30 @@ def test_stall_watch_needs_requests_in_flight_and_no_step():
     assert w.update(_metrics(11, 0, queued=2), now=13) is not None, "queued requests waiting count too"
     assert w.update(_metrics(11, 0), now=100) is None, "nothing in flight: no verdict"
     assert w.update("", now=200) is None, "no speculative metrics (yet)"
+
+
+def test_stall_watch_counts_requests_the_gauges_have_not_shown():
+    """A stub stopped right after a request's first tokens may not have published its gauges (every
+    0.1 s): the received-minus-ended counters still say a request is in flight."""
+    def text(received, ended):
+        return _metrics(10, 0) + (f'nemospec_requests_received_total{{model="speculative"}} {received}\n'
+                                  f'nemospec_requests_total{{model="speculative",outcome="completed"}} {ended - 1}\n'
+                                  f'nemospec_requests_total{{outcome="rejected",model="speculative"}} 1\n'
+                                  f'nemospec_requests_total{{model="ensemble2",outcome="completed"}} 7\n')
+    w = health.StallWatch(2)
+    assert w.update(text(5, 5), now=0) is None and w.update(text(5, 5), now=10) is None, "all ended: idle"
+    w = health.StallWatch(2)
+    assert w.update(text(6, 5), now=0) is None
+    assert "stalled: 1 requests in flight" in w.update(text(6, 5), now=3)
+    assert health.StallWatch.in_flight(text(6, 5)) == (10.0, 1.0)
+
+
+def test_check_server_names_every_death():
+    """A killed stub can take tritonserver down with it (SIGABRT) before the next check: the reason
+    names both, so the operator sees the first cause, not only the server's exit code."""
+    handle = SimpleNamespace(process=SimpleNamespace(pid=10**6, returncode=-6), alive=lambda: False)
+    gone = 2**22 + 12345      # above the kernel's pid_max default: no such process
+    reason = health.check_server(handle, {gone: "speculative"}).reason
+    assert reason == (f"the Python stub of model 'speculative' (pid {gone}) died; "
+                      f"tritonserver (pid {10**6}) exited with code -6")
+    assert health.check_server(handle, {}).reason == f"tritonserver (pid {10**6}) exited with code -6"

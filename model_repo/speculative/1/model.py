@@ -134,6 +134,7 @@ class TritonPythonModel:
             "spec_drafts": metric("nemospec_spec_decode_num_drafts_total", "Draft proposals verified (one per sequence per speculative step)", MF.COUNTER),
             "spec_draft_tokens": metric("nemospec_spec_decode_num_draft_tokens_total", "Draft tokens proposed and verified", MF.COUNTER),
             "spec_accepted_tokens": metric("nemospec_spec_decode_num_accepted_tokens_total", "Draft tokens the target accepted", MF.COUNTER),
+            "received": metric("nemospec_requests_received_total", "Requests handed to the model (each ends in one nemospec_requests_total outcome)", MF.COUNTER),
             "prompt_tokens": metric("nemospec_prompt_tokens_total", "Prompt tokens of admitted requests", MF.COUNTER),
             "e2e_latency": metric("nemospec_e2e_request_latency_seconds", "Arrival to last response, per completed request", MF.HISTOGRAM, REQUEST_BUCKETS),
             "ttft": metric("nemospec_time_to_first_token_seconds", "Arrival to the first generated token", MF.HISTOGRAM, REQUEST_BUCKETS),
@@ -224,6 +225,7 @@ class TritonPythonModel:
 
     def execute(self, requests):
         for request in requests:
+            self.m["received"].increment(1)   # before any response: the supervisor's stall check counts on it
             sender = request.get_response_sender()
             try:
                 r, options = self._parse(request)
