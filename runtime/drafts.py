@@ -66,11 +66,41 @@ class EagerDraft:
                                           device=self.device)}
 
     def step(self, ids, target_features, own_hidden, positions, lengths, logit_index, state):
+        return self._step(self.run, ids, target_features, own_hidden, positions, lengths, logit_index, state)
+
+    def _step(self, run, ids, target_features, own_hidden, positions, lengths, logit_index, state):
         feeds = {"input_ids": ids, "positions": positions, "lengths": lengths, "logit_index": logit_index}
         feeds.update(self.row_inputs(ids, target_features, own_hidden))
         feeds.update({"past." + k: v for k, v in state.items()})
-        out = self.run("draft", feeds)
+        out = run("draft", feeds)
         return self.to_target_vocab(out["logits"]), out["hidden_out"], _present(out)
+
+    @torch.inference_mode()
+    def chain(self, ids, features, positions, lengths, state, k: int):
+        return self._chain(ids, features, positions, lengths, state, k)
+
+    def _chain(self, ids, features, positions, lengths, state, k: int):
+        """A feature draft's whole greedy proposal in one call: the catch-up chunk (``ids`` with the
+        target's ``features``, ``lengths`` real rows per sequence) yields the first token, then k-1
+        rows each fed the previous token and the draft's own hidden. Returns (tokens [B, k], the
+        catch-up's last-row logits [B, V] and hidden [B, H], the state after the last row): what
+        ``k`` calls of ``step`` with argmax in between give, without a host round trip per token."""
+        call = lambda name, feeds: self.components[name].call(feeds)  # noqa: E731
+        index = (lengths - 1).to(torch.int32)[:, None]
+        logits, hidden, state = self._step(call, ids, features, None, positions, lengths, index, state)
+        first_logits = logits[:, 0]
+        hidden = hidden.gather(1, index.long()[:, :, None].expand(-1, -1, hidden.shape[-1]))[:, 0]
+        first_hidden, token = hidden, first_logits.argmax(-1)
+        tokens = [token]
+        position = positions[:, :1] + lengths.to(positions.dtype)[:, None]
+        one = torch.ones_like(lengths)
+        zero = torch.zeros_like(index)
+        for i in range(1, k):
+            logits, out, state = self._step(call, token.to(torch.int32)[:, None], None, hidden[:, None],
+                                            position + (i - 1), one, zero, state)
+            hidden, token = out[:, 0], logits[:, 0].argmax(-1)
+            tokens.append(token)
+        return torch.stack(tokens, 1), first_logits, first_hidden, state
 
     @torch.inference_mode()
     def tree_step(self, ids, own_hidden, positions, slots, visible, state):

@@ -216,7 +216,32 @@ class FeatureDraftProposer(_PerSequence):
         self.pending_features = list(features[self.draft.feature])
         self._catch_up()
 
+    def _fused(self, k, params, stop_below) -> bool:
+        """Whether this proposal can run as one ``draft.chain`` call: greedy rows with nothing
+        banned, no confidence stop, and every sequence with 1..prefill_chunk queued rows."""
+        return (k > 1 and not stop_below and hasattr(self.draft, "chain")
+                and all(not p.temperature and not p.banned for p in params)
+                and all(0 < len(t) <= self.prefill_chunk for t in self.pending))
+
+    def _propose_chain(self, k):
+        dev = self.draft.device
+        ids, positions, lengths = chunk_inputs(self.pending, self.position, dev)
+        if len(self.pending) == 1:
+            feats = self.pending_features[0][None].to(dev)
+        else:
+            first = self.pending_features[0]
+            feats = torch.zeros(len(self.pending), ids.shape[1], first.shape[-1], dtype=first.dtype, device=dev)
+            for b, f in enumerate(self.pending_features):
+                feats[b, :f.shape[0]] = f
+        tokens, self.logits, self.hidden, self.state = self.draft.chain(ids, feats, positions, lengths, self.state, k)
+        self.position = [s + len(t) for s, t in zip(self.position, self.pending)]
+        self.pending = [[] for _ in self.pending]
+        self.pending_features = [None] * len(self.pending)
+        return tokens, None, None
+
     def propose(self, k, params, stop_below=0.0):
+        if self._fused(k, params, stop_below):
+            return self._propose_chain(k)
         if any(self.pending):
             self._catch_up()
         dev = self.draft.device

@@ -51,7 +51,7 @@ def models(one_thread):
 
 def _compiled_keys(loaded):
     proposer = loaded.proposer()
-    steps = [loaded.runner._forward, loaded.runner._rollback, proposer.draft._steps]
+    steps = [loaded.runner._forward, loaded.runner._rollback, proposer.draft._steps, proposer.draft._chains]
     return sum(len(s.ready) for s in steps), [s for s in steps if s.broken]
 
 
@@ -77,6 +77,28 @@ def test_eagle3_greedy_ids_equal_eager(models, k):
     assert compiled.runner._rollback.ready
 
 
+def _proposals(loaded, prompts, k, fused, monkeypatch):
+    """Every step's proposed ids (the speculation trace), with the one-call chain on or off."""
+    from runtime import proposers
+    if not fused:
+        monkeypatch.setattr(proposers.FeatureDraftProposer, "_fused", lambda *a: False)
+    steps = []
+    result = speculative_generate(loaded.runner, loaded.proposer(), prompts, NEW, k, trace=steps.append)
+    monkeypatch.undo()
+    return result.output_ids, [(s["step"], s["sequence"], tuple(s["proposed"])) for s in steps]
+
+
+def test_draft_chain_proposes_what_step_by_step_proposes(models, monkeypatch):
+    """The greedy proposal as one draft call (catch-up chunk + K-1 rows, argmax in between) proposes
+    the ids K separate draft calls propose, on a ragged batch; compiled, it is one graph."""
+    eager, compiled = models
+    out, steps = _proposals(eager, RAGGED, 4, False, monkeypatch)
+    fused_out, fused_steps = _proposals(eager, RAGGED, 4, True, monkeypatch)
+    assert fused_out == out and fused_steps == steps and any(len(p) == 4 for _, _, p in steps)
+    got, _ = _proposals(compiled, RAGGED, 4, True, monkeypatch)
+    assert got == out and compiled.proposer().draft._chains.ready
+
+
 def test_eagle3_tree_greedy_ids_equal_eager(models):
     """Tree speculation on the compiled path (tree verify, tree rollback and the draft's tree steps as
     graphs) gives the eager greedy ids; a second run with another max_new_tokens builds no graph."""
@@ -100,6 +122,7 @@ def test_no_graph_beyond_the_step_shapes(models):
     tensor kinds or capacity), and a new capacity (another max_new_tokens) builds none."""
     eager, compiled = models
     speculative_generate(compiled.runner, compiled.proposer(), RAGGED[:1], NEW, 1)
+    generate(compiled.runner, RAGGED[:2], NEW)       # the batch-2 decode graph, when this test runs alone
     before, (keys, broken) = _graphs(), _compiled_keys(compiled)
     assert not broken
     for new in (NEW + 9, 2 * NEW):
