@@ -44,7 +44,6 @@ BLOCK_DRAFTS = ("dflash", "dspark")      # context rows padded to K+1 by the pro
 # sum, and by default recomputes q's rotary embedding (pow, cos, sin) inside it for every key slot.
 # Storing such intermediates instead: embedded eagle3 draft step 0.50 -> 0.35 ms (the target's decode
 # step unchanged, so it keeps the defaults).
-SKIP_GUARDS = os.environ.get("NEMOSPEC_SKIP_GUARDS", "1") == "1"
 DRAFT_OPTIONS = {"realize_cpu_opcount_threshold": 4, "realize_reads_threshold": 1}
 
 
@@ -118,9 +117,6 @@ class _Steps:
 
     def __call__(self, key, label: str, min_calls: int, *args, **kwargs):
         if key in self.ready:
-            if SKIP_GUARDS:
-                with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-                    return self.compiled(*args, **kwargs)
             return self.compiled(*args, **kwargs)
         self.calls[key] += 1
         if self.broken or self.calls[key] < min_calls:
