@@ -173,17 +173,24 @@ def _check_layout(packed, scale, scale_2, shape, block_size=BLOCK_SIZE, name="we
                          "does not match the block size)")
     if scale_2 is None:
         raise ValueError(f"{name}_scale_2: missing FP32 global scale of the NVFP4 weight {name}")
-    lead = shape[:-2]  # a stack of weights (a MoE layer's experts): one global scale per matrix
-    if scale_2.dtype != torch.float32 or (tuple(scale_2.shape) != lead if lead else
-                                          scale_2.numel() != 1 or scale_2.dim() > 1):
+    lead = shape[:-2]  # a stack of weights (a MoE layer's experts): one global scale, or one per matrix
+    if scale_2.dtype != torch.float32 or not (global_scale_shape(scale_2, shape) or
+                                              (scale_2.numel() == 1 and scale_2.dim() <= 1)):
         raise ValueError(f"{name}_scale_2: global scale has dtype {_dtype_name(scale_2.dtype)} and shape "
-                         f"{list(scale_2.shape)}, expected float32 "
-                         f"{'of shape ' + str(list(lead)) + ' (one per stacked matrix)' if lead else 'scalar'}")
+                         f"{list(scale_2.shape)}, expected a float32 scalar"
+                         f"{' or shape ' + str(list(lead)) + ' (one per stacked matrix)' if lead else ''}")
     bad = ~(torch.isfinite(scale_2) & (scale_2 > 0)).reshape(-1)
     if bool(bad.any()):
         at = int(bad.nonzero()[0])
         raise ValueError(f"{name}_scale_2: global scale{f' {at}' if lead else ''} is {float(scale_2.reshape(-1)[at])}, "
                          "expected a finite positive number")
+
+
+def global_scale_shape(scale_2: torch.Tensor, shape: Sequence[int]) -> tuple:
+    """``shape[:-2]`` when ``scale_2`` holds one global scale per stacked matrix of logical ``shape``,
+    else ``()`` (one for the whole tensor)."""
+    lead = tuple(int(d) for d in shape[:-2])
+    return lead if lead and tuple(scale_2.shape) == lead else ()
 
 
 def dequantize_nvfp4(packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor,
@@ -197,7 +204,7 @@ def dequantize_nvfp4(packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.T
     """
     shape = tuple(int(d) for d in shape)
     _check_layout(packed, scale, scale_2, shape, block_size)
-    block_scale = (scale.float() * scale_2.float().reshape(shape[:-2] + (1, 1))).to(dtype)
+    block_scale = (scale.float() * scale_2.float().reshape(global_scale_shape(scale_2, shape) + (1, 1))).to(dtype)
     values = fp4_decode(unpack_fp4(packed)).unflatten(-1, (shape[-1] // block_size, block_size))
     return (values * block_scale.float()[..., None]).flatten(-2).to(dtype).reshape(shape)
 
@@ -242,7 +249,7 @@ class NVFP4Weight:
         shape = tuple(int(d) for d in shape)
         _check_layout(packed, scale, scale_2, shape, BLOCK_SIZE, name)
         self.packed, self.scale = packed, scale
-        self.scale_2 = scale_2.to(torch.float32).reshape(shape[:-2])
+        self.scale_2 = scale_2.to(torch.float32).reshape(global_scale_shape(scale_2, shape))
         self.logical_shape, self._dtype, self.name = shape, dtype, name
 
     @classmethod

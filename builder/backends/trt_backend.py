@@ -1124,8 +1124,8 @@ from plugins import fp4_markov_head as _markov_head_plugin  # noqa: E402
 __all__ += ["linear_nvfp4", "fp4_markov_head", "NVFP4_LOWERING"]
 
 NVFP4_LOWERING = ("native: FP4 weight + FP8 block scales dequantized by the FP32 global scale -> block "
-                  "dequantize (16 along the input dim) -> matmul; with --strip_plan the three are engine inputs "
-                  "or refittable constants viewing the weights file")
+                  "dequantize (16 along the input dim) -> matmul (with --strip_plan the three are engine inputs "
+                  "or refittable constants viewing the weights file)")
 
 
 def _low_precision(self, t: torch.Tensor, kind: str, shape, what: str):
@@ -1167,7 +1167,7 @@ def _nvfp4_weight(self, packed, scale, scale_2, shape, dtype: torch.dtype, what:
         raise BuildError(f"NVFP4 weight {what}: expected a 2-D logical shape (3-D for stacked experts), got {list(shape)}")
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise BuildError(f"NVFP4 weight {what}: cannot dequantize to {dtype}")
-    from builder.quantization import BLOCK_SIZE, _check_layout
+    from builder.quantization import BLOCK_SIZE, _check_layout, global_scale_shape
     try:
         _check_layout(packed, scale, scale_2, shape, BLOCK_SIZE, what)
     except ValueError as exc:
@@ -1175,9 +1175,10 @@ def _nvfp4_weight(self, packed, scale, scale_2, shape, dtype: torch.dtype, what:
     fp4 = self.low_precision(packed.detach().to("cpu").contiguous(), "FP4", shape, what + "_fp4")
     blocks = shape[:-1] + (shape[-1] // BLOCK_SIZE,)
     fp8 = self.low_precision(scale.detach().to("cpu").contiguous(), "FP8", blocks, what + "_block_scale_fp8")
-    global_scale = self._constant(scale_2.detach().to("cpu", torch.float32).reshape(shape[:-2]), what + "_global_scale")
+    per_matrix = global_scale_shape(scale_2, shape)
+    global_scale = self._constant(scale_2.detach().to("cpu", torch.float32).reshape(per_matrix), what + "_global_scale")
     scales = self.network.add_dequantize(fp8, global_scale, trt_dtype(dtype))
-    if len(shape) == 3:
+    if per_matrix:
         scales.axis = 0  # one global scale per stacked matrix
     block_scale = self._out(scales, what + "_block_scale")
     layer = self.network.add_dequantize(fp4, block_scale, trt_dtype(dtype))
