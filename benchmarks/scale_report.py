@@ -22,6 +22,7 @@ def _build_cell(b: dict | None) -> str:
 
 def write_markdown(result: dict, path: Path) -> None:
     lines = [f"# Scale benchmark ({result['created']}, {result['threads']} CPU thread, eager bf16, K={result['k']})", "",
+             *([f"Updated {result['updated']}.", ""] if result.get("updated") else []),
              "## Builds per layer kind (one full-width layer, vocabulary 1024)", "",
              "| config | kind | plain build | --strip_plan build |", "|---|---|---|---|"]
     for row in result["rows"]:

@@ -9,7 +9,8 @@ An engine directory is self-contained:
                          layer's chunk inputs (conv inputs, x, B, dt) for the rollback
     draft.engine         (speculative modes) the draft network
     weights/*.safetensors  the weights in the build dtype, written once (the TorchRunner's input, and
-                         with --strip_plan every engine's: they hold no weights)
+                         with --strip_plan every engine's: they hold no weights; an NVFP4 target's
+                         then stays packed, config.json 'weights_format', dequantized at load)
     refit_map.json       (--strip_plan) per engine: each weight -> the safetensors tensors that fill it
     tokenizer.json ...   the checkpoint's tokenizer files, when it has them
     (config.json 'files': each engine and weights file's size and sha256, see builder.integrity)
