@@ -182,3 +182,15 @@ def test_strip_plan_build_of_an_nvfp4_moe(nvfp4_moe, tmp_path):
     got, _, _ = runner.forward(feeds["input_ids"], feeds["positions"], feeds["lengths"], feeds["logit_index"],
                                runner.new_state(2, 16))
     assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="running a weight-stripped engine (FP4 inputs bound, or refit) needs a CUDA GPU")
+def test_stripped_nvfp4_engine_generates_like_torch(nvfp4_moe, tmp_path):
+    from runtime.generation import generate
+    from runtime.loading import open_engine_dir
+    out = tmp_path / "e"
+    build(nvfp4_moe, out, BuildOptions(**{**OPTIONS.__dict__, "strip_plan": True}), log=lambda m: None)
+    prompts = [[5, 9, 17, 33], [7, 3]]
+    want = generate(open_engine_dir(out, backend="torch").runner, prompts, 4).output_ids
+    assert generate(open_engine_dir(out, backend="tensorrt").runner, prompts, 4).output_ids == want
