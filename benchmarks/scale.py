@@ -12,9 +12,10 @@ blocks over the K+1-token block + fc(5H->H) + the 32k head on K rows, once per s
 MTP layers) = eh_proj(2H->H) + its attention and MoE blocks + the full head, per proposal. The
 projected speedup is the cost model of runtime/step_costs.py: tokens_per_step x decode / (draft +
 verify), with tokens_per_step the embedded model's measured acceptance (docs/bench/report.json) --
-a projection, not a measurement. --whole builds whole models (structure-only weights) with --strip_plan.
+a projection, not a measurement. --whole builds whole models (structure-only weights) with --strip_plan,
+--first CONFIG:N the first N layers (e.g. the fewest that hold each of the config's layer kinds).
 
-    python benchmarks/scale.py --output_dir docs/bench/scale [--configs nemotron-h-8b-base-8k] [--whole ...]
+    python benchmarks/scale.py --output_dir docs/bench/scale [--configs nemotron-h-8b-base-8k] [--whole ...] [--first ...]
 """
 from __future__ import annotations
 
@@ -211,11 +212,16 @@ def _numel(shape) -> int:
     return n
 
 
-def whole_build(name: str, work: Path) -> dict:
+def whole_build(name: str, work: Path, num_layers: int | None = None) -> dict:
+    """A --strip_plan build of the whole model, or of its first ``num_layers`` (vocabulary 1024), from
+    structure-only weights (NVFP4 configs quantized: packed zeros, unit scales)."""
     ckpt = work / f"{name}-whole"
-    write_shaped_checkpoint(CONFIGS / f"{name}.json", ckpt, vocab_size=None, fill="zeros", mtp=False, log=lambda m: None)
+    write_shaped_checkpoint(CONFIGS / f"{name}.json", ckpt, num_layers, vocab_size=1024 if num_layers else None,
+                            quantize="nvfp4_w4a16" if "nvfp4" in name else None, fill="zeros", mtp=False,
+                            log=lambda m: None)
     try:
-        return dict(child_build(ckpt, work / "e", True), config=name, fill="zeros (structure only)")
+        extra = {"num_layers": num_layers} if num_layers else {}
+        return dict(child_build(ckpt, work / "e", True), config=name, fill="zeros (structure only)", **extra)
     finally:
         shutil.rmtree(ckpt, ignore_errors=True)
         shutil.rmtree(work / "e", ignore_errors=True)
@@ -226,6 +232,8 @@ def main():
     p.add_argument("--output_dir", default=str(ROOT / "docs" / "bench" / "scale"))
     p.add_argument("--configs", nargs="*", default=[c.stem for c in sorted(CONFIGS.glob("*.json"))])
     p.add_argument("--whole", nargs="*", default=[], help="configs to build whole (structure-only, --strip_plan)")
+    p.add_argument("--first", nargs="*", default=[], metavar="CONFIG:N",
+                   help="build the first N layers of a config (structure-only, --strip_plan, vocabulary 1024)")
     p.add_argument("--max_rss_gb", type=float, default=7.0, help="plain builds only where the estimate fits")
     p.add_argument("--no_builds", action="store_true")
     p.add_argument("--workdir", default=None)
@@ -241,8 +249,9 @@ def main():
         for name in args.configs:
             rows.append(measure_config(name, work, args, acceptance))
             (out / "scale.json").write_text(json.dumps({"rows": rows, "whole": whole}, indent=1))
-        for name in args.whole:
-            whole.append(whole_build(name, work))
+        for name in args.whole + args.first:
+            config, _, n = name.partition(":")
+            whole.append(whole_build(config, work, int(n) if n else None))
             print(json.dumps(whole[-1]), flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)

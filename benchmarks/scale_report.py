@@ -22,6 +22,7 @@ def _build_cell(b: dict | None) -> str:
 
 def write_markdown(result: dict, path: Path) -> None:
     lines = [f"# Scale benchmark ({result['created']}, {result['threads']} CPU thread, eager bf16, K={result['k']})", "",
+             *([f"Updated {result['updated']}.", ""] if result.get("updated") else []),
              "## Builds per layer kind (one full-width layer, vocabulary 1024)", "",
              "| config | kind | plain build | --strip_plan build |", "|---|---|---|---|"]
     for row in result["rows"]:
@@ -29,13 +30,14 @@ def write_markdown(result: dict, path: Path) -> None:
             if "plain" in e or "strip_plan" in e:
                 lines.append(f"| {row['config']} | {kind} | {_build_cell(e.get('plain'))} | {_build_cell(e.get('strip_plan'))} |")
     if result.get("whole"):
-        lines += ["", "## Whole-model builds (structure-only weights, --strip_plan)", "",
+        lines += ["", "## Whole-model and first-layers builds (structure-only weights, --strip_plan)", "",
                   "| config | build | peak RSS | engines | weights | directory / weights |", "|---|---|---|---|---|---|"]
         for w in result["whole"]:
             if "error" in w:
                 lines.append(f"| {w['config']} | error: {w['error'][:100]} | | | | |")
                 continue
-            lines.append(f"| {w['config']} | {w['build_seconds']:.0f} s ({w['seconds']:.0f} s with writing the weights) | "
+            label = w["config"] + (f" (first {w['num_layers']} layers, vocabulary 1024)" if w.get("num_layers") else "")
+            lines.append(f"| {label} | {w['build_seconds']:.0f} s ({w['seconds']:.0f} s with writing the weights) | "
                          f"{w['peak_rss_gb']:.2f} GB (est. {w['estimate_gb']:.1f}) | {w['engine_bytes'] / 2**20:.1f} MiB | "
                          f"{w['weight_bytes'] / GIB:.2f} GiB | {w['dir_bytes'] / w['weight_bytes']:.3f}x |")
     lines += ["", "## Eager CPU step costs at full width and the projected speedup", "",

@@ -13,7 +13,8 @@ The build holds, at its peak (one engine at a time; measured on full-width Nemot
 
 With ``--strip_plan`` where TensorRT cannot build refittable engines (tensorrt_rtx without a GPU) the
 weights are engine inputs: TensorRT never reads them, and the build holds only the process, the graph
-(``GRAPH_BYTES_PER_LAYER``) and a small plan.
+(``GRAPH_BYTES_PER_LAYER``) and a small plan. NVFP4 weights (linears and expert stacks) count as their
+packed bytes and scales: they stay FP4 in the file and in the engine, dequantized in the network.
 
 The runtime state the engine directory's runners allocate at load (KV caches for ``max_batch_size``
 x ``max_seq_len``, Mamba conv/SSM states) is reported beside it: it is not part of the build, but a
@@ -89,15 +90,8 @@ def estimate(config, target_weights, draft_bytes: int, options, method: str | No
     target = tensor_dict_bytes(target_weights)
     draft = int(draft_bytes)
     largest = max(target, draft)
-    if method == "inputs":
-        # what cannot leave the plan: NVFP4 linears (FP4 constants) and NVFP4 experts, which the MoE stacks
-        # dequantized (a copy, TensorRT's working copy and the plan's)
-        packed = sum(_nvfp4_bytes(w) for n, w in target_weights.items() if getattr(w, "is_nvfp4", False)
-                     and ".experts." not in n)
-        experts = sum(w.numel() * 2 for n, w in target_weights.items() if getattr(w, "is_nvfp4", False)
-                      and ".experts." in n)
-        peak = BASE_BYTES + STRIPPED_PLAN_BYTES + GRAPH_BYTES_PER_LAYER * config.num_layers + \
-            int((1 + BUILDER_COPY + PLAN_FACTOR) * experts + (BUILDER_COPY + PLAN_FACTOR) * packed)
+    if method == "inputs":  # NVFP4 weights too: their FP4 bytes, block and global scales are inputs
+        peak = BASE_BYTES + STRIPPED_PLAN_BYTES + GRAPH_BYTES_PER_LAYER * config.num_layers
     else:
         plan = STRIPPED_PLAN_BYTES if method == "refit" else int(PLAN_FACTOR * largest)
         peak = BASE_BYTES + target + draft + int(BUILDER_COPY * largest) + plan

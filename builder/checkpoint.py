@@ -55,7 +55,7 @@ _FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloa
 _DTYPE_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64",
                 "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
                 "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
-_PER_EXPERT = re.compile(r"^(.*\.mixer\.experts)\.\d+\.(up_proj|down_proj)\.weight$")
+_PER_EXPERT = re.compile(r"^(.*\.mixer\.experts)\.\d+\.(up_proj|down_proj)\.(weight|weight_scale|weight_scale_2)$")
 _FUSED_EXPERTS = re.compile(r"^(backbone\.layers\.\d+\.mixer\.experts)\.(up_proj|down_proj)(?:\.weight)?$")
 
 Shape = tuple[int, ...]
@@ -177,8 +177,9 @@ def validate_mtp(config: NemotronHConfig, tensors: dict, where: str) -> None:
 
 def storage_order(names) -> list[str]:
     """``names`` in the order to store them: as given, except that a MoE layer's experts lie back to back
-    (every expert's ``up_proj`` in expert order, then every ``down_proj``), so that a memory-mapped
-    reader stacks them without a copy (:func:`builder.safetensors_io.stack`)."""
+    (every expert's ``up_proj`` in expert order, then every ``down_proj``; NVFP4 experts: their packed
+    weights, then their block scales, then their global scales), so that a memory-mapped reader stacks
+    them without a copy (:func:`builder.safetensors_io.stack`)."""
     names = list(names)
     present = set(names)
     out, done = [], set()
@@ -192,13 +193,14 @@ def storage_order(names) -> list[str]:
             continue
         prefix = fused.group(1)
         for proj in ("up_proj", "down_proj"):
-            e = 0
-            while f"{prefix}.{e}.{proj}.weight" in present:
-                key = f"{prefix}.{e}.{proj}.weight"
-                if key not in done:
-                    out.append(key)
-                    done.add(key)
-                e += 1
+            for part in ("weight", "weight_scale", "weight_scale_2"):
+                e = 0
+                while f"{prefix}.{e}.{proj}.{part}" in present:
+                    key = f"{prefix}.{e}.{proj}.{part}"
+                    if key not in done:
+                        out.append(key)
+                        done.add(key)
+                    e += 1
         if name not in done:  # an expert index past a gap: keep it where it was
             out.append(name)
             done.add(name)

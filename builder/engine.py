@@ -9,7 +9,8 @@ An engine directory is self-contained:
                          layer's chunk inputs (conv inputs, x, B, dt) for the rollback
     draft.engine         (speculative modes) the draft network
     weights/*.safetensors  the weights in the build dtype, written once (the TorchRunner's input, and
-                         with --strip_plan every engine's: they hold no weights)
+                         with --strip_plan every engine's: they hold no weights; an NVFP4 target's
+                         then stays packed, config.json 'weights_format', dequantized at load)
     refit_map.json       (--strip_plan) per engine: each weight -> the safetensors tensors that fill it
     tokenizer.json ...   the checkpoint's tokenizer files, when it has them
     (config.json 'files': each engine and weights file's size and sha256, see builder.integrity)
@@ -285,13 +286,12 @@ def build(checkpoint_dir, output_dir, options: BuildOptions, log=print, draft_di
     Raises NemospecError subclasses for bad input, before anything is written. Tensors are read
     memory-mapped; each engine is written as soon as it is built; the weights are written once
     (``weights/*.safetensors``) and the engines are built from that file's mapping, so a constant is a
-    view of its bytes (and, with ``strip_plan``, refit from them at load: ``refit_map.json``).
+    view of its bytes (NVFP4: packed, with ``strip_plan``) (and, with ``strip_plan``, refit from them at load: ``refit_map.json``).
     """
     from builder import build_memory, drafts
     from builder.backends import trt_build
     from builder.backends.trt_import import FLAVOUR, VERSION
     from builder.refit import Provenance, write_refit_map
-    from builder.safetensors_io import mmap_tensors
 
     options.validate()
     mode = options.speculative_decoding_mode
@@ -325,12 +325,10 @@ def build(checkpoint_dir, output_dir, options: BuildOptions, log=print, draft_di
     with atomic_dir(output_dir) as tmp:
         log(f"writing weights into {output_dir}/weights")
         (tmp / "weights").mkdir()
-        target_file = tmp / "weights" / "target.safetensors"
-        _write_weights(target_file, quantization.dequantize_weights(weights))  # the TorchRunner's, build dtype
-        if not quantized:  # build from the written file: experts back to back, every constant a view of it
-            weights = mmap_tensors(target_file)  # (the checkpoint's mapping is released here)
+        packed = quantized and options.strip_plan
+        weights, mapped = write_target_weights(tmp, weights, dtype, packed)
         draft = drafts.load_draft(mode, config, weights, draft_dir, dtype, log, draft_quantization) if mode else None
-        files = [("weights/target.safetensors", weights)]
+        files = [("weights/target.safetensors", mapped)]
         if draft and draft.weights is not None:
             _write_weights(tmp / "weights" / "draft.safetensors", draft.weights)
             files.append(("weights/draft.safetensors", draft.weights))
@@ -372,6 +370,8 @@ def build(checkpoint_dir, output_dir, options: BuildOptions, log=print, draft_di
             "format": "nemospec-engine-dir/1",
             "source": {"checkpoint_dir": str(checkpoint_dir.resolve()), "sha256": checkpoint_hash(checkpoint_dir)},
             "model": config.to_dict(),
+            # weights/target.safetensors: the build dtype, or NVFP4 packed as ModelOpt stores it (--strip_plan)
+            "weights_format": quantization.FORMAT_NAME if packed else "dense",
             "build": dict(asdict(options), dtype=dtype_name),
             "tensorrt": {"flavour": FLAVOUR, "version": VERSION},
             "tokenizer": "tokenizer.json" if "tokenizer.json" in tokenizer else None,
@@ -394,9 +394,33 @@ def build(checkpoint_dir, output_dir, options: BuildOptions, log=print, draft_di
     return report
 
 
+def write_target_weights(directory: Path, weights: dict, dtype: torch.dtype, packed: bool) -> tuple[dict, dict]:
+    """Writes ``weights/target.safetensors`` and returns (the weights to build from, the file's tensors).
+
+    Dense weights are built from the written file's mapping (experts back to back, every constant a view
+    of it; the checkpoint's mapping is released). NVFP4 weights (:class:`builder.quantization.NVFP4Weight`)
+    are written ``packed`` as ModelOpt stores them (``--strip_plan``: the engines read the FP4 bytes from
+    the file) and rebound to the mapping; otherwise dequantized (the TorchRunner's) while the engines keep
+    FP4 constants of the checkpoint's bytes."""
+    from builder import quantization
+    from builder.safetensors_io import mmap_tensors
+    target_file = Path(directory) / "weights" / "target.safetensors"
+    quantized = any(getattr(w, "is_nvfp4", False) for w in weights.values())
+    if quantized and not packed:  # (nothing here is stripped: no file tensors to resolve)
+        _write_weights(target_file, quantization.dequantize_weights(weights))
+        return weights, {}
+    _write_weights(target_file, quantization.nvfp4_file_tensors(weights))
+    mapped = mmap_tensors(target_file)
+    if not quantized:
+        return mapped, mapped
+    shapes = {n: tuple(w.shape) for n, w in weights.items() if getattr(w, "is_nvfp4", False)}
+    return quantization.nvfp4_weights(mapped, shapes=shapes, dtype=dtype), mapped
+
+
 def _profiles(contract: dict, recorder) -> list[dict]:
     """The contract's optimization profiles plus the static shape of every weight input (--strip_plan)."""
-    fixed = {n: [e["shape"]] * 3 for n, e in recorder.refit_weights.items() if e.get("input")}
+    from builder.refit import network_shape
+    fixed = {n: [network_shape(e)] * 3 for n, e in recorder.refit_weights.items() if e.get("input")}
     return [dict(p["shapes"], **fixed) for p in contract["profiles"]]
 
 

@@ -578,6 +578,8 @@ def run_network(network, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Ten
         if t.name not in inputs:
             raise InterpreterError(f"network input {t.name!r} was not given")
         value = torch.as_tensor(inputs[t.name]).cpu()
+        if t.dtype == _FP4 and value.dtype == torch.uint8:  # packed bytes as bound at load: decode them
+            value = _decode_fp4(value.reshape(-1), math.prod(value.shape) * 2).reshape(*value.shape[:-1], -1)
         want = _torch_dtype(t.dtype, f"input {t.name!r}")
         if value.dtype != want:
             raise InterpreterError(f"network input {t.name!r} is {value.dtype}, the network declares {want}")
@@ -668,9 +670,13 @@ def _constant_low_precision(ctx, layer, ins):
         value = _bytes_tensor(raw).view(torch.float8_e4m3fn)
         return [value.reshape(shape)]
     raw = _raw_weights(layer.weights, dtype, count, (count + 1) // 2)
-    packed = _bytes_tensor(raw)
+    return [_decode_fp4(_bytes_tensor(raw), count).reshape(shape)]
+
+
+def _decode_fp4(packed: torch.Tensor, count: int) -> torch.Tensor:
+    """``count`` E2M1 values (in the FP4 container) of packed bytes, element 2i in the low nibble."""
     codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(-1)[:count]
-    return [_E2M1[codes.long()].to(_FP4_CONTAINER).reshape(shape)]
+    return _E2M1[codes.long()].to(_FP4_CONTAINER)
 
 
 def _dequantize(ctx, layer, ins):

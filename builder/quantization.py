@@ -61,7 +61,7 @@ __all__ = [
     "FORMAT_NAME", "DEFAULT_EXCLUDE_MODULES",
     "fp4_encode", "fp4_decode", "pack_fp4", "unpack_fp4", "quantize_nvfp4", "dequantize_nvfp4",
     "quantization_error_bound", "NVFP4Weight", "QuantConfig", "read_quant_config", "is_nvfp4_checkpoint",
-    "validate_nvfp4", "quantize_tensors", "dequantize_tensors", "nvfp4_weights", "dequantize_weights",
+    "validate_nvfp4", "quantize_tensors", "dequantize_tensors", "nvfp4_file_tensors", "nvfp4_weights", "dequantize_weights",
     "quantizable_weight_names", "choose_quantized",
 ]
 
@@ -173,11 +173,24 @@ def _check_layout(packed, scale, scale_2, shape, block_size=BLOCK_SIZE, name="we
                          "does not match the block size)")
     if scale_2 is None:
         raise ValueError(f"{name}_scale_2: missing FP32 global scale of the NVFP4 weight {name}")
-    if scale_2.dtype != torch.float32 or scale_2.numel() != 1 or scale_2.dim() > 1:
+    lead = shape[:-2]  # a stack of weights (a MoE layer's experts): one global scale, or one per matrix
+    if scale_2.dtype != torch.float32 or not (global_scale_shape(scale_2, shape) or
+                                              (scale_2.numel() == 1 and scale_2.dim() <= 1)):
         raise ValueError(f"{name}_scale_2: global scale has dtype {_dtype_name(scale_2.dtype)} and shape "
-                         f"{list(scale_2.shape)}, expected a float32 scalar")
-    if not bool(torch.isfinite(scale_2).all()) or float(scale_2) <= 0:
-        raise ValueError(f"{name}_scale_2: global scale is {float(scale_2)}, expected a finite positive number")
+                         f"{list(scale_2.shape)}, expected a float32 scalar"
+                         f"{' or shape ' + str(list(lead)) + ' (one per stacked matrix)' if lead else ''}")
+    bad = ~(torch.isfinite(scale_2) & (scale_2 > 0)).reshape(-1)
+    if bool(bad.any()):
+        at = int(bad.nonzero()[0])
+        raise ValueError(f"{name}_scale_2: global scale{f' {at}' if lead else ''} is {float(scale_2.reshape(-1)[at])}, "
+                         "expected a finite positive number")
+
+
+def global_scale_shape(scale_2: torch.Tensor, shape: Sequence[int]) -> tuple:
+    """``shape[:-2]`` when ``scale_2`` holds one global scale per stacked matrix of logical ``shape``,
+    else ``()`` (one for the whole tensor)."""
+    lead = tuple(int(d) for d in shape[:-2])
+    return lead if lead and tuple(scale_2.shape) == lead else ()
 
 
 def dequantize_nvfp4(packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor,
@@ -191,7 +204,7 @@ def dequantize_nvfp4(packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.T
     """
     shape = tuple(int(d) for d in shape)
     _check_layout(packed, scale, scale_2, shape, block_size)
-    block_scale = (scale.float() * scale_2.float().reshape(())).to(dtype)
+    block_scale = (scale.float() * scale_2.float().reshape(global_scale_shape(scale_2, shape) + (1, 1))).to(dtype)
     values = fp4_decode(unpack_fp4(packed)).unflatten(-1, (shape[-1] // block_size, block_size))
     return (values * block_scale.float()[..., None]).flatten(-2).to(dtype).reshape(shape)
 
@@ -236,13 +249,27 @@ class NVFP4Weight:
         shape = tuple(int(d) for d in shape)
         _check_layout(packed, scale, scale_2, shape, BLOCK_SIZE, name)
         self.packed, self.scale = packed, scale
-        self.scale_2 = scale_2.to(torch.float32).reshape(())
+        self.scale_2 = scale_2.to(torch.float32).reshape(global_scale_shape(scale_2, shape))
         self.logical_shape, self._dtype, self.name = shape, dtype, name
 
     @classmethod
     def quantize(cls, w: torch.Tensor, name: str = "weight", dtype: torch.dtype | None = None) -> "NVFP4Weight":
         packed, scale, scale_2 = quantize_nvfp4(w)
         return cls(packed, scale, scale_2, w.shape, w.dtype if dtype is None else dtype, name)
+
+    @classmethod
+    def stack(cls, weights: Sequence["NVFP4Weight"]) -> "NVFP4Weight":
+        """E weights of one shape as one ``[E, out, in]`` weight (a MoE layer's experts): packed bytes,
+        block scales and global scales each stacked, as views when they lie back to back in a mapped
+        file (:func:`builder.checkpoint.storage_order`), so the stack stays FP4."""
+        from builder.safetensors_io import stack
+        first = weights[0]
+        if any(w.logical_shape != first.logical_shape or w.ndim != 2 for w in weights):
+            raise ValueError(f"{first.name}: cannot stack NVFP4 weights of shapes "
+                             f"{sorted({tuple(w.logical_shape) for w in weights})} (expected one 2-D shape)")
+        return cls(stack([w.packed for w in weights]), stack([w.scale for w in weights]),
+                   stack([w.scale_2.reshape(()) for w in weights]), (len(weights), *first.logical_shape),
+                   first.dtype, first.name)
 
     # tensor-like surface used by model code (``.to(dtype)``, ``.shape``) and builders
     @property
@@ -500,6 +527,15 @@ def _as_config(qc, where) -> QuantConfig | None:
 def dequantize_weights(weights: Mapping[str, Any], dtype: torch.dtype | None = None) -> dict:
     """``weights`` with every :class:`NVFP4Weight` dequantized (to its compute dtype, or ``dtype``)."""
     return {n: (w.dequantize(dtype) if isinstance(w, NVFP4Weight) else w) for n, w in weights.items()}
+
+
+def nvfp4_file_tensors(weights: Mapping[str, Any]) -> dict:
+    """``weights`` with every :class:`NVFP4Weight` as its ModelOpt tensors (packed, block scales, global
+    scale): what an engine directory stores when its engines read the FP4 bytes from the file."""
+    out: dict = {}
+    for n, w in weights.items():
+        out.update(w.tensors(n) if isinstance(w, NVFP4Weight) else {n: w})
+    return out
 
 
 def dequantize_tensors(tensors: Mapping[str, torch.Tensor], quant_config: QuantConfig | Mapping | None = None,

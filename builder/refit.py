@@ -6,7 +6,8 @@ marked refittable, and TensorRT leaves its bytes out of the plan (``BuilderFlag.
 ``REFIT_INDIVIDUAL``). The refit map, ``refit_map.json`` in the engine directory, lists for each
 engine every refittable weight name -> the file, the tensors whose bytes (back to back, in that order)
 make it, and its shape and dtype. Experts of a MoE layer are one constant made of E consecutive
-tensors. A constant that is derived from the checkpoint (``A = -exp(A_log)``, a few hundred bytes) is
+tensors. An NVFP4 weight is three: its packed FP4 bytes, FP8 block scales and FP32 global scale (of an
+expert stack: E of each, back to back), each entry saying the TensorRT type and shape of its bytes. A constant that is derived from the checkpoint (``A = -exp(A_log)``, a few hundred bytes) is
 not refittable and stays in the plan; the map records how many bytes stayed.
 
 At load (:func:`refit_tensors`) the same bytes are read back, again without a copy, and handed to the
@@ -16,10 +17,13 @@ tensorrt_rtx 1.7 cannot build refittable or stripped engines without a GPU (any 
 fails its compiler's CUDA check). There ``--strip_plan`` records each such weight as a network input
 of static shape instead (method "inputs"): the plan holds no weight, and the runner binds the same
 safetensors bytes (:func:`input_weights`, one device copy shared by the engines) at every execution.
+It takes FP4 and FP8 inputs, so NVFP4 bytes are bound as the file holds them and dequantized in the
+network (the lowering: ``builder.backends.trt_backend._nvfp4_weight``).
 """
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Iterable, Mapping
 
@@ -72,13 +76,29 @@ def weights_name(names: list[str], taken: Mapping) -> str:
     return name
 
 
-def entry(file: str, names: list[str], t: torch.Tensor, layer: str) -> dict:
-    return {"file": file, "tensors": names, "shape": list(t.shape), "dtype": DTYPE_CODES[t.dtype], "layer": layer}
+def entry(file: str, names: list[str], t: torch.Tensor, layer: str, network: dict | None = None) -> dict:
+    """``shape``/``dtype``: the bytes as the file holds them; ``network`` (NVFP4 weights only): the
+    TensorRT type and shape the same bytes have in the network (``{"dtype": "FP4", "shape": [out, in]}``
+    for packed uint8 ``[out, in/2]``; ``"FP8"`` for float8_e4m3fn block scales)."""
+    e = {"file": file, "tensors": names, "shape": list(t.shape), "dtype": DTYPE_CODES[t.dtype], "layer": layer}
+    return dict(e, network=network) if network else e
 
 
-def mark_refittable(recorder, t: torch.Tensor, weights, layer_name: str) -> None:
+def network_shape(e: dict) -> list[int]:
+    """The shape a map entry's weight has in the network (FP4: twice the packed bytes' last dim)."""
+    return e.get("network", e)["shape"]
+
+
+def _trt_weights_type(e: dict, dtype: torch.dtype):
+    from builder.backends.trt_dtypes import trt_dtype
+    from builder.backends.trt_import import trt
+    return getattr(trt.DataType, e["network"]["dtype"]) if "network" in e else trt_dtype(dtype)
+
+
+def mark_refittable(recorder, t: torch.Tensor, weights, layer_name: str, network: dict | None = None) -> None:
     """A constant that views bytes of the engine directory's safetensors (``recorder.refit``, a
-    :class:`Provenance`) is named after them and marked refittable; other constants stay in the plan."""
+    :class:`Provenance`) is named after them and marked refittable; other constants stay in the plan.
+    ``network``: an FP4/FP8 constant's TensorRT type and logical shape (see :func:`entry`)."""
     hit = recorder.refit.resolve(t)
     if hit is None:
         recorder.plan_bytes += t.numel() * t.element_size()
@@ -86,19 +106,20 @@ def mark_refittable(recorder, t: torch.Tensor, weights, layer_name: str) -> None
     name = weights_name(hit[1], recorder.refit_weights)
     recorder.network.set_weights_name(weights, name)
     recorder.network.mark_weights_refittable(name)
-    recorder.refit_weights[name] = entry(hit[0], hit[1], t, layer_name)
+    recorder.refit_weights[name] = entry(hit[0], hit[1], t, layer_name, network)
 
 
-def weight_input(recorder, t: torch.Tensor):
+def weight_input(recorder, t: torch.Tensor, network: dict | None = None):
     """Method "inputs": a weight that views the engine directory's safetensors becomes a network input of
-    static shape (bound at load to those bytes); None for any other constant."""
-    from builder.backends.trt_dtypes import trt_dtype
+    static shape (bound at load to those bytes, FP4 and FP8 ones as they are); None for any other
+    constant. ``network``: an FP4/FP8 weight's TensorRT type and logical shape (see :func:`entry`)."""
     hit = recorder.refit.resolve(t)
     if hit is None:
         return None
     name = weights_name(hit[1], recorder.refit_weights)
-    tensor = recorder.network.add_input(name, trt_dtype(t.dtype), tuple(t.shape))
-    recorder.refit_weights[name] = dict(entry(hit[0], hit[1], t, name), input=True)
+    e = dict(entry(hit[0], hit[1], t, name, network), input=True)
+    tensor = recorder.network.add_input(name, _trt_weights_type(e, t.dtype), tuple(network_shape(e)))
+    recorder.refit_weights[name] = e
     return tensor
 
 
@@ -131,7 +152,6 @@ def refit_engine(engine, directory, name: str, logger=None) -> int:
     """Refit a deserialized weight-stripped engine (``name``: target, verify, draft, ...) from the engine
     directory's safetensors by its refit map; returns the number of weights set (0: nothing to refit).
     Raises RuntimeError naming a weight TensorRT refused or still misses."""
-    from builder.backends.trt_dtypes import trt_dtype
     from builder.backends.trt_import import trt
     directory = Path(directory)
     if not (directory / REFIT_MAP_FILE).is_file():
@@ -142,7 +162,9 @@ def refit_engine(engine, directory, name: str, logger=None) -> int:
     refitter = trt.Refitter(engine, logger or trt.Logger(trt.Logger.WARNING))
     tensors = refit_tensors(directory, entries["weights"])
     for wname, t in tensors.items():
-        if not refitter.set_named_weights(wname, trt.Weights(trt_dtype(t.dtype), t.data_ptr(), t.numel())):
+        e = entries["weights"][wname]  # FP4/FP8 bytes as they are, counted in the network's elements
+        weights = trt.Weights(_trt_weights_type(e, t.dtype), t.data_ptr(), math.prod(network_shape(e)))
+        if not refitter.set_named_weights(wname, weights):
             raise RuntimeError(f"{directory / REFIT_MAP_FILE}: engine {name}: TensorRT refused weight {wname!r} "
                                f"{list(t.shape)}")
     missing = refitter.get_missing_weights()

@@ -140,7 +140,9 @@ def stack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """``torch.stack(tensors)``, as a view without a copy when they lie back to back in one storage
     (experts of a layer as :func:`write_safetensors` callers here order them, memory-mapped)."""
     first = tensors[0]
-    if any(type(t) is not torch.Tensor for t in tensors):  # e.g. NVFP4 weights: their own torch.stack
+    if all(getattr(t, "is_nvfp4", False) for t in tensors):  # NVFP4 experts stay packed (NVFP4Weight.stack)
+        return type(first).stack(tensors)
+    if any(type(t) is not torch.Tensor for t in tensors):
         return torch.stack(list(tensors))
     step = first.numel()
     adjacent = all(t.dtype == first.dtype and t.shape == first.shape and t.is_contiguous() and

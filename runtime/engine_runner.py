@@ -74,8 +74,8 @@ class TensorRTExecutor:
             keep.append(tensor)
             ctx.set_input_shape(name, tuple(tensor.shape))
             ctx.set_tensor_address(name, tensor.data_ptr())
-        for name, tensor in self.weight_inputs.items():
-            ctx.set_input_shape(name, tuple(tensor.shape))
+        for name, tensor in self.weight_inputs.items():  # static shapes (FP4 ones: 2 values a byte)
+            ctx.set_input_shape(name, tuple(self.engine.get_tensor_shape(name)))
             ctx.set_tensor_address(name, tensor.data_ptr())
         outputs = {}
         for name, dtype in self.contract["outputs"].items():

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from builder.safetensors_io import mmap_tensors as load_file  # memory-mapped: pages read when used
 
+from builder import quantization
 from builder.config import NemotronHConfig
 from builder.drafts import draft_from_engine_dir
 from builder.engine import TORCH_DTYPES, BuildOptions, draft_component, draft_components, target_component
@@ -153,6 +154,8 @@ def open_engine_dir(engine_dir, backend="auto", device=None) -> Loaded:
     dtype = TORCH_DTYPES[build["dtype"]]
     device = "cuda" if backend == "tensorrt" else _device(device) if backend in ("torch", "compiled") else "cpu"
     weights = load_file(str(engine_dir / "weights" / "target.safetensors"))
+    if meta.get("weights_format") == quantization.FORMAT_NAME:  # NVFP4 as stored (--strip_plan): dequantized
+        weights = quantization.dequantize_tensors(weights, dtype=dtype, where=str(engine_dir / "weights"))
     draft = None
     if spec:
         draft_file = engine_dir / "weights" / "draft.safetensors"

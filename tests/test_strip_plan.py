@@ -177,8 +177,9 @@ def test_stripped_engines_refit_from_the_one_copy_and_generate_like_torch(mtp_ch
     assert generate(open_engine_dir(out, backend="tensorrt").runner, prompts, 8).output_ids == want
 
 
-def test_nvfp4_moe_experts_stack_dequantized(checkpoints, tmp_path):
-    """The zero-copy expert stack leaves NVFP4 experts to their own torch.stack (regression)."""
+def test_nvfp4_moe_experts_stack_stays_fp4(checkpoints, tmp_path):
+    """NVFP4 experts stack into one FP4 weight [E, out, in] (no dequantized copy); its values are the
+    experts' dequantized weights."""
     from builder.checkpoint import load_nvfp4_checkpoint
     from builder.quantization import NVFP4Weight
     from builder.quantize_checkpoint import quantize_checkpoint
@@ -188,4 +189,5 @@ def test_nvfp4_moe_experts_stack_dequantized(checkpoints, tmp_path):
     names = [f"backbone.layers.{layer}.mixer.experts.{e}.up_proj.weight" for e in range(config.n_routed_experts)]
     assert all(isinstance(weights[n], NVFP4Weight) for n in names)
     moe = NemotronH(config, weights, torch.float32).layers[layer][2]
-    assert torch.equal(moe.up, torch.stack([weights[n].dequantize(torch.float32) for n in names]))
+    assert isinstance(moe.up, NVFP4Weight) and list(moe.up.shape) == [config.n_routed_experts, *weights[names[0]].shape]
+    assert torch.equal(moe.up.dequantize(), torch.stack([weights[n].dequantize(torch.float32) for n in names]))

@@ -250,6 +250,7 @@ def _moe_branch_free(x, index, weights, up, down, act):
 def moe(router_input, x, router_weight, router_bias, up, down, top_k, n_group, topk_group,
         norm_topk_prob, routed_scaling_factor, act):
     shape = x.shape
+    up, down = (w.dequantize() if getattr(w, "is_nvfp4", False) else w for w in (up, down))  # NVFP4 stacks
     router_input, x = router_input.reshape(-1, router_input.shape[-1]), x.reshape(-1, shape[-1])
     index, weights = route(router_input, router_weight, router_bias, top_k, n_group, topk_group,
                            norm_topk_prob, routed_scaling_factor)

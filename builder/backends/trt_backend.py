@@ -1010,11 +1010,19 @@ def moe(router_input, x, router_weight, router_bias, up, down, top_k, n_group, t
         routing = r.reduce(r.ew(onehot, r.reshape(weights, [0, 0, 1], "weights_column"), EW.PROD, "spread"),
                            trt.ReduceOperation.SUM, 1, False, "routing")  # [N, E]
         xin = r.reshape(xt, [1, -1, inner], "expert_input")  # [1, N, Hin]
-        h = _act(r, r.matmul(xin, r.weight(up, "up"), transpose_b=True, what="up"), act)  # [E, N, I]
-        y = r.cast(r.matmul(h, r.weight(down, "down"), transpose_b=True, what="down"), f32, "down_fp32")
+        h = _act(r, r.matmul(xin, _expert_weights(r, up, dtype, "up"), transpose_b=True, what="up"), act)  # [E, N, I]
+        y = r.cast(r.matmul(h, _expert_weights(r, down, dtype, "down"), transpose_b=True, what="down"), f32,
+                   "down_fp32")
         gate = r.reshape(r.transpose(routing, [1, 0], "routing_t"), [0, 0, 1], "routing_column")  # [E, N, 1]
         out = r.reduce(r.ew(y, gate, EW.PROD, "weighted"), trt.ReduceOperation.SUM, 0, False, "combine")
         return r.wrap(r.reshape_like(r.cast(out, dtype, "downcast"), x_shape, "restore_shape"))
+
+
+def _expert_weights(r, w, dtype, what):
+    """A MoE layer's stacked expert weights [E, out, in]: NVFP4 stacks stay FP4 (dequantized in the network)."""
+    if getattr(w, "is_nvfp4", False):
+        return r.nvfp4_weight(w.packed, w.scale, w.scale_2, w.shape, dtype, what)
+    return r.weight(w, what)
 
 
 _MODULE = sys.modules[__name__]
@@ -1115,44 +1123,66 @@ from plugins import fp4_markov_head as _markov_head_plugin  # noqa: E402
 
 __all__ += ["linear_nvfp4", "fp4_markov_head", "NVFP4_LOWERING"]
 
-NVFP4_LOWERING = ("native: FP4 weight constant + FP8 block-scale constant dequantized by the FP32 global "
-                  "scale -> block dequantize (16 along the input dim) -> matmul")
+NVFP4_LOWERING = ("native: FP4 weight + FP8 block scales dequantized by the FP32 global scale -> block "
+                  "dequantize (16 along the input dim) -> matmul (with --strip_plan the three are engine inputs "
+                  "or refittable constants viewing the weights file)")
+
+
+def _low_precision(self, t: torch.Tensor, kind: str, shape, what: str):
+    """FP4 or FP8 (``kind``) ITensor of logical ``shape`` over the bytes of ``t`` as they are (FP4: two
+    values a byte, element 2i in the low nibble, as ModelOpt packs them): under ``--strip_plan`` an engine
+    input (method "inputs") or a named refittable constant ("refit") when ``t`` views the weights file."""
+    network = {"dtype": kind, "shape": [int(d) for d in shape]}
+    if self.refit is not None and self.refit_method == "inputs":
+        from builder.refit import weight_input
+        bound = weight_input(self, t, network)
+        if bound is not None:
+            return bound
+    arr = t.view(torch.uint8).numpy()
+    self._keep.append((t, arr))
+    weights = trt.Weights(getattr(trt.DataType, kind), arr.ctypes.data, int(np.prod(network["shape"])))
+    layer = self.network.add_constant(tuple(network["shape"]), weights)
+    out = self._out(layer, what)
+    if self.refit is not None:
+        from builder.refit import mark_refittable
+        mark_refittable(self, t, weights, layer.name, network)
+    return out
+
+
+NetworkRecorder.low_precision = _low_precision
 
 
 def _nvfp4_weight(self, packed, scale, scale_2, shape, dtype: torch.dtype, what: str = "weight"):
-    """``[out, in]`` ITensor in ``dtype`` of an NVFP4 weight (ModelOpt layout): an FP4 constant holding
-    the packed bytes as they are (TensorRT also packs element 2i in the low nibble), an FP8 constant of
-    the block scales, a dequantize of the block scales by the FP32 global scale, and a block dequantize
-    of the weight (axis 1, blocks of 16). One set of layers per (packed tensor, dtype)."""
+    """``[out, in]`` (or a stack ``[E, out, in]``, one global scale per matrix) ITensor in ``dtype`` of an
+    NVFP4 weight (ModelOpt layout): FP4 codes, FP8 block scales dequantized by the FP32 global scale
+    (:func:`builder.quantization.dequantize_nvfp4`'s two steps), and a block dequantize of the codes
+    (last axis, blocks of 16). One set of layers per (packed tensor, dtype)."""
     cache = self.__dict__.setdefault("_nvfp4_layers", {})
     key = (id(packed), dtype)
     hit = cache.get(key)
     if hit is not None and hit[0] is packed:
         return hit[1]
     shape = tuple(int(d) for d in shape)
-    if len(shape) != 2:
-        raise BuildError(f"NVFP4 weight {what}: expected a 2-D logical shape, got {list(shape)}")
+    if len(shape) not in (2, 3):
+        raise BuildError(f"NVFP4 weight {what}: expected a 2-D logical shape (3-D for stacked experts), got {list(shape)}")
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise BuildError(f"NVFP4 weight {what}: cannot dequantize to {dtype}")
-    from builder.quantization import BLOCK_SIZE, _check_layout
+    from builder.quantization import BLOCK_SIZE, _check_layout, global_scale_shape
     try:
         _check_layout(packed, scale, scale_2, shape, BLOCK_SIZE, what)
     except ValueError as exc:
         raise BuildError(f"NVFP4 weight {exc}") from exc
-    out, inner = shape
-    p = packed.detach().to("cpu").contiguous()
-    s = scale.detach().to("cpu").contiguous().view(torch.uint8)
-    p_arr, s_arr = p.numpy(), s.numpy()
-    self._keep.extend([(p, p_arr), (s, s_arr)])
-    fp4 = self._out(self.network.add_constant(shape, trt.Weights(trt.DataType.FP4, p_arr.ctypes.data, out * inner)),
-                    what + "_fp4")
-    blocks = (out, inner // BLOCK_SIZE)
-    fp8 = self._out(self.network.add_constant(blocks, trt.Weights(trt.DataType.FP8, s_arr.ctypes.data,
-                                                                  blocks[0] * blocks[1])), what + "_block_scale_fp8")
-    global_scale = self._constant(scale_2.detach().to("cpu", torch.float32).reshape(()), what + "_global_scale")
-    block_scale = self._out(self.network.add_dequantize(fp8, global_scale, trt_dtype(dtype)), what + "_block_scale")
+    fp4 = self.low_precision(packed.detach().to("cpu").contiguous(), "FP4", shape, what + "_fp4")
+    blocks = shape[:-1] + (shape[-1] // BLOCK_SIZE,)
+    fp8 = self.low_precision(scale.detach().to("cpu").contiguous(), "FP8", blocks, what + "_block_scale_fp8")
+    per_matrix = global_scale_shape(scale_2, shape)
+    global_scale = self._constant(scale_2.detach().to("cpu", torch.float32).reshape(per_matrix), what + "_global_scale")
+    scales = self.network.add_dequantize(fp8, global_scale, trt_dtype(dtype))
+    if per_matrix:
+        scales.axis = 0  # one global scale per stacked matrix
+    block_scale = self._out(scales, what + "_block_scale")
     layer = self.network.add_dequantize(fp4, block_scale, trt_dtype(dtype))
-    layer.axis = 1
+    layer.axis = len(shape) - 1
     w = self._out(layer, what + "_dequantize")
     cache[key] = (packed, w)
     return w
