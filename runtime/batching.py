@@ -248,14 +248,21 @@ class SpeculativeGroup(PlainGroup):
         pos = torch.tensor([s.position for s in self.seqs], dtype=torch.int32, device=dev)[:, None] + rows
         lengths = torch.full((n,), k + 1, dtype=torch.int32, device=dev)
         watch.lap()
-        logits, new_state, features = self.target.forward(ids, pos, lengths, rows.expand(n, -1), self.state,
-                                                          verify=True)
-        verify = watch.lap()
         limit = None if bool((proposed == k).all()) else proposed
-        logits = shape(logits, self.seqs, drafts)
-        m, nxt = acceptance.accept(drafts.to(logits.device), q, logits, params, limit)
-        self.state = self.target.rollback(self.state, new_state, m.to(dev))
-        accept = watch.lap()
+        if limit is None and hasattr(self.target, "verify_greedy") and all(
+                not (p.temperature or p.banned or p.uses_history) for p in params):
+            # plain greedy rows: verify, accept and roll back in one call (accept time is in verify)
+            m, nxt, logits, self.state, features = self.target.verify_greedy(ids, pos, lengths, rows.expand(n, -1),
+                                                                             self.state)
+            verify, accept = watch.lap(), 0.0
+        else:
+            logits, new_state, features = self.target.forward(ids, pos, lengths, rows.expand(n, -1), self.state,
+                                                              verify=True)
+            verify = watch.lap()
+            logits = shape(logits, self.seqs, drafts)
+            m, nxt = acceptance.accept(drafts.to(logits.device), q, logits, params, limit)
+            self.state = self.target.rollback(self.state, new_state, m.to(dev))
+            accept = watch.lap()
         self.proposer.accept(m, nxt, drafts, features)
         draft += watch.lap()
         self.verifies += 1

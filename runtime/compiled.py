@@ -31,8 +31,9 @@ from pathlib import Path
 
 import torch
 
+from runtime.acceptance import greedy
 from runtime.drafts import EagerDraft
-from runtime.runner import TorchRunner
+from runtime.runner import TorchRunner, verify_greedy
 
 HEADROOM = 16          # extra KV slots per sequence: the longest compiled chunk
 MAX_TOKENS = 16        # chunks longer than this always run eagerly (prefill)
@@ -161,6 +162,7 @@ class CompiledRunner(TorchRunner):
         self._forward = _Steps(module.forward, "target forward")
         self._rollback = _Steps(module.rollback, "target rollback") if hasattr(module, "rollback") else None
         self._tree_rollback = _Steps(module.tree_rollback, "target tree rollback")
+        self._verify_greedy = _Steps(functools.partial(verify_greedy, module), "target greedy verify")
 
     def new_state(self, batch, capacity):
         return super().new_state(batch, capacity + HEADROOM)
@@ -190,6 +192,19 @@ class CompiledRunner(TorchRunner):
             label, calls = f"{tokens}-token chunk ({_batch_label(batch)})", OTHER_CALLS
         args = [_prepare(a, batch, {}) for a in (input_ids, positions, lengths, logit_index)]
         return self._forward(key, label, calls, *args, _prepare(state, batch, self.capacity_dims), verify=verify)
+
+    @torch.no_grad()
+    def verify_greedy(self, input_ids, positions, lengths, logit_index, state):
+        """Verify + greedy accept + rollback as one graph per chunk length (a length outside
+        ``verify_buckets`` runs the three as separate steps)."""
+        batch, tokens = input_ids.shape
+        if tokens not in self.verify_buckets or logit_index.shape[1] != tokens:
+            logits, verified, features = self.forward(input_ids, positions, lengths, logit_index, state, verify=True)
+            m, nxt = greedy(input_ids[:, 1:].long(), logits)
+            return m, nxt, logits, self.rollback(state, verified, m), features
+        return self._verify_greedy((batch == 1, tokens), f"greedy verify step ({tokens} tokens, {_batch_label(batch)})",
+                                   STEP_CALLS, *(_prepare(a, batch, {}) for a in (input_ids, positions, lengths, logit_index)),
+                                   _prepare(state, batch, self.capacity_dims))
 
     def _padded_verify(self, input_ids, positions, lengths, logit_index, state, pad):
         tokens, rows = input_ids.shape[1], logit_index.shape[1]

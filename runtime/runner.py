@@ -29,6 +29,19 @@ class Runner(Protocol):
 
     # runners that verify token trees (tree speculation) also have
     # tree_rollback(state, verified, paths, lengths, base) -> dict
+    # and runners that can verify, accept greedily and roll back in one call have
+    # verify_greedy(input_ids, positions, lengths, logit_index, state) -> (m, next, logits, state, features)
+
+
+def verify_greedy(module, input_ids, positions, lengths, logit_index, state):
+    """A greedy verify step whole: the verify forward of [last token, K drafts], the greedy accept
+    (``runtime.acceptance.greedy``) and the rollback to the accepted rows, with no host round trip
+    between them. Returns (accepted drafts m [B], the target's next token [B], logits, the
+    rolled-back state, the verify's features)."""
+    from runtime.acceptance import greedy
+    logits, verified, features = module.forward(input_ids, positions, lengths, logit_index, state, True)
+    m, nxt = greedy(input_ids[:, 1:].long(), logits)
+    return m, nxt, logits, module.rollback(state, verified, m), features
 
 
 class TorchRunner:
@@ -50,6 +63,10 @@ class TorchRunner:
     @torch.inference_mode()
     def rollback(self, state, verified, accepted_rows):
         return self.module.rollback(state, verified, accepted_rows)
+
+    @torch.inference_mode()
+    def verify_greedy(self, input_ids, positions, lengths, logit_index, state):
+        return verify_greedy(self.module, input_ids, positions, lengths, logit_index, state)
 
     @torch.inference_mode()
     def tree_rollback(self, state, verified, paths, lengths, base):

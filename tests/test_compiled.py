@@ -51,7 +51,8 @@ def models(one_thread):
 
 def _compiled_keys(loaded):
     proposer = loaded.proposer()
-    steps = [loaded.runner._forward, loaded.runner._rollback, proposer.draft._steps, proposer.draft._chains]
+    steps = [loaded.runner._forward, loaded.runner._rollback, loaded.runner._verify_greedy, proposer.draft._steps,
+             proposer.draft._chains]
     return sum(len(s.ready) for s in steps), [s for s in steps if s.broken]
 
 
@@ -74,7 +75,7 @@ def test_eagle3_greedy_ids_equal_eager(models, k):
     got = speculative_generate(compiled.runner, compiled.proposer(), prompts, NEW, k)
     assert got.output_ids == want
     assert got.extra["acceptance"]["mean_accepted_tokens"] > 1.0     # the draft proposes through its graphs
-    assert compiled.runner._rollback.ready
+    assert compiled.runner._verify_greedy.ready                       # verify + accept + rollback: one graph
 
 
 def _proposals(loaded, prompts, k, fused, monkeypatch):

@@ -94,6 +94,29 @@ def test_rollback_state_equals_target_only_state(pair):
             assert not torch.allclose(everything[name], value, rtol=1e-3, atol=1e-3), name
 
 
+def test_verify_greedy_is_verify_accept_rollback(pair):
+    """The one-call greedy verify step equals its three parts: the verify forward, the greedy
+    accept and the rollback to the accepted rows (ragged prompts, a draft the target partly keeps)."""
+    target, _ = pair
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    ids, positions, lengths = chunk_inputs(prompts, [0, 0])
+    state = target.new_state(2, 32)
+    logits, state, _ = target.forward(ids, positions, lengths, (lengths - 1)[:, None], state)
+    first = logits[:, 0].argmax(-1)
+    greedy_next = [int(first[0]), int(first[1])]
+    verify = torch.tensor([[greedy_next[0], 21, 22, 23, 24], [greedy_next[1], 3, 4, 5, 6]], dtype=torch.int32)
+    pos = lengths[:, None] + torch.arange(5, dtype=torch.int32)[None]
+    five, rows = torch.full((2,), 5, dtype=torch.int32), torch.arange(5, dtype=torch.int32).expand(2, -1)
+    before = {k: v.clone() for k, v in state.items()}
+    want_logits, verified, want_features = target.forward(verify, pos, five, rows, state, verify=True)
+    want_m, want_next = acceptance.greedy(verify[:, 1:].long(), want_logits)
+    want_state = target.rollback(state, verified, want_m)
+    m, nxt, got_logits, got_state, got_features = target.verify_greedy(verify, pos, five, rows, before)
+    assert torch.equal(m, want_m) and torch.equal(nxt, want_next) and torch.equal(got_logits, want_logits)
+    assert got_state.keys() == want_state.keys() and all(torch.equal(got_state[k], want_state[k]) for k in want_state)
+    assert all(torch.equal(got_features[k], want_features[k]) for k in want_features)
+
+
 def test_greedy_acceptance_rule():
     logits = torch.full((2, 4, 8), -5.0)
     for b, best in enumerate([[1, 2, 3, 4], [6, 0, 0, 7]]):
