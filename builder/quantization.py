@@ -62,7 +62,7 @@ __all__ = [
     "fp4_encode", "fp4_decode", "pack_fp4", "unpack_fp4", "quantize_nvfp4", "dequantize_nvfp4",
     "quantization_error_bound", "NVFP4Weight", "QuantConfig", "read_quant_config", "is_nvfp4_checkpoint",
     "validate_nvfp4", "quantize_tensors", "dequantize_tensors", "nvfp4_file_tensors", "nvfp4_weights", "dequantize_weights",
-    "quantizable_weight_names", "choose_quantized",
+    "quantizable_weight_names", "choose_quantized", "dequantized_module",
 ]
 
 BLOCK_SIZE = 16
@@ -527,6 +527,28 @@ def _as_config(qc, where) -> QuantConfig | None:
 def dequantize_weights(weights: Mapping[str, Any], dtype: torch.dtype | None = None) -> dict:
     """``weights`` with every :class:`NVFP4Weight` dequantized (to its compute dtype, or ``dtype``)."""
     return {n: (w.dequantize(dtype) if isinstance(w, NVFP4Weight) else w) for n, w in weights.items()}
+
+
+def dequantized_module(module):
+    """A copy of a model object (``builder.models``: plain objects, lists and dicts of tensors) whose
+    every :class:`NVFP4Weight` is dequantized once, to its compute dtype. For the CPU torch paths,
+    which otherwise dequantize each FP4 weight on every call (and cannot compile through the FP4
+    subclass); the values are those a per-call dequantization gives. ``module`` itself is untouched."""
+    def walk(obj):
+        if isinstance(obj, NVFP4Weight):
+            return obj.dequantize()
+        if isinstance(obj, list):
+            return [walk(v) for v in obj]
+        if isinstance(obj, tuple):
+            return tuple(walk(v) for v in obj)
+        if isinstance(obj, dict):
+            return {k: walk(v) for k, v in obj.items()}
+        if type(obj).__module__.startswith("builder.models") and hasattr(obj, "__dict__"):
+            copy = object.__new__(type(obj))
+            copy.__dict__.update({k: walk(v) for k, v in vars(obj).items()})
+            return copy
+        return obj
+    return walk(module)
 
 
 def nvfp4_file_tensors(weights: Mapping[str, Any]) -> dict:

@@ -89,6 +89,7 @@ def _eager_proposer(draft, vocab_size: int, device, chunk: int, compiled: bool =
     """The draft run eagerly, or with ``compiled`` through ``runtime.compiled`` (its short steps compiled)."""
     if compiled:
         from runtime.compiled import CompiledDraft, CompiledRunner
+        draft = quantization.dequantized_module(draft)   # FP4 weights once, not per call: one graph per step
     if _draft_kind(draft) == "draft_target":
         runner = CompiledRunner(draft, device) if compiled else TorchRunner(draft, device)
         return lambda: ModelDraftProposer(runner, chunk)

@@ -173,3 +173,28 @@ def test_dflash_block_draft_compiles_one_graph_per_step(one_thread):
     assert [k for k in steps.ready if dict(k[1])["aux"][0] == 5], steps.ready    # the padded context width K+1
     tree = speculative_generate(compiled.runner, compiled.proposer(), prompts, NEW, 4, tree=TreeShape(8, 2, 4))
     assert tree.output_ids == want
+
+
+def test_nvfp4_block_draft_compiles_with_its_weights_dequantized_once(one_thread):
+    """The NVFP4 DSpark draft on the compiled path: its FP4 weights are dequantized once at load
+    (the per-call FP4 subclass broke the graph: the step ran eagerly, 5x its bf16 twin's cost), the
+    step compiles, and greedy ids equal the eager path's, whose module keeps the FP4 weights."""
+    from builder.quantization import NVFP4Weight, dequantized_module
+    target, draft = embedded.target_dir(), embedded.target_dir().parent / "dspark_nvfp4"
+    eager = open_checkpoint(target, mode="dspark", draft_dir=draft, backend="torch")
+    compiled = open_checkpoint(target, mode="dspark", draft_dir=draft, backend="compiled")
+    module = eager.proposer().draft.module
+    fp4 = [(i, n, w) for i, layer in enumerate(module.layers) for n, w in vars(layer).items()
+           if isinstance(w, NVFP4Weight)]
+    assert fp4, "the embedded NVFP4 draft binds FP4 weights"
+    plain = dequantized_module(module)
+    for i, name, w in fp4:
+        assert isinstance(vars(module.layers[i])[name], NVFP4Weight)       # the original is untouched
+        assert torch.equal(vars(plain.layers[i])[name], w.dequantize())
+    assert not any(isinstance(w, NVFP4Weight) for layer in compiled.proposer().draft.module.layers
+                   for w in vars(layer).values())
+    prompts = RAGGED[:1]
+    want = generate(eager.runner, prompts, NEW).output_ids
+    assert speculative_generate(compiled.runner, compiled.proposer(), prompts, NEW, 4).output_ids == want
+    steps = compiled.proposer().draft._steps
+    assert steps.ready and not steps.broken
