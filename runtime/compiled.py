@@ -258,7 +258,8 @@ class CompiledDraft(EagerDraft):
         self.capacity_dims = {"past." + k: v for k, v in _dims(module.state_spec).items()}
         self._steps = _Steps(self.components["draft"].call, f"{self.kind} draft", DRAFT_OPTIONS)
         self._tree_steps = _Steps(self._tree_step, f"{self.kind} draft tree", DRAFT_OPTIONS)
-        self._chains = _Steps(self._chain, f"{self.kind} draft chain", DRAFT_OPTIONS)
+        self._chains = _Steps(self._chain if self.kind in FEATURE_DRAFTS else self._block_chain,
+                              f"{self.kind} draft chain", DRAFT_OPTIONS)
 
     def new_state(self, batch, capacity):
         return super().new_state(batch, capacity + HEADROOM)
@@ -271,7 +272,7 @@ class CompiledDraft(EagerDraft):
         torch._dynamo.maybe_mark_dynamic(visible, 2)
         return self._tree_steps(key, f"{self.kind} draft tree step ({rows} rows, {_batch_label(batch)})", STEP_CALLS,
                                 *(_prepare(t, batch, {}) for t in (ids, own_hidden, positions, slots)), visible,
-                                _prepare(state, batch, {k[len("past."):]: v for k, v in self.capacity_dims.items()}))
+                                _prepare(state, batch, self._state_dims()))
 
     @torch.no_grad()
     def chain(self, ids, features, positions, lengths, state, k: int):
@@ -285,7 +286,7 @@ class CompiledDraft(EagerDraft):
             ids, features, positions = feeds["ids"], feeds["features"], feeds["positions"]
         return self._chains((batch == 1, k), f"{self.kind} draft chain ({k} tokens, {_batch_label(batch)})", STEP_CALLS,
                             *(_prepare(t, batch, {}) for t in (ids, features, positions, lengths)),
-                            _prepare(state, batch, {n[len("past."):]: d for n, d in self.capacity_dims.items()}), k)
+                            _prepare(state, batch, self._state_dims()), k)
 
     @torch.no_grad()
     def run(self, name: str, feeds: dict) -> dict:
@@ -308,6 +309,23 @@ class CompiledDraft(EagerDraft):
         if pad > rows and "hidden_out" in out:
             out = dict(out, hidden_out=out["hidden_out"][:, :rows])
         return out
+
+    @torch.no_grad()
+    def block_chain(self, feeds: dict, state: dict, anchor):
+        """A block draft's whole greedy proposal (``EagerDraft.block_chain``) as one graph once its
+        shapes recur (the proposer pads the context rows to ``pad_to``); other steps eagerly."""
+        if self.kind not in BLOCK_DRAFTS or feeds["aux"].shape[1] > MAX_TOKENS:
+            return self._block_chain(feeds, state, anchor)
+        batch = feeds["input_ids"].shape[0]
+        shapes = tuple((k, tuple(v.shape[1:])) for k, v in feeds.items() if isinstance(v, torch.Tensor))
+        steady = feeds["aux"].shape[1] == self.pad_to
+        return self._chains((batch == 1, shapes), f"{self.kind} draft chain ({feeds['aux'].shape[1]} context rows, "
+                            f"{_batch_label(batch)})", STEP_CALLS if steady else OTHER_CALLS,
+                            _prepare(feeds, batch, {}), _prepare(state, batch, self._state_dims()),
+                            _prepare(anchor, batch, {}))
+
+    def _state_dims(self) -> dict:
+        return {n[len("past."):]: d for n, d in self.capacity_dims.items()}
 
     def _run_block(self, feeds: dict) -> dict:
         """A block draft's step: compiled once its shapes recur (the proposer pads the context rows

@@ -124,6 +124,26 @@ class EagerDraft:
             logits, out, new = m.forward(ids, own_hidden, slots, lengths, index, state, visible=visible)
         return self.to_target_vocab(logits), out, new
 
+    @torch.inference_mode()
+    def block_chain(self, feeds: dict, state: dict, anchor):
+        return self._block_chain(feeds, state, anchor)
+
+    def _block_chain(self, feeds: dict, state: dict, anchor):
+        """A block draft's greedy proposal in one call: the block's forward, then each draft row's
+        argmax over the target vocabulary, after DSpark's Markov bias for the previous row's token
+        (``anchor`` [B] target ids before the first row). Returns (target ids [B, K], new state)."""
+        call = lambda name, f: self.components[name].call(f)  # noqa: E731
+        out = call("draft", {**feeds, **{"past." + k: v for k, v in state.items()}})
+        base, prev, tokens = out["logits"], anchor.long()[:, None], []
+        for j in range(base.shape[1]):
+            row = base[:, j:j + 1]
+            if getattr(self.module, "has_markov", False):
+                row = call("markov", {"logits": row, "prev_ids": prev.to(torch.int32)})["markov_logits"]
+            token = self.to_target_vocab(row)[:, 0].argmax(-1)
+            tokens.append(token)
+            prev = token[:, None]
+        return torch.stack(tokens, 1), _present(out)
+
     def logits_and_state(self, feeds: dict, state: dict):
         """Block and parallel drafts: (logits over the draft vocabulary, new state) of one forward."""
         out = self.run("draft", {**feeds, **{"past." + k: v for k, v in state.items()}})

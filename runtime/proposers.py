@@ -328,9 +328,11 @@ class BlockDraftProposer(_AuxProposer):
         self.anchor = list(first_tokens)
         self.position = [len(p) for p in prompts]                   # the anchor's position
 
-    def _run(self, k):
-        """Writes pending context (in chunks) and runs the block; returns draft-row logits [B, k, Vd]."""
+    def _run(self, k, block=None):
+        """Writes pending context (in chunks) and runs the block; returns draft-row logits [B, k, Vd],
+        or with ``block(feeds, state) -> (out, state)`` what it returns for the block's network."""
         dev, m = self.draft.device, self.module
+        block = block or self.draft.logits_and_state
         while True:
             take = [min(len(c), self.prefill_chunk) for c in self.context]
             last = all(len(c) <= self.prefill_chunk for c in self.context)
@@ -353,7 +355,7 @@ class BlockDraftProposer(_AuxProposer):
             feeds = {"aux": aux, "context_positions": cpos,
                      "context_lengths": torch.tensor([max(1, n) for n in take], dtype=torch.int32, device=dev),
                      "input_ids": ids, "positions": pos, "lengths": lengths, "logit_index": index}
-            logits, self.state = self.draft.logits_and_state(feeds, self.state)
+            logits, self.state = (block if last else self.draft.logits_and_state)(feeds, self.state)
             self.context = [c[n:] for c, n in zip(self.context, take)]
             self.context_start = [s + n for s, n in zip(self.context_start, take)]
             if last:
@@ -372,6 +374,10 @@ class BlockDraftProposer(_AuxProposer):
         return self.draft.to_target_vocab(row)
 
     def propose(self, k, params, stop_below=0.0):
+        if not stop_below and hasattr(self.draft, "block_chain") and all(
+                not p.temperature and not p.banned for p in params):
+            anchor = torch.tensor(self.anchor, dtype=torch.long, device=self.draft.device)
+            return self._run(k, lambda feeds, state: self.draft.block_chain(feeds, state, anchor)), None, None
         base = self._run(k)                                          # [B, k, Vd]
         chain = _Chain(params, self.draft.target_vocab, stop_below)
         prev = torch.tensor(self.anchor, dtype=torch.long)[:, None]

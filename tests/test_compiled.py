@@ -169,10 +169,12 @@ def test_dflash_block_draft_compiles_one_graph_per_step(one_thread):
     prompts = RAGGED[:1]
     want = generate(eager.runner, prompts, NEW).output_ids
     assert speculative_generate(compiled.runner, compiled.proposer(), prompts, NEW, 4).output_ids == want
-    steps = compiled.proposer().draft._steps
-    assert [k for k in steps.ready if dict(k[1])["aux"][0] == 5], steps.ready    # the padded context width K+1
+    chains = compiled.proposer().draft._chains                                   # greedy chains: block + rows
+    assert [k for k in chains.ready if dict(k[1])["aux"][0] == 5], chains.ready  # the padded context width K+1
     tree = speculative_generate(compiled.runner, compiled.proposer(), prompts, NEW, 4, tree=TreeShape(8, 2, 4))
     assert tree.output_ids == want
+    steps = compiled.proposer().draft._steps                                     # trees: the block alone
+    assert [k for k in steps.ready if dict(k[1])["aux"][0] == 5], steps.ready
 
 
 def test_nvfp4_block_draft_compiles_with_its_weights_dequantized_once(one_thread):
@@ -196,5 +198,29 @@ def test_nvfp4_block_draft_compiles_with_its_weights_dequantized_once(one_thread
     prompts = RAGGED[:1]
     want = generate(eager.runner, prompts, NEW).output_ids
     assert speculative_generate(compiled.runner, compiled.proposer(), prompts, NEW, 4).output_ids == want
-    steps = compiled.proposer().draft._steps
-    assert steps.ready and not steps.broken
+    chains = compiled.proposer().draft._chains        # the greedy block + Markov rows: one graph
+    assert chains.ready and not chains.broken
+
+
+@pytest.mark.parametrize("mode", ["dflash", "dspark"])
+def test_block_chain_proposes_what_row_by_row_proposes(mode, one_thread, monkeypatch):
+    """A block draft's greedy proposal as one call (the block, then each row's argmax after DSpark's
+    Markov bias for the previous token) proposes the ids the row-by-row path draws, eagerly on a
+    ragged batch and compiled (one graph) on one prompt."""
+    from runtime.drafts import EagerDraft
+    target, draft = embedded.target_dir(), embedded.draft_dir(mode)
+    eager = open_checkpoint(target, mode=mode, draft_dir=draft, backend="torch")
+    compiled = open_checkpoint(target, mode=mode, draft_dir=draft, backend="compiled")
+
+    def proposals(loaded, prompts, fused):
+        if not fused:
+            monkeypatch.delattr(EagerDraft, "block_chain")
+        steps = []
+        out = speculative_generate(loaded.runner, loaded.proposer(), prompts, NEW, 4, trace=steps.append)
+        monkeypatch.undo()
+        return out.output_ids, [(s["step"], s["sequence"], tuple(s["proposed"])) for s in steps]
+
+    want = proposals(eager, RAGGED, False)
+    assert proposals(eager, RAGGED, True) == want and any(len(p) == 4 for *_, p in want[1])
+    got, _ = proposals(compiled, RAGGED[:1], True)
+    assert got == generate(eager.runner, RAGGED[:1], NEW).output_ids and compiled.proposer().draft._chains.ready
