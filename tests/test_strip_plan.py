@@ -4,6 +4,7 @@ constants (every byte); refitting and running a stripped engine needs a GPU (ski
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -18,7 +19,7 @@ from builder.backends.trt_build import probe_strip_plan
 from builder.checkpoint import load_checkpoint
 from builder.engine import BuildOptions, _write_weights, build, convert_weights, draft_components, record, \
     target_component
-from builder.interpreter import run_network
+from builder.interpreter import _raw_weights, run_network
 from builder.models.mtp import MTPDraft
 from builder.models.nemotron_h import NemotronH
 from builder.refit import Provenance, refit_tensors
@@ -39,13 +40,20 @@ def mtp_checkpoint(checkpoints, tmp_path_factory):
 
 
 def _constants(network):
-    """Constant layer name -> its bytes (uint8), from the network itself."""
+    """Constant layer name -> its bytes (uint8) as TensorRT holds them (FP4: packed, FP8: one a byte),
+    from the network itself."""
     out = {}
     for i in range(network.num_layers):
         layer = network.get_layer(i)
         if layer.type == trt.LayerType.CONSTANT:
             layer.__class__ = trt.IConstantLayer
-            out[layer.name] = torch.from_numpy(layer.weights.copy()).reshape(-1).view(torch.uint8)
+            dtype, count = layer.get_output(0).dtype, math.prod(tuple(layer.shape))
+            size = {trt.DataType.FP4: (count + 1) // 2, trt.DataType.FP8: count}.get(dtype)
+            if size is not None:
+                out[layer.name] = torch.frombuffer(bytearray(bytes(_raw_weights(layer.weights, dtype, count, size))),
+                                                   dtype=torch.uint8)
+            else:
+                out[layer.name] = torch.from_numpy(layer.weights.copy()).reshape(-1).view(torch.uint8)
     return out
 
 

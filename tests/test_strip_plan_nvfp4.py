@@ -6,7 +6,6 @@ the map's bytes, is evaluated by the CPU interpreter against the eager NVFP4 mod
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
@@ -15,12 +14,13 @@ from builder import build_memory
 from builder.backends.trt_import import trt
 from builder.checkpoint import convert_weights, load_nvfp4_checkpoint
 from builder.engine import BuildOptions, build, record, target_component, write_target_weights
-from builder.interpreter import _raw_weights, run_network
+from builder.interpreter import run_network
 from builder.models.nemotron_h import NemotronH
 from builder.quantization import NVFP4Weight
 from builder.refit import Provenance, network_shape, read_refit_map, refit_tensors
 from builder.safetensors_io import mmap_tensors
 from runtime.state import chunk_inputs
+from test_strip_plan import _constants
 from tolerances import assert_within, lm_head_bound, logit_order_bound
 
 OPTIONS = BuildOptions(max_batch_size=2, max_input_len=8, max_seq_len=16, max_draft_len=7)  # one profile
@@ -118,23 +118,6 @@ def test_nvfp4_weights_are_inputs_viewing_the_file_and_the_network_computes_like
     assert torch.equal(run_network(plain.network, feeds)["logits"], got["logits"])
 
 
-def _constant_bytes(network):
-    """Constant layer name -> its bytes as TensorRT holds them (FP4: packed, FP8: one a byte)."""
-    out = {}
-    for i in range(network.num_layers):
-        layer = network.get_layer(i)
-        if layer.type == trt.LayerType.CONSTANT:
-            layer.__class__ = trt.IConstantLayer
-            dtype, count = layer.get_output(0).dtype, math.prod(tuple(layer.shape))
-            size = {trt.DataType.FP4: (count + 1) // 2, trt.DataType.FP8: count}.get(dtype)
-            if size is not None:
-                out[layer.name] = torch.frombuffer(bytearray(bytes(_raw_weights(layer.weights, dtype, count, size))),
-                                                   dtype=torch.uint8)
-            else:
-                out[layer.name] = torch.from_numpy(layer.weights.copy()).reshape(-1).view(torch.uint8)
-    return out
-
-
 def test_nvfp4_refit_map_names_the_fp4_and_fp8_constants(nvfp4_moe, tmp_path):
     """Method "refit" (full TensorRT; recorded here, built on a GPU): FP4 and FP8 constants are named
     refittable weights whose map entries are the bytes TensorRT was given."""
@@ -142,7 +125,7 @@ def test_nvfp4_refit_map_names_the_fp4_and_fp8_constants(nvfp4_moe, tmp_path):
     recorder, _ = record(target_component(NemotronH(config, weights, torch.float32), OPTIONS),
                          refit=Provenance([(FILE, mapped)]))
     entries = recorder.refit_weights
-    constants = _constant_bytes(recorder.network)
+    constants = _constants(recorder.network)
     values = refit_tensors(tmp_path, entries)
     for name, e in entries.items():
         assert torch.equal(values[name].contiguous().reshape(-1).view(torch.uint8), constants[e["layer"]]), name
