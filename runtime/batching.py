@@ -249,8 +249,7 @@ class SpeculativeGroup(PlainGroup):
         lengths = torch.full((n,), k + 1, dtype=torch.int32, device=dev)
         watch.lap()
         limit = None if bool((proposed == k).all()) else proposed
-        if limit is None and hasattr(self.target, "verify_greedy") and all(
-                not (p.temperature or p.banned or p.uses_history) for p in params):
+        if limit is None and hasattr(self.target, "verify_greedy") and all(p.plain_greedy for p in params):
             # plain greedy rows: verify, accept and roll back in one call (accept time is in verify)
             m, nxt, logits, self.state, features = self.target.verify_greedy(ids, pos, lengths, rows.expand(n, -1),
                                                                              self.state)

@@ -33,6 +33,19 @@ def _take_rows(state: dict, keep: torch.Tensor) -> dict:
     return {k: v[keep.to(v.device)] for k, v in state.items()}
 
 
+def _padded(rows: list, length: int, dev) -> torch.Tensor:
+    """Per-sequence feature rows (None: nothing this chunk) -> [B, length, W], each sequence's rows
+    first and zeros after; one sequence whose rows fill the chunk is passed as it is."""
+    if len(rows) == 1 and rows[0] is not None and rows[0].shape[0] == length:
+        return rows[0][None].to(dev)
+    first = next(r for r in rows if r is not None)
+    out = torch.zeros(len(rows), length, first.shape[-1], dtype=first.dtype, device=dev)
+    for b, r in enumerate(rows):
+        if r is not None:
+            out[b, :r.shape[0]] = r
+    return out
+
+
 def _cat(a: dict, b: dict) -> dict:
     return {k: torch.cat([a[k], b[k]]) for k in a}
 
@@ -184,18 +197,13 @@ class FeatureDraftProposer(_PerSequence):
         done = [0] * len(rows_tokens)
         last_logits = [None] * len(rows_tokens) if getattr(self, "logits", None) is None else list(self.logits)
         last_hidden = [None] * len(rows_tokens) if getattr(self, "hidden", None) is None else list(self.hidden)
-        width = next(f for f in rows_features if f is not None).shape[-1]
         while any(d < len(t) for d, t in zip(done, rows_tokens)):
             active = [b for b, t in enumerate(rows_tokens) if done[b] < len(t)]
             chunks = [rows_tokens[b][done[b]:done[b] + self.prefill_chunk] if b in active else [0]
                       for b in range(len(rows_tokens))]
             ids, positions, lengths = chunk_inputs(chunks, [s + d for s, d in zip(self.position, done)], dev)
-            if len(active) == 1 and len(rows_tokens) == 1 and rows_features[0].shape[0] == ids.shape[1]:
-                feats = rows_features[0][None].to(dev)  # one sequence, one chunk: its features as they are
-            else:
-                feats = torch.zeros(len(chunks), ids.shape[1], width, dtype=rows_features[active[0]].dtype, device=dev)
-                for b in active:
-                    feats[b, :len(chunks[b])] = rows_features[b][done[b]:done[b] + len(chunks[b])]
+            feats = _padded([rows_features[b][done[b]:done[b] + len(chunks[b])] if b in active else None
+                             for b in range(len(rows_tokens))], ids.shape[1], dev)
             index = (lengths - 1).to(torch.int32)[:, None]
             logits, hidden, new_state = self.draft.step(ids, feats, None, positions, lengths, index, self.state)
             self.state = keep_rows(self.state, new_state, active, len(rows_tokens))
@@ -220,19 +228,13 @@ class FeatureDraftProposer(_PerSequence):
         """Whether this proposal can run as one ``draft.chain`` call: greedy rows with nothing
         banned, no confidence stop, and every sequence with 1..prefill_chunk queued rows."""
         return (k > 1 and not stop_below and hasattr(self.draft, "chain")
-                and all(not p.temperature and not p.banned for p in params)
+                and all(p.argmax for p in params)
                 and all(0 < len(t) <= self.prefill_chunk for t in self.pending))
 
     def _propose_chain(self, k):
         dev = self.draft.device
         ids, positions, lengths = chunk_inputs(self.pending, self.position, dev)
-        if len(self.pending) == 1:
-            feats = self.pending_features[0][None].to(dev)
-        else:
-            first = self.pending_features[0]
-            feats = torch.zeros(len(self.pending), ids.shape[1], first.shape[-1], dtype=first.dtype, device=dev)
-            for b, f in enumerate(self.pending_features):
-                feats[b, :f.shape[0]] = f
+        feats = _padded(self.pending_features, ids.shape[1], dev)
         tokens, self.logits, self.hidden, self.state = self.draft.chain(ids, feats, positions, lengths, self.state, k)
         self.position = [s + len(t) for s, t in zip(self.position, self.pending)]
         self.pending = [[] for _ in self.pending]
@@ -374,8 +376,7 @@ class BlockDraftProposer(_AuxProposer):
         return self.draft.to_target_vocab(row)
 
     def propose(self, k, params, stop_below=0.0):
-        if not stop_below and hasattr(self.draft, "block_chain") and all(
-                not p.temperature and not p.banned for p in params):
+        if not stop_below and hasattr(self.draft, "block_chain") and all(p.argmax for p in params):
             anchor = torch.tensor(self.anchor, dtype=torch.long, device=self.draft.device)
             return self._run(k, lambda feeds, state: self.draft.block_chain(feeds, state, anchor)), None, None
         base = self._run(k)                                          # [B, k, Vd]

@@ -25,6 +25,18 @@ class SamplingParams:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.min_length > 0)
 
+    @property
+    def argmax(self) -> bool:
+        """Its draft tokens are the argmax of the draft's logits (greedy, nothing banned): what the
+        fused proposal graphs compute."""
+        return not self.temperature and not self.banned
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Its next token is the argmax of the target's raw logits (nothing shapes them): what the
+        fused verify + accept graph computes."""
+        return self.argmax and not self.uses_history
+
 
 def probabilities(logits: torch.Tensor, temperature: float, top_p: float, top_k: int = 0) -> torch.Tensor:
     """The distribution sampling draws from: softmax(logits / T) restricted to the top-k tokens, then
