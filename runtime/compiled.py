@@ -227,6 +227,17 @@ class CompiledRunner(TorchRunner):
                                    _prepare(state, batch, self.capacity_dims), _prepare(verified, batch, self.capacity_dims),
                                    *(_prepare(t, batch, {}) for t in (paths, lengths, base)))
 
+    def warm(self, tokens: int, batch: int = 1) -> None:
+        """Runs a ``tokens``-token chunk on a scratch state until its graph is compiled (or loaded
+        from the cache): for a step shape that a short warm-up run may never repeat often enough,
+        such as a draft_target draft's 2-token chunk, queued only after a fully accepted step."""
+        state = self.new_state(batch, 2 * MAX_TOKENS)
+        ids = torch.zeros(batch, tokens, dtype=torch.int32, device=self.device)
+        positions = torch.arange(tokens, dtype=torch.int32, device=self.device).expand(batch, -1)
+        lengths = torch.full((batch,), tokens, dtype=torch.int32, device=self.device)
+        for _ in range(STEP_CALLS):
+            self.forward(ids, positions, lengths, (lengths - 1)[:, None], state)
+
     @torch.no_grad()
     def rollback(self, state, verified, accepted_rows):
         if self._rollback is None:
@@ -368,7 +379,10 @@ def warm_up(loaded, prompts, draft_len: int = 0, **generate_args) -> float:
     start = time.perf_counter()
     steps = STEP_CALLS + 2
     if draft_len > 0:
-        speculative_generate(loaded.runner, loaded.proposer(), prompts, steps * (draft_len + 1), draft_len,
-                             **generate_args)
+        proposer = loaded.proposer()
+        speculative_generate(loaded.runner, proposer, prompts, steps * (draft_len + 1), draft_len, **generate_args)
+        draft = getattr(proposer, "runner", None)          # a draft_target draft: a NemotronH of its own
+        if isinstance(draft, CompiledRunner):
+            draft.warm(2, len(prompts))                    # [last draft, bonus], queued after a full accept
     generate(loaded.runner, prompts[:1] if draft_len > 0 else prompts, steps, **generate_args)
     return time.perf_counter() - start

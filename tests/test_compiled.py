@@ -177,6 +177,24 @@ def test_dflash_block_draft_compiles_one_graph_per_step(one_thread):
     assert [k for k in steps.ready if dict(k[1])["aux"][0] == 5], steps.ready
 
 
+def test_draft_target_warm_up_compiles_every_draft_step(one_thread):
+    """A draft_target draft (a NemotronH of its own) queues a 2-token chunk only after a fully
+    accepted step, which a short warm-up may not repeat: warm_up compiles it anyway, so a timed run
+    never compiles (the bench's draft_target line once paid a 10 s compile inside its first run).
+    Greedy ids equal the eager path's."""
+    from runtime.compiled import warm_up
+    target, draft = embedded.target_dir(), embedded.draft_dir("draft_target")
+    eager = open_checkpoint(target, mode="draft_target", draft_dir=draft, backend="torch")
+    compiled = open_checkpoint(target, mode="draft_target", draft_dir=draft, backend="compiled")
+    prompts = RAGGED[:1]
+    warm_up(compiled, prompts, 4)
+    runner = compiled.proposer().runner
+    assert (True, 2, 1, False) in runner._forward.ready, runner._forward.ready    # batch 1, 2 tokens, 1 logit row
+    assert (True, 1, 1, False) in runner._forward.ready
+    want = generate(eager.runner, prompts, NEW).output_ids
+    assert speculative_generate(compiled.runner, compiled.proposer(), prompts, NEW, 4).output_ids == want
+
+
 def test_nvfp4_block_draft_compiles_with_its_weights_dequantized_once(one_thread):
     """The NVFP4 DSpark draft on the compiled path: its FP4 weights are dequantized once at load
     (the per-call FP4 subclass broke the graph: the step ran eagerly, 5x its bf16 twin's cost), the
