@@ -242,3 +242,21 @@ def test_block_chain_proposes_what_row_by_row_proposes(mode, one_thread, monkeyp
     assert proposals(eager, RAGGED, True) == want and any(len(p) == 4 for *_, p in want[1])
     got, _ = proposals(compiled, RAGGED[:1], True)
     assert got == generate(eager.runner, RAGGED[:1], NEW).output_ids and compiled.proposer().draft._chains.ready
+
+
+def test_same_shape_models_keep_their_own_graphs(tmp_path, one_thread):
+    """Compiled calls skip dynamo's guard evaluation; each model's steps still run its own graphs
+    (one code object per compiled step, so no cache holds another model's). Two same-shape targets
+    with different weights, stepped alternately in one process: each gives its own eager greedy ids,
+    and those differ (so a swapped graph would be caught)."""
+    from runtime import compiled as compiled_lib
+    from tiny_models import DENSE, make_checkpoint
+    assert compiled_lib._skip_guards()
+    dirs = [make_checkpoint(tmp_path / f"m{seed}", DENSE, seed) for seed in (3, 4)]
+    eager = [generate(open_checkpoint(d, backend="torch").runner, [RAGGED[0]], NEW).output_ids for d in dirs]
+    assert eager[0] != eager[1]
+    runners = [open_checkpoint(d, backend="compiled").runner for d in dirs]
+    for _ in range(2):
+        got = [generate(r, [RAGGED[0]], NEW).output_ids for r in runners]
+        assert got == eager
+    assert all(r._forward.ready for r in runners)
