@@ -122,13 +122,9 @@ class TreeSpeculativeGroup(SpeculativeGroup):
 def _off_chain(parents, paths, lengths) -> int:
     """How many accepted paths pass through a node that is not its parent's first child (the draft's
     top choice there): what a chain of the draft's top choices would have missed."""
-    batch, size = parents.shape
-    up = parents.long().clamp_min(0)
-    rows = torch.arange(size).expand(batch, -1)
-    first = torch.full((batch, size), size).scatter_reduce(1, up[:, 1:], rows[:, 1:], "amin")   # each row's first child
-    drafted = paths[:, 1:]
-    taken = torch.arange(1, paths.shape[1])[None] < lengths[:, None]                          # accepted path rows
-    return int(((first.gather(1, up.gather(1, drafted)) != drafted) & taken).any(1).sum())
+    later = (parents[:, :, None] == parents[:, None, :]).tril(-1).any(-1)      # a sibling comes before the row
+    taken = torch.arange(1, paths.shape[1]) < lengths[:, None]                # accepted path rows
+    return int((later.gather(1, paths[:, 1:]) & taken).any(1).sum())
 
 
 def _gather_path(feature: torch.Tensor, paths: torch.Tensor) -> torch.Tensor:
