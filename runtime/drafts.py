@@ -50,10 +50,6 @@ class EagerDraft:
     def to_target_ids(self, draft_ids):
         return draft_ids if self.target_ids is None else self.target_ids[draft_ids.long()]
 
-    def markov(self, logits, prev_ids):
-        """DSpark: draft-vocabulary logits [B, 1, Vd] + W2(W1[previous target ids [B, 1]])."""
-        return self.run("markov", {"logits": logits, "prev_ids": prev_ids.to(torch.int32)})["markov_logits"]
-
     def row_inputs(self, ids, target_features, own_hidden) -> dict:
         """The draft's feature inputs for a chunk fed either target features or its own hidden."""
         if self.kind != "eagle3":
