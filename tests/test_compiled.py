@@ -6,7 +6,7 @@ Compiling is the cost here (a cold inductor cache: tens of seconds per graph), s
 pair of loaded models serves every test and the prompts keep to few shapes: prefill chunks are
 eager; decode compiles for batch 2+, verify and rollback for K+1 = 5 (batch 2+, and batch 1 when a
 ragged batch's last sequence runs alone; K=3 pads its verify to 5) and K+1 = 2 (batch 1), the draft
-for 1 and 5 rows.
+for 1 and 5 rows; trees build their fused draft tree and greedy tree verify per tree shape.
 """
 import io
 import json
@@ -101,6 +101,7 @@ def test_draft_chain_proposes_what_step_by_step_proposes(models, monkeypatch):
 
 
 def _tree_steps(loaded, prompts, shape):
+    """Output ids and every tree step's (step, sequence, tree tokens, parents, accepted path)."""
     records = []
     out = speculative_generate(loaded.runner, loaded.proposer(), prompts, NEW, shape.depth, tree=shape,
                                trace=records.append)
@@ -108,22 +109,44 @@ def _tree_steps(loaded, prompts, shape):
                   tuple(r["accepted_path"])) for r in records if "tree_parents" in r]
 
 
+def _unfused_tree_steps(loaded, prompts, shape, monkeypatch):
+    """``_tree_steps`` on the step-by-step path (the fused calls removed)."""
+    from runtime.drafts import EagerDraft
+    from runtime.runner import TorchRunner
+    for name, owner in (("tree_chain", EagerDraft), ("verify_tree_greedy", TorchRunner)):
+        monkeypatch.delattr(owner, name)
+    out = _tree_steps(loaded, prompts, shape)
+    monkeypatch.undo()
+    return out
+
+
+@pytest.mark.parametrize("nodes, topk, depth", [(1, 1, 1), (6, 2, 3)])
+def test_compiled_fused_trees_equal_the_eager_step_by_step_trees_on_a_ragged_batch(models, monkeypatch, nodes, topk,
+                                                                                    depth):
+    """Batch 2+ (and batch 1 once the ragged batch's other sequences finished): the compiled fused
+    draft tree and fused verify grow the trees and keep the paths the eager step-by-step path does."""
+    from runtime.tree_draft import TreeShape
+    eager, compiled = models
+    shape = TreeShape(nodes, topk, depth)
+    want, want_steps = _unfused_tree_steps(eager, RAGGED, shape, monkeypatch)
+    got, steps = _tree_steps(compiled, RAGGED, shape)
+    assert got.output_ids == want.output_ids == generate(eager.runner, RAGGED, NEW).output_ids
+    assert steps == want_steps
+    assert [k for k in compiled.runner._verify_tree_greedy.ready if not k[0]]           # a batch 2+ graph
+    assert [k for k in compiled.proposer().draft._trees.ready if not k[0]]
+
+
 def test_eagle3_tree_greedy_ids_equal_eager(models, monkeypatch):
     """Tree speculation on the compiled path: the draft's whole tree (catch-up, tree steps, top-k
     selection) is one graph and the tree verify + greedy accept + tree rollback another; the trees
     grown and paths kept equal the eager step-by-step path's, and so do the ids; a second run with
     another max_new_tokens builds no graph."""
-    from runtime.drafts import EagerDraft
-    from runtime.runner import TorchRunner
     from runtime.tree_draft import TreeShape
     eager, compiled = models
     shape = TreeShape(6, 2, 3)
     prompts = RAGGED[:1]
     want = generate(eager.runner, prompts, NEW).output_ids
-    for name, owner in (("tree_chain", EagerDraft), ("verify_tree_greedy", TorchRunner)):
-        monkeypatch.delattr(owner, name)
-    _, want_steps = _tree_steps(eager, prompts, shape)
-    monkeypatch.undo()
+    _, want_steps = _unfused_tree_steps(eager, prompts, shape, monkeypatch)
     got, steps = _tree_steps(compiled, prompts, shape)
     assert got.output_ids == want and got.extra["acceptance"]["tree"]["steps_by_size"] == {
         "7": got.extra["acceptance"]["num_verify_forwards"]}
