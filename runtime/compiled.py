@@ -34,7 +34,7 @@ import torch
 
 from runtime.acceptance import greedy
 from runtime.drafts import EagerDraft
-from runtime.runner import TorchRunner, verify_greedy
+from runtime.runner import TorchRunner, verify_greedy, verify_tree_greedy
 
 HEADROOM = 16          # extra KV slots per sequence: the longest compiled chunk
 MAX_TOKENS = 16        # chunks longer than this always run eagerly (prefill)
@@ -194,6 +194,7 @@ class CompiledRunner(TorchRunner):
         self._rollback = _Steps(module.rollback, "target rollback") if hasattr(module, "rollback") else None
         self._tree_rollback = _Steps(module.tree_rollback, "target tree rollback")
         self._verify_greedy = _Steps(functools.partial(verify_greedy, module), "target greedy verify")
+        self._verify_tree_greedy = _Steps(functools.partial(verify_tree_greedy, module), "target greedy tree verify")
 
     def new_state(self, batch, capacity):
         return super().new_state(batch, capacity + HEADROOM)
@@ -236,6 +237,15 @@ class CompiledRunner(TorchRunner):
         return self._verify_greedy((batch == 1, tokens), f"greedy verify step ({tokens} tokens, {_batch_label(batch)})",
                                    STEP_CALLS, *(_prepare(a, batch, {}) for a in (input_ids, positions, lengths, logit_index)),
                                    _prepare(state, batch, self.capacity_dims))
+
+    @torch.no_grad()
+    def verify_tree_greedy(self, input_ids, positions, state, parents, base, depth):
+        """Tree verify + greedy accept + tree rollback as one graph per (tree size, depth)."""
+        batch, size = input_ids.shape
+        return self._verify_tree_greedy((batch == 1, size, depth), f"greedy tree verify ({size} rows, {_batch_label(batch)})",
+                                        STEP_CALLS, *(_prepare(a, batch, {}) for a in (input_ids, positions)),
+                                        _prepare(state, batch, self.capacity_dims),
+                                        *(_prepare(a, batch, {}) for a in (parents, base)), depth)
 
     def _padded_verify(self, input_ids, positions, lengths, logit_index, state, pad):
         tokens, rows = input_ids.shape[1], logit_index.shape[1]
@@ -302,6 +312,8 @@ class CompiledDraft(EagerDraft):
         self._tree_steps = _Steps(self._tree_step, f"{self.kind} draft tree", DRAFT_OPTIONS)
         self._chains = _Steps(self._chain if self.kind in FEATURE_DRAFTS else self._block_chain,
                               f"{self.kind} draft chain", DRAFT_OPTIONS)
+        self._trees = _Steps(self._tree_chain if self.kind in FEATURE_DRAFTS else self._block_tree,
+                             f"{self.kind} draft tree", DRAFT_OPTIONS)
 
     def new_state(self, batch, capacity):
         return super().new_state(batch, capacity + HEADROOM)
@@ -320,15 +332,28 @@ class CompiledDraft(EagerDraft):
     def chain(self, ids, features, positions, lengths, state, k: int):
         """The whole greedy proposal (``EagerDraft.chain``) as one graph per k: the catch-up chunk
         padded to K+1 rows, as ``run`` pads it."""
+        return self._catch_up_graph(self._chains, self._chain, k, f"chain ({k} tokens",
+                                    ids, features, positions, lengths, state)
+
+    @torch.no_grad()
+    def tree_chain(self, ids, features, positions, lengths, state, shape):
+        """The whole greedy tree (``EagerDraft.tree_chain``) as one graph per tree shape, the
+        catch-up chunk padded as ``chain`` pads it."""
+        return self._catch_up_graph(self._trees, self._tree_chain, shape, f"tree ({shape.max_nodes} nodes",
+                                    ids, features, positions, lengths, state)
+
+    def _catch_up_graph(self, steps, fn, last, label, ids, features, positions, lengths, state):
+        """``fn(ids, features, positions, lengths, state, last)`` as one graph per ``last``, its
+        catch-up chunk padded to K+1 rows (a longer one runs eagerly)."""
         batch, rows = ids.shape
         if self.kind not in FEATURE_DRAFTS or rows > self.pad_to:
-            return self._chain(ids, features, positions, lengths, state, k)
+            return fn(ids, features, positions, lengths, state, last)
         if rows < self.pad_to:
             feeds = _pad_rows({"ids": ids, "features": features, "positions": positions}, batch, rows, self.pad_to)
             ids, features, positions = feeds["ids"], feeds["features"], feeds["positions"]
-        return self._chains((batch == 1, k), f"{self.kind} draft chain ({k} tokens, {_batch_label(batch)})", STEP_CALLS,
-                            *(_prepare(t, batch, {}) for t in (ids, features, positions, lengths)),
-                            _prepare(state, batch, self._state_dims()), k)
+        return steps((batch == 1, last), f"{self.kind} draft {label}, {_batch_label(batch)})", STEP_CALLS,
+                     *(_prepare(t, batch, {}) for t in (ids, features, positions, lengths)),
+                     _prepare(state, batch, self._state_dims()), last)
 
     @torch.no_grad()
     def run(self, name: str, feeds: dict) -> dict:
@@ -356,15 +381,25 @@ class CompiledDraft(EagerDraft):
     def block_chain(self, feeds: dict, state: dict, anchor):
         """A block draft's whole greedy proposal (``EagerDraft.block_chain``) as one graph once its
         shapes recur (the proposer pads the context rows to ``pad_to``); other steps eagerly."""
+        return self._block_graph(self._chains, self._block_chain, "chain", feeds, state, anchor)
+
+    @torch.no_grad()
+    def block_tree(self, feeds: dict, state: dict, anchor, shape):
+        """A block draft's whole greedy tree (``EagerDraft.block_tree``) as one graph per tree shape
+        once its shapes recur; other steps eagerly."""
+        return self._block_graph(self._trees, self._block_tree, f"tree ({shape.max_nodes} nodes)", feeds, state,
+                                 anchor, shape)
+
+    def _block_graph(self, steps, fn, label, feeds, state, anchor, *rest):
         if self.kind not in BLOCK_DRAFTS or feeds["aux"].shape[1] > MAX_TOKENS:
-            return self._block_chain(feeds, state, anchor)
+            return fn(feeds, state, anchor, *rest)
         batch = feeds["input_ids"].shape[0]
         shapes = tuple((k, tuple(v.shape[1:])) for k, v in feeds.items() if isinstance(v, torch.Tensor))
         steady = feeds["aux"].shape[1] == self.pad_to
-        return self._chains((batch == 1, shapes), f"{self.kind} draft chain ({feeds['aux'].shape[1]} context rows, "
-                            f"{_batch_label(batch)})", STEP_CALLS if steady else OTHER_CALLS,
-                            _prepare(feeds, batch, {}), _prepare(state, batch, self._state_dims()),
-                            _prepare(anchor, batch, {}))
+        return steps((batch == 1, shapes, *rest), f"{self.kind} draft {label} ({feeds['aux'].shape[1]} context rows, "
+                     f"{_batch_label(batch)})", STEP_CALLS if steady else OTHER_CALLS,
+                     _prepare(feeds, batch, {}), _prepare(state, batch, self._state_dims()),
+                     _prepare(anchor, batch, {}), *rest)
 
     def _state_dims(self) -> dict:
         return {n[len("past."):]: d for n, d in self.capacity_dims.items()}

@@ -14,6 +14,7 @@ import torch
 
 from builder.engine import BuildOptions, draft_components
 from runtime.state import allocate
+from runtime.tree_draft import feature_expand, grow_greedy
 
 
 def _present(out: dict) -> dict:
@@ -49,10 +50,6 @@ class EagerDraft:
     def to_target_ids(self, draft_ids):
         return draft_ids if self.target_ids is None else self.target_ids[draft_ids.long()]
 
-    def markov(self, logits, prev_ids):
-        """DSpark: draft-vocabulary logits [B, 1, Vd] + W2(W1[previous target ids [B, 1]])."""
-        return self.run("markov", {"logits": logits, "prev_ids": prev_ids.to(torch.int32)})["markov_logits"]
-
     def row_inputs(self, ids, target_features, own_hidden) -> dict:
         """The draft's feature inputs for a chunk fed either target features or its own hidden."""
         if self.kind != "eagle3":
@@ -79,28 +76,47 @@ class EagerDraft:
     def chain(self, ids, features, positions, lengths, state, k: int):
         return self._chain(ids, features, positions, lengths, state, k)
 
-    def _chain(self, ids, features, positions, lengths, state, k: int):
-        """A feature draft's whole greedy proposal in one call: the catch-up chunk (``ids`` with the
-        target's ``features``, ``lengths`` real rows per sequence) yields the first token, then k-1
-        rows each fed the previous token and the draft's own hidden. Returns (tokens [B, k], the
-        catch-up's last-row logits [B, V] and hidden [B, H], the state after the last row): what
-        ``k`` calls of ``step`` with argmax in between give, without a host round trip per token."""
-        call = lambda name, feeds: self.components[name].call(feeds)  # noqa: E731
+    def _catch_up(self, call, ids, features, positions, lengths, state):
+        """The catch-up chunk (``ids`` with the target's ``features``, ``lengths`` real rows per
+        sequence): (its last row's logits [B, V] and hidden [B, H], the next position [B, 1], state)."""
         index = (lengths - 1).to(torch.int32)[:, None]
         logits, hidden, state = self._step(call, ids, features, None, positions, lengths, index, state)
-        first_logits = logits[:, 0]
         hidden = hidden.gather(1, index.long()[:, :, None].expand(-1, -1, hidden.shape[-1]))[:, 0]
+        return logits[:, 0], hidden, positions[:, :1] + lengths.to(positions.dtype)[:, None], state
+
+    def _chain(self, ids, features, positions, lengths, state, k: int):
+        """A feature draft's whole greedy proposal in one call: the catch-up chunk yields the first
+        token, then k-1 rows each fed the previous token and the draft's own hidden. Returns (tokens
+        [B, k], the catch-up's last-row logits [B, V] and hidden [B, H], the state after the last
+        row): what ``k`` calls of ``step`` with argmax in between give, without a host round trip
+        per token."""
+        call = lambda name, feeds: self.components[name].call(feeds)  # noqa: E731
+        first_logits, hidden, position, state = self._catch_up(call, ids, features, positions, lengths, state)
         first_hidden, token = hidden, first_logits.argmax(-1)
         tokens = [token]
-        position = positions[:, :1] + lengths.to(positions.dtype)[:, None]
         one = torch.ones_like(lengths)
-        zero = torch.zeros_like(index)
+        zero = torch.zeros_like(one)[:, None]
         for i in range(1, k):
             logits, out, state = self._step(call, token.to(torch.int32)[:, None], None, hidden[:, None],
                                             position + (i - 1), one, zero, state)
             hidden, token = out[:, 0], logits[:, 0].argmax(-1)
             tokens.append(token)
         return torch.stack(tokens, 1), first_logits, first_hidden, state
+
+    @torch.inference_mode()
+    def tree_chain(self, ids, features, positions, lengths, state, shape):
+        return self._tree_chain(ids, features, positions, lengths, state, shape)
+
+    def _tree_chain(self, ids, features, positions, lengths, state, shape):
+        """A feature draft's whole greedy tree in one call: the catch-up chunk, then one tree step per
+        depth with the top-k expansion and the final selection (``grow_greedy``) between them, no
+        host round trip. Returns (tree tokens, parents, depth [B, T], the catch-up's last-row logits
+        and hidden, the state after the last tree step)."""
+        call = lambda name, feeds: self.components[name].call(feeds)  # noqa: E731
+        logits, hidden, position, state = self._catch_up(call, ids, features, positions, lengths, state)
+        expand, front = feature_expand(self._tree_step, hidden, position, state, shape)
+        tree = grow_greedy(logits, expand, shape)
+        return tree.tokens, tree.parents, tree.depth, logits, hidden, front["state"]
 
     @torch.inference_mode()
     def tree_step(self, ids, own_hidden, positions, slots, visible, state):
@@ -124,6 +140,19 @@ class EagerDraft:
             logits, out, new = m.forward(ids, own_hidden, slots, lengths, index, state, visible=visible)
         return self.to_target_vocab(logits), out, new
 
+    def block_row(self, base, j: int, prev, call=None):
+        """Block row j's logits over the target vocabulary [B, F, V] after each of the previous
+        tokens ``prev`` [B, F] (DSpark's Markov bias; DFlash rows do not depend on them)."""
+        batch, width = prev.shape
+        row = base[:, j:j + 1]
+        if getattr(self.module, "has_markov", False):
+            flat = row.expand(-1, width, -1).reshape(batch * width, 1, -1)
+            feeds = {"logits": flat, "prev_ids": prev.reshape(-1, 1).to(device=row.device, dtype=torch.int32)}
+            row = (call or self.run)("markov", feeds)["markov_logits"].reshape(batch, width, -1)
+        else:
+            row = row.expand(-1, width, -1)
+        return self.to_target_vocab(row)
+
     @torch.inference_mode()
     def block_chain(self, feeds: dict, state: dict, anchor):
         return self._block_chain(feeds, state, anchor)
@@ -136,13 +165,26 @@ class EagerDraft:
         out = call("draft", {**feeds, **{"past." + k: v for k, v in state.items()}})
         base, prev, tokens = out["logits"], anchor.long()[:, None], []
         for j in range(base.shape[1]):
-            row = base[:, j:j + 1]
-            if getattr(self.module, "has_markov", False):
-                row = call("markov", {"logits": row, "prev_ids": prev.to(torch.int32)})["markov_logits"]
-            token = self.to_target_vocab(row)[:, 0].argmax(-1)
+            token = self.block_row(base, j, prev, call)[:, 0].argmax(-1)
             tokens.append(token)
             prev = token[:, None]
         return torch.stack(tokens, 1), _present(out)
+
+    @torch.inference_mode()
+    def block_tree(self, feeds: dict, state: dict, anchor, shape):
+        return self._block_tree(feeds, state, anchor, shape)
+
+    def _block_tree(self, feeds: dict, state: dict, anchor, shape):
+        """A block draft's greedy tree in one call: the block's forward, then per depth the top-k of
+        block row d after each frontier node's token (``grow_greedy``, ``max_nodes`` expanded).
+        Returns ((tree tokens, parents, depth [B, T]), new state)."""
+        call = lambda name, f: self.components[name].call(f)  # noqa: E731
+        out = call("draft", {**feeds, **{"past." + k: v for k, v in state.items()}})
+        base = out["logits"]
+        root = self.block_row(base, 0, anchor.long()[:, None], call)[:, 0]
+        tree = grow_greedy(root, lambda tokens, parent, depth: self.block_row(base, depth, tokens, call), shape,
+                           shape.max_nodes)
+        return (tree.tokens, tree.parents, tree.depth), _present(out)
 
     def logits_and_state(self, feeds: dict, state: dict):
         """Block and parallel drafts: (logits over the draft vocabulary, new state) of one forward."""

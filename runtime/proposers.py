@@ -26,7 +26,7 @@ from runtime.prefill import prefill
 from runtime.rollback import select_snapshots
 from runtime.sampling import draw
 from runtime.state import chunk_inputs, keep_rows
-from runtime.tree_draft import DraftTree, TreeShape, grow
+from runtime.tree_draft import DraftTree, TreeShape, feature_expand, grow
 
 
 def _take_rows(state: dict, keep: torch.Tensor) -> dict:
@@ -225,20 +225,31 @@ class FeatureDraftProposer(_PerSequence):
         self._catch_up()
 
     def _fused(self, k, params, stop_below) -> bool:
-        """Whether this proposal can run as one ``draft.chain`` call: greedy rows with nothing
-        banned, no confidence stop, and every sequence with 1..prefill_chunk queued rows."""
-        return (k > 1 and not stop_below and hasattr(self.draft, "chain")
-                and all(p.argmax for p in params)
+        """Whether this proposal can run as one ``draft.chain`` call: k > 1, no confidence stop, and
+        what ``_fusable`` asks."""
+        return k > 1 and not stop_below and hasattr(self.draft, "chain") and self._fusable(params)
+
+    def _fusable(self, params) -> bool:
+        """Greedy rows with nothing banned, every sequence with 1..prefill_chunk queued rows: the
+        catch-up is one chunk and what follows needs no sampling."""
+        return (all(p.argmax for p in params)
                 and all(0 < len(t) <= self.prefill_chunk for t in self.pending))
 
-    def _propose_chain(self, k):
+    def _queued_chunk(self):
+        """The queued rows as one catch-up chunk: (ids, target features, positions, lengths)."""
         dev = self.draft.device
         ids, positions, lengths = chunk_inputs(self.pending, self.position, dev)
-        feats = _padded(self.pending_features, ids.shape[1], dev)
-        tokens, self.logits, self.hidden, self.state = self.draft.chain(ids, feats, positions, lengths, self.state, k)
+        return ids, _padded(self.pending_features, ids.shape[1], dev), positions, lengths
+
+    def _queued_consumed(self):
         self.position = [s + len(t) for s, t in zip(self.position, self.pending)]
         self.pending = [[] for _ in self.pending]
         self.pending_features = [None] * len(self.pending)
+
+    def _propose_chain(self, k):
+        ids, feats, positions, lengths = self._queued_chunk()
+        tokens, self.logits, self.hidden, self.state = self.draft.chain(ids, feats, positions, lengths, self.state, k)
+        self._queued_consumed()
         return tokens, None, None
 
     def propose(self, k, params, stop_below=0.0):
@@ -264,32 +275,27 @@ class FeatureDraftProposer(_PerSequence):
         return chain.result()
 
     def propose_tree(self, shape: TreeShape, params) -> DraftTree:
-        """EAGLE-2 tree growth: one draft forward per depth over the frontier nodes, each fed its
-        parent's hidden_out and seeing the committed slots plus its ancestors' (``tree_step``). The
-        frontier of depth d writes slots position + (d-1)*topk + f; the next catch-up overwrites them."""
+        """EAGLE-2 tree growth (``runtime.tree_draft.feature_expand``): one draft forward per depth
+        over the frontier nodes. Greedy rows with rows queued grow the whole tree in one
+        ``draft.tree_chain`` call (catch-up, every depth and the selection); others step by step."""
+        room = next(iter(self.state.values())).shape[1]
+        after = max(p + len(t) for p, t in zip(self.position, self.pending))
+        if after + shape.draft_rows > room:
+            raise ValueError(f"tree: draft cache of {room} slots cannot hold {shape.draft_rows} tree rows "
+                             f"past position {after}")
+        if hasattr(self.draft, "tree_chain") and self._fusable(params):
+            ids, feats, positions, lengths = self._queued_chunk()
+            tokens, parents, depth, self.logits, self.hidden, self.state = self.draft.tree_chain(
+                ids, feats, positions, lengths, self.state, shape)
+            self._queued_consumed()
+            return DraftTree(tokens, parents, depth, None)
         if any(self.pending):
             self._catch_up()
-        dev = self.draft.device
-        position = torch.tensor(self.position, dtype=torch.long)[:, None]
-        cache = next(iter(self.state.values()))
-        slots_all = torch.arange(cache.shape[1])
-        if int(position.max()) + shape.draft_rows > cache.shape[1]:
-            raise ValueError(f"tree: draft cache of {cache.shape[1]} slots cannot hold {shape.draft_rows} tree rows "
-                             f"past position {int(position.max())}")
-        front = {"hidden": self.hidden[:, None], "visible": (slots_all[None] < position)[:, None]}
-
-        def expand(tokens, parent, depth):
-            rows = tokens.shape[1]
-            slots = position + (depth - 1) * shape.topk + torch.arange(rows)             # [B, F]
-            visible = front["visible"].gather(1, parent[..., None].expand(-1, -1, slots_all.shape[0])).clone()
-            visible.scatter_(2, slots[..., None], True)
-            hidden = front["hidden"].gather(1, parent[..., None].to(dev).expand(-1, -1, self.hidden.shape[-1]))
-            logits, out, self.state = self.draft.tree_step(
-                tokens.to(device=dev, dtype=torch.int32), hidden, (position + depth - 1).expand(-1, rows).to(dev, torch.int32),
-                slots.to(dev, torch.int32), visible.to(dev), self.state)
-            front["hidden"], front["visible"] = out, visible
-            return logits
-        return grow(self.logits, expand, shape, params)
+        position = torch.tensor(self.position, dtype=torch.long, device=self.draft.device)[:, None]
+        expand, front = feature_expand(self.draft.tree_step, self.hidden, position, self.state, shape)
+        tree = grow(self.logits, expand, shape, params)
+        self.state = front["state"]
+        return tree
 
     def accept(self, accepted, next_tokens, drafts, verify_features):
         """Queues the verified rows (the kept drafts and the target's token, with the verify's
@@ -363,18 +369,6 @@ class BlockDraftProposer(_AuxProposer):
             if last:
                 return logits
 
-    def _row(self, base, j, prev):
-        """Draft row j's logits over the target vocabulary [B, F, V] after each of the previous tokens
-        ``prev`` [B, F] (DSpark's Markov bias; DFlash rows do not depend on them)."""
-        batch, width = prev.shape
-        row = base[:, j:j + 1]
-        if getattr(self.module, "has_markov", False):
-            flat = row.expand(-1, width, -1).reshape(batch * width, 1, -1)
-            row = self.draft.markov(flat, prev.reshape(-1, 1).to(row.device)).reshape(batch, width, -1)
-        else:
-            row = row.expand(-1, width, -1)
-        return self.draft.to_target_vocab(row)
-
     def propose(self, k, params, stop_below=0.0):
         if not stop_below and hasattr(self.draft, "block_chain") and all(p.argmax for p in params):
             anchor = torch.tensor(self.anchor, dtype=torch.long, device=self.draft.device)
@@ -383,16 +377,22 @@ class BlockDraftProposer(_AuxProposer):
         chain = _Chain(params, self.draft.target_vocab, stop_below)
         prev = torch.tensor(self.anchor, dtype=torch.long)[:, None]
         for j in range(k):
-            token = chain.draw(self._row(base, j, prev)[:, 0])
+            token = chain.draw(self.draft.block_row(base, j, prev)[:, 0])
             prev = token.long().cpu()[:, None]
         return chain.result()
 
     def propose_tree(self, shape: TreeShape, params) -> DraftTree:
         """DDTree-style: block row d's top-k tokens are the children of every depth-d node (after the
-        node's own token, for DSpark's Markov head); one draft forward per step."""
+        node's own token, for DSpark's Markov head); one draft forward per step. Greedy rows grow the
+        tree in the same call as the block (``draft.block_tree``)."""
+        anchor = torch.tensor(self.anchor, dtype=torch.long, device=self.draft.device)
+        if hasattr(self.draft, "block_tree") and all(p.argmax for p in params):
+            tree = self._run(shape.depth, lambda feeds, state: self.draft.block_tree(feeds, state, anchor, shape))
+            return DraftTree(*tree, None)
         base = self._run(shape.depth)
-        root = self._row(base, 0, torch.tensor(self.anchor, dtype=torch.long)[:, None])[:, 0]
-        return grow(root, lambda tokens, parent, depth: self._row(base, depth, tokens), shape, params, shape.max_nodes)
+        root = self.draft.block_row(base, 0, anchor[:, None])[:, 0]
+        return grow(root, lambda tokens, parent, depth: self.draft.block_row(base, depth, tokens), shape, params,
+                    shape.max_nodes)
 
     def accept(self, accepted, next_tokens, drafts, verify_features):
         """Queues the verified rows' features as context (written by the next step's network)."""

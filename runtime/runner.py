@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 
 from runtime import state as state_lib
+from runtime.tree import ancestors, greedy_path
 
 
 class Runner(Protocol):
@@ -31,6 +32,8 @@ class Runner(Protocol):
     # tree_rollback(state, verified, paths, lengths, base) -> dict
     # and runners that can verify, accept greedily and roll back in one call have
     # verify_greedy(input_ids, positions, lengths, logit_index, state) -> (m, next, logits, state, features)
+    # and its tree form verify_tree_greedy(input_ids, positions, state, parents, base, depth)
+    # -> (paths, lengths, bonus, logits, state, features)
 
 
 def verify_greedy(module, input_ids, positions, lengths, logit_index, state):
@@ -42,6 +45,21 @@ def verify_greedy(module, input_ids, positions, lengths, logit_index, state):
     logits, verified, features = module.forward(input_ids, positions, lengths, logit_index, state, True)
     m, nxt = greedy(input_ids[:, 1:].long(), logits)
     return m, nxt, logits, module.rollback(state, verified, m), features
+
+
+def verify_tree_greedy(module, input_ids, positions, state, parents, base, depth: int):
+    """A greedy tree step whole: the tree verify of input_ids [B, T] (row 0 the root) with ``parents``
+    [B, T], the greedy accept (``runtime.tree.greedy_path``) and ``tree_rollback`` to the accepted
+    path, with no host round trip between them; ``depth`` (the tree shape's) fixes the ancestor
+    gathers and the path width depth + 1. Returns (paths [B, depth + 1], lengths [B], bonus [B],
+    logits [B, T, V], the rolled-back state, the verify's features)."""
+    batch, size = input_ids.shape
+    rows = torch.arange(size, dtype=torch.int32, device=input_ids.device).expand(batch, -1)
+    anc = ancestors(parents, depth)
+    logits, verified, features = module.forward(input_ids, positions, torch.full_like(rows[:, 0], size), rows, state,
+                                                True, (parents, anc))
+    paths, lengths, bonus = greedy_path(input_ids, parents, logits.argmax(-1), anc, depth + 1)
+    return paths, lengths, bonus, logits, module.tree_rollback(state, verified, paths, lengths, base), features
 
 
 class TorchRunner:
@@ -67,6 +85,10 @@ class TorchRunner:
     @torch.inference_mode()
     def verify_greedy(self, input_ids, positions, lengths, logit_index, state):
         return verify_greedy(self.module, input_ids, positions, lengths, logit_index, state)
+
+    @torch.inference_mode()
+    def verify_tree_greedy(self, input_ids, positions, state, parents, base, depth):
+        return verify_tree_greedy(self.module, input_ids, positions, state, parents, base, depth)
 
     @torch.inference_mode()
     def tree_rollback(self, state, verified, paths, lengths, base):

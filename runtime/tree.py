@@ -10,18 +10,19 @@ from __future__ import annotations
 import torch
 
 
-def ancestors(parents: torch.Tensor) -> torch.Tensor:
+def ancestors(parents: torch.Tensor, levels: int | None = None) -> torch.Tensor:
     """parents [B, T] -> [B, T, T] bool: [b, i, j] when row j is row i or an ancestor of it (one
-    gather per tree level: every row climbs one step at a time)."""
+    gather per tree level: every row climbs one step at a time). ``levels``: the tree's depth when
+    the shape fixes it; then exactly that many gathers and no host check (a compiled graph's form)."""
     batch, seq = parents.shape
     up = parents.long().clamp_min(0)                                  # the root is its own parent here
-    node = torch.arange(seq).expand(batch, -1)
-    out = torch.zeros(batch, seq, seq, dtype=torch.bool)
+    node = torch.arange(seq, device=parents.device).expand(batch, -1)
+    out = torch.zeros(batch, seq, seq, dtype=torch.bool, device=parents.device)
     out.scatter_(2, node[..., None], True)
-    for _ in range(seq - 1):
+    for _ in range(seq - 1 if levels is None else levels):
         node = up.gather(1, node)
         out.scatter_(2, node[..., None], True)
-        if not bool(node.any()):                                      # every row reached the root
+        if levels is None and not bool(node.any()):                   # every row reached the root
             break
     return out
 
@@ -34,29 +35,32 @@ def path_to(parents: torch.Tensor, node: torch.Tensor, length: int, anc: torch.T
     """[B, length] rows of the root path ending at ``node`` [B], root first, padded with the node."""
     anc = ancestors(parents) if anc is None else anc
     batch, seq = parents.shape
-    on_path = anc[torch.arange(batch), node.long()]                  # [B, T]: rows on the path (ascending)
-    rows = torch.arange(seq).expand(batch, -1)
+    on_path = anc.gather(1, node.long()[:, None, None].expand(-1, 1, seq))[:, 0]   # [B, T]: rows on the path
+    rows = torch.arange(seq, device=parents.device).expand(batch, -1)
     ordered = torch.where(on_path, rows, seq).sort(dim=1).values[:, :length]
     if ordered.shape[1] < length:
         ordered = torch.cat([ordered, ordered.new_full((batch, length - ordered.shape[1]), seq)], 1)
     return torch.where(ordered < seq, ordered, node.long()[:, None])
 
 
+def greedy_path(tokens: torch.Tensor, parents: torch.Tensor, best: torch.Tensor, anc: torch.Tensor, width: int):
+    """Greedy acceptance in tensor ops only (no host sync, fixed shapes: one graph per tree shape).
+    tokens, parents [B, T]; best [B, T] the target's argmax per row; ``width`` >= the tree's depth + 1.
+    Returns (paths [B, width] root first, padded with the last row; lengths [B]; bonus [B])."""
+    rows = torch.arange(tokens.shape[1], device=tokens.device)
+    match = (tokens.long() == best.gather(1, parents.long().clamp_min(0))) | (rows == 0)  # agrees with its parent's argmax
+    ok = ~(anc & ~match[:, None, :]).any(-1)                          # every row on the path agrees
+    d = anc.sum(-1) - 1
+    node = torch.where(ok, d, -1).argmax(-1)                          # deepest agreeing row (first among equals)
+    lengths = d.gather(1, node[:, None])[:, 0] + 1
+    return path_to(parents, node, width, anc), lengths, best.gather(1, node[:, None])[:, 0]
+
+
 def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor, anc: torch.Tensor | None = None):
     """tokens [B, T] (row 0 the root's token), logits [B, T, V] of the tree verify ->
     (paths [B, D+1] root first, path lengths [B], bonus token [B]). ``anc``: ancestors(parents)."""
-    batch, seq = tokens.shape
-    best = logits.argmax(-1).cpu()                                   # [B, T]
-    rows = torch.arange(batch)
     anc = ancestors(parents) if anc is None else anc
-    match = tokens.cpu() == best.gather(1, parents.long().clamp_min(0))   # row r agrees with its parent's argmax
-    match[:, 0] = True
-    ok = ~(anc & ~match[:, None, :]).any(-1)                          # every row on the path agrees
-    d = anc.sum(-1) - 1
-    score = torch.where(ok, d, -1)
-    node = score.argmax(-1)                                           # deepest agreeing row (first among equals)
-    lengths = d[rows, node] + 1
-    return path_to(parents, node, int(d.max()) + 1, anc), lengths, best[rows, node]
+    return greedy_path(tokens.cpu(), parents, logits.argmax(-1).cpu(), anc, int(anc.sum(-1).max()))
 
 
 def rejection_accept(tokens, parents, q, logits, params):

@@ -60,19 +60,23 @@ class DraftTree:
         return self.tokens.shape[1]
 
 
+def _top(logits, k: int):
+    """logits [B, F, V] -> the top-k tokens [B, F, k] of the softmax and their log-probabilities."""
+    top = torch.log_softmax(logits.float(), -1).topk(k, dim=-1)
+    return top.indices, top.values
+
+
 def _children(logits, params: list[SamplingParams], k: int):
     """logits [B, F, V] -> (tokens [B, F, k], log q [B, F, k], q [B, F, V] or None). Greedy rows: the
     top-k of the softmax; sampled rows: k draws without replacement from the sampling distribution."""
     logits = ban(logits, params)
-    logp = torch.log_softmax(logits.float(), -1).cpu()
-    top = logp.topk(k, dim=-1)
-    tokens, scores = top.indices, top.values
+    tokens, scores = (t.cpu() for t in _top(logits, k))
     q = None
     for row, p in enumerate(params):
         if not p.temperature:
             continue
         if q is None:
-            q = torch.zeros(logp.shape)
+            q = torch.zeros(logits.shape)
         q[row] = probabilities(logits[row], p.temperature, p.top_p, p.top_k).cpu()
         gumbel = -torch.log(-torch.log(torch.rand(q[row].shape, generator=p.generator).clamp_min(1e-20)))
         keys = torch.log(q[row]) + gumbel                       # top-k of log q + Gumbel: draws without replacement
@@ -89,16 +93,60 @@ def grow(root_logits: torch.Tensor, expand, shape: TreeShape, params: list[Sampl
     ``shape.topk``; a block draft, whose expansion costs no forward, expands ``max_nodes``: then the
     kept set is exactly the ``max_nodes`` most probable paths over the top-k tokens per depth).
     Returns the tree over target ids."""
-    batch = root_logits.shape[0]
     k = min(shape.topk, root_logits.shape[-1])
     sampled = torch.tensor([bool(p.temperature) for p in params])
+    tree = _grow(root_logits, expand, shape, lambda logits: _children(logits, params, k), frontier,
+                 sampled if bool(sampled.any()) else None)
+    assert bool((tree.parents[:, 1:] >= 0).all()), "tree selection dropped a kept node's parent"
+    return tree
+
+
+def grow_greedy(root_logits: torch.Tensor, expand, shape: TreeShape, frontier: int | None = None) -> DraftTree:
+    """:func:`grow` for greedy rows with nothing banned, in tensor ops only (no host sync, shapes
+    fixed by ``shape``): the form a draft runs inside one compiled graph with its expansions."""
+    k = min(shape.topk, root_logits.shape[-1])
+    return _grow(root_logits, expand, shape, lambda logits: (*_top(logits, k), None), frontier, None)
+
+
+def feature_expand(tree_step, hidden: torch.Tensor, position: torch.Tensor, state: dict, shape: TreeShape):
+    """The ``expand`` of a chain draft (eagle, eagle3, mtp): one ``tree_step`` over the frontier
+    rows, each fed its parent's hidden_out and seeing the committed slots (before ``position`` [B, 1])
+    plus its ancestors'. The frontier of depth d writes slots position + (d-1)*topk + f; the next
+    catch-up overwrites them. Returns (expand, the dict whose "state" is the state after the last call)."""
+    dev = hidden.device
+    position = position.to(dev).long()
+    slots_all = torch.arange(next(iter(state.values())).shape[1], device=dev)
+    front = {"hidden": hidden[:, None], "visible": (slots_all[None] < position)[:, None], "state": state}
+
+    def expand(tokens, parent, depth):
+        rows = tokens.shape[1]
+        parent = parent.to(dev)
+        slots = position + (depth - 1) * shape.topk + torch.arange(rows, device=dev)           # [B, F]
+        visible = front["visible"].gather(1, parent[..., None].expand(-1, -1, slots_all.shape[0])).clone()
+        visible.scatter_(2, slots[..., None], True)
+        parent_hidden = front["hidden"].gather(1, parent[..., None].expand(-1, -1, hidden.shape[-1]))
+        logits, out, front["state"] = tree_step(tokens.to(device=dev, dtype=torch.int32), parent_hidden,
+                                                (position + depth - 1).expand(-1, rows).to(torch.int32),
+                                                slots.to(torch.int32), visible, front["state"])
+        front["hidden"], front["visible"] = out, visible
+        return logits
+    return expand, front
+
+
+def _grow(root_logits, expand, shape: TreeShape, children, frontier, sampled) -> DraftTree:
+    """The growth loop of :func:`grow`; ``children(logits)`` -> (tokens, log q, q); ``sampled`` [B]
+    bool, or None when every row is greedy."""
+    batch, dev = root_logits.shape[0], root_logits.device
+    k = min(shape.topk, root_logits.shape[-1])
+    all_sampled = sampled is not None and bool(sampled.all())
     # per depth: candidates' tokens, parents, scores [B, F*k] and count; the expanded nodes [B, F], their q
     tokens, parents, scores, depths, heads, qs = [], [], [], [], [], []
-    front_index = torch.full((batch, 1), -1)                    # frontier nodes' candidate indices (-1: root)
-    front_score = torch.zeros(batch, 1)
+    front_index = torch.full((batch, 1), -1, device=dev)        # frontier nodes' candidate indices (-1: root)
+    front_score = torch.zeros(batch, 1, device=dev)
     logits, made = root_logits[:, None], 0
     for d in range(1, shape.depth + 1):
-        child, logq, q = _children(logits, params, k)            # [B, F, k]
+        child, logq, q = children(logits)                        # [B, F, k]
+        front_index, front_score = front_index.to(child.device), front_score.to(child.device)
         width = child.shape[1]
         tokens.append(child.reshape(batch, -1))
         parents.append(front_index.repeat_interleave(k, 1))
@@ -108,7 +156,7 @@ def grow(root_logits: torch.Tensor, expand, shape: TreeShape, params: list[Sampl
         heads.append(front_index)
         qs.append(q)
         first, made = made, made + width * k
-        if d == shape.depth or (bool(sampled.all()) and made >= shape.max_nodes):
+        if d == shape.depth or (all_sampled and made >= shape.max_nodes):
             break                                                # (sampled trees keep creation order)
         best = cand.topk(min(frontier or shape.topk, cand.shape[1]), dim=1).indices
         front_index, front_score = first + best, cand.gather(1, best)
@@ -119,18 +167,19 @@ def grow(root_logits: torch.Tensor, expand, shape: TreeShape, params: list[Sampl
 def _select(tokens, parents, scores, depths, heads, qs, max_nodes, sampled) -> DraftTree:
     """The kept candidates, as tree rows (root first, then creation order: parents before children)."""
     tokens, parents, scores = torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(scores, 1)
-    depth_of = torch.cat([torch.full((n,), d + 1) for d, n in enumerate(depths)])
+    dev = tokens.device
+    depth_of = torch.cat([torch.full((n,), d + 1, device=dev) for d, n in enumerate(depths)])
     batch, n = tokens.shape
     keep = min(max_nodes, n)
-    order = torch.arange(n).expand(batch, -1)
     ranked = torch.sort(-scores, dim=1, stable=True).indices     # ties: the earlier candidate (a parent) first
-    chosen = torch.where(sampled[:, None], order, ranked)[:, :keep].sort(dim=1).values
-    row_of = torch.full((batch, n + 1), -1, dtype=torch.long)    # candidate index (+1; 0 = root) -> tree row
+    if sampled is not None:
+        ranked = torch.where(sampled[:, None], torch.arange(n).expand(batch, -1), ranked)
+    chosen = ranked[:, :keep].sort(dim=1).values
+    row_of = torch.full((batch, n + 1), -1, dtype=torch.long, device=dev)   # candidate index (+1; 0 = root) -> tree row
     row_of[:, 0] = 0
-    row_of.scatter_(1, chosen + 1, torch.arange(1, keep + 1).expand(batch, -1))
+    row_of.scatter_(1, chosen + 1, torch.arange(1, keep + 1, device=dev).expand(batch, -1))
     rows_parents = row_of.gather(1, parents.gather(1, chosen) + 1)
-    assert bool((rows_parents >= 0).all()), "tree selection dropped a kept node's parent"
-    zero = torch.zeros(batch, 1, dtype=torch.long)
+    zero = torch.zeros(batch, 1, dtype=torch.long, device=dev)
     q = None
     if any(x is not None for x in qs):
         # each expanded node's q row (the root, then each depth's frontier), placed at its tree row

@@ -55,26 +55,33 @@ class TreeSpeculativeGroup(SpeculativeGroup):
         draft = watch.lap()
         size = tree.size
         rows = torch.arange(size, dtype=torch.int32, device=dev)
-        tokens = tree.tokens.clone()
+        tokens, parents = tree.tokens.cpu().clone(), tree.parents.cpu()     # (host copies: emitting needs them)
         tokens[:, 0] = torch.tensor([s.last for s in self.seqs])
         base = torch.tensor([s.position for s in self.seqs], dtype=torch.int32, device=dev)
-        anc = tree_lib.ancestors(tree.parents)
-        structure = (tree.parents.to(dev), anc.to(dev))
+        ids, positions = tokens.to(device=dev, dtype=torch.int32), base[:, None] + rows
         watch.lap()
-        logits, verified, features = self.target.forward(
-            tokens.to(device=dev, dtype=torch.int32), base[:, None] + rows, torch.full((n,), size, dtype=torch.int32, device=dev),
-            rows.expand(n, -1), self.state, verify=True, tree=structure)
-        verify = watch.lap()
-        logits = shape_tree(logits, self.seqs, tokens, tree.parents, tree.depth)
-        tree = DraftTree(tokens, tree.parents, tree.depth, tree.q)
-        paths, lengths, bonus = tree_lib.accept(tree, logits, params, anc)
-        width = self.shape.depth + 1                                            # one path width per shape
-        if paths.shape[1] < width:
-            paths = torch.cat([paths, paths[:, -1:].expand(-1, width - paths.shape[1])], 1)
-        self.state = self.target.tree_rollback(self.state, verified, paths.to(dev), lengths.to(dev), base.long())
-        accept = watch.lap()
+        if hasattr(self.target, "verify_tree_greedy") and all(p.plain_greedy for p in params):
+            # plain greedy rows: verify, accept and roll back in one call (accept time is in verify)
+            paths, lengths, bonus, logits, self.state, features = self.target.verify_tree_greedy(
+                ids, positions, self.state, parents.to(dev), base.long(), self.shape.depth)
+            paths, lengths, bonus = paths.cpu(), lengths.cpu(), bonus.cpu()
+            verify, accept = watch.lap(), 0.0
+        else:
+            anc = tree_lib.ancestors(parents)
+            logits, verified, features = self.target.forward(
+                ids, positions, torch.full((n,), size, dtype=torch.int32, device=dev), rows.expand(n, -1), self.state,
+                verify=True, tree=(parents.to(dev), anc.to(dev)))
+            verify = watch.lap()
+            depth = tree.depth.cpu()
+            logits = shape_tree(logits, self.seqs, tokens, parents, depth)
+            paths, lengths, bonus = tree_lib.accept(DraftTree(tokens, parents, depth, tree.q), logits, params, anc)
+            width = self.shape.depth + 1                                        # one path width per shape
+            if paths.shape[1] < width:
+                paths = torch.cat([paths, paths[:, -1:].expand(-1, width - paths.shape[1])], 1)
+            self.state = self.target.tree_rollback(self.state, verified, paths.to(dev), lengths.to(dev), base.long())
+            accept = watch.lap()
         kept = lengths - 1
-        self.off_chain += _off_chain(tree.parents, paths, lengths)
+        self.off_chain += _off_chain(parents, paths, lengths)
         path_tokens = tokens.gather(1, paths)[:, 1:]                           # [B, D]: drafted tokens on the path
         along = {k: _gather_path(v, paths) for k, v in features.items()}
         self.proposer.accept(kept, bonus, path_tokens, along)
@@ -103,7 +110,7 @@ class TreeSpeculativeGroup(SpeculativeGroup):
             s.acceptance.record(m, self.shape.depth)
             out.append(s.emit(gained, lp))
             if self.trace is not None:
-                self._trace(s, size - 1, d[:m], m, t, out[-1], draft, verify, tree_parents=tree.parents[b].tolist(),
+                self._trace(s, size - 1, d[:m], m, t, out[-1], draft, verify, tree_parents=parents[b].tolist(),
                             tree_tokens=tokens[b].tolist(), accepted_path=paths[b, :m + 1].tolist())
             s.position, s.last = s.position + len(gained), t
         self.costs.add(watch.total(), tokens=emitted, rows=n, proposals=n * self.shape.depth, draft=draft,
@@ -114,14 +121,9 @@ class TreeSpeculativeGroup(SpeculativeGroup):
 def _off_chain(parents, paths, lengths) -> int:
     """How many accepted paths pass through a node that is not its parent's first child (the draft's
     top choice there): what a chain of the draft's top choices would have missed."""
-    count = 0
-    for b in range(parents.shape[0]):
-        first = {}
-        for r, p in enumerate(parents[b].tolist()[1:], start=1):
-            first.setdefault(p, r)
-        rows = paths[b, 1:int(lengths[b])].tolist()
-        count += any(first[int(parents[b, r])] != r for r in rows)
-    return count
+    later = (parents[:, :, None] == parents[:, None, :]).tril(-1).any(-1)      # a sibling comes before the row
+    taken = torch.arange(1, paths.shape[1]) < lengths[:, None]                # accepted path rows
+    return int((later.gather(1, paths[:, 1:]) & taken).any(1).sum())
 
 
 def _gather_path(feature: torch.Tensor, paths: torch.Tensor) -> torch.Tensor:

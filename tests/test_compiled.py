@@ -6,7 +6,7 @@ Compiling is the cost here (a cold inductor cache: tens of seconds per graph), s
 pair of loaded models serves every test and the prompts keep to few shapes: prefill chunks are
 eager; decode compiles for batch 2+, verify and rollback for K+1 = 5 (batch 2+, and batch 1 when a
 ragged batch's last sequence runs alone; K=3 pads its verify to 5) and K+1 = 2 (batch 1), the draft
-for 1 and 5 rows.
+for 1 and 5 rows; trees build their fused draft tree and greedy tree verify per tree shape.
 """
 import io
 import json
@@ -51,8 +51,8 @@ def models(one_thread):
 
 def _compiled_keys(loaded):
     proposer = loaded.proposer()
-    steps = [loaded.runner._forward, loaded.runner._rollback, loaded.runner._verify_greedy, proposer.draft._steps,
-             proposer.draft._chains]
+    steps = [loaded.runner._forward, loaded.runner._rollback, loaded.runner._verify_greedy,
+             loaded.runner._verify_tree_greedy, proposer.draft._steps, proposer.draft._chains, proposer.draft._trees]
     return sum(len(s.ready) for s in steps), [s for s in steps if s.broken]
 
 
@@ -100,19 +100,58 @@ def test_draft_chain_proposes_what_step_by_step_proposes(models, monkeypatch):
     assert got == out and compiled.proposer().draft._chains.ready
 
 
-def test_eagle3_tree_greedy_ids_equal_eager(models):
-    """Tree speculation on the compiled path (tree verify, tree rollback and the draft's tree steps as
-    graphs) gives the eager greedy ids; a second run with another max_new_tokens builds no graph."""
+def _tree_steps(loaded, prompts, shape):
+    """Output ids and every tree step's (step, sequence, tree tokens, parents, accepted path)."""
+    records = []
+    out = speculative_generate(loaded.runner, loaded.proposer(), prompts, NEW, shape.depth, tree=shape,
+                               trace=records.append)
+    return out, [(r["step"], r["sequence"], tuple(r["tree_tokens"]), tuple(r["tree_parents"]),
+                  tuple(r["accepted_path"])) for r in records if "tree_parents" in r]
+
+
+def _unfused_tree_steps(loaded, prompts, shape, monkeypatch):
+    """``_tree_steps`` on the step-by-step path (the fused calls removed)."""
+    from runtime.drafts import EagerDraft
+    from runtime.runner import TorchRunner
+    for name, owner in (("tree_chain", EagerDraft), ("verify_tree_greedy", TorchRunner)):
+        monkeypatch.delattr(owner, name)
+    out = _tree_steps(loaded, prompts, shape)
+    monkeypatch.undo()
+    return out
+
+
+@pytest.mark.parametrize("nodes, topk, depth", [(1, 1, 1), (6, 2, 3)])
+def test_compiled_fused_trees_equal_the_eager_step_by_step_trees_on_a_ragged_batch(models, monkeypatch, nodes, topk,
+                                                                                    depth):
+    """Batch 2+ (and batch 1 once the ragged batch's other sequences finished): the compiled fused
+    draft tree and fused verify grow the trees and keep the paths the eager step-by-step path does."""
+    from runtime.tree_draft import TreeShape
+    eager, compiled = models
+    shape = TreeShape(nodes, topk, depth)
+    want, want_steps = _unfused_tree_steps(eager, RAGGED, shape, monkeypatch)
+    got, steps = _tree_steps(compiled, RAGGED, shape)
+    assert got.output_ids == want.output_ids == generate(eager.runner, RAGGED, NEW).output_ids
+    assert steps == want_steps
+    assert [k for k in compiled.runner._verify_tree_greedy.ready if not k[0]]           # a batch 2+ graph
+    assert [k for k in compiled.proposer().draft._trees.ready if not k[0]]
+
+
+def test_eagle3_tree_greedy_ids_equal_eager(models, monkeypatch):
+    """Tree speculation on the compiled path: the draft's whole tree (catch-up, tree steps, top-k
+    selection) is one graph and the tree verify + greedy accept + tree rollback another; the trees
+    grown and paths kept equal the eager step-by-step path's, and so do the ids; a second run with
+    another max_new_tokens builds no graph."""
     from runtime.tree_draft import TreeShape
     eager, compiled = models
     shape = TreeShape(6, 2, 3)
     prompts = RAGGED[:1]
     want = generate(eager.runner, prompts, NEW).output_ids
-    got = speculative_generate(compiled.runner, compiled.proposer(), prompts, NEW, 3, tree=shape)
+    _, want_steps = _unfused_tree_steps(eager, prompts, shape, monkeypatch)
+    got, steps = _tree_steps(compiled, prompts, shape)
     assert got.output_ids == want and got.extra["acceptance"]["tree"]["steps_by_size"] == {
         "7": got.extra["acceptance"]["num_verify_forwards"]}
-    assert compiled.runner._forward.ready and compiled.runner._tree_rollback.ready
-    assert compiled.proposer().draft._tree_steps.ready
+    assert steps == want_steps
+    assert compiled.runner._verify_tree_greedy.ready and compiled.proposer().draft._trees.ready
     before = _graphs()
     again = speculative_generate(compiled.runner, compiled.proposer(), prompts, NEW + 7, 3, tree=shape)
     assert again.output_ids == generate(eager.runner, prompts, NEW + 7).output_ids and _graphs() == before
@@ -173,8 +212,8 @@ def test_dflash_block_draft_compiles_one_graph_per_step(one_thread):
     assert [k for k in chains.ready if dict(k[1])["aux"][0] == 5], chains.ready  # the padded context width K+1
     tree = speculative_generate(compiled.runner, compiled.proposer(), prompts, NEW, 4, tree=TreeShape(8, 2, 4))
     assert tree.output_ids == want
-    steps = compiled.proposer().draft._steps                                     # trees: the block alone
-    assert [k for k in steps.ready if dict(k[1])["aux"][0] == 5], steps.ready
+    trees = compiled.proposer().draft._trees                                     # greedy trees: block + growth
+    assert [k for k in trees.ready if dict(k[1])["aux"][0] == 5], trees.ready
 
 
 def test_draft_target_warm_up_compiles_every_draft_step(one_thread):
