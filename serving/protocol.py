@@ -1,6 +1,6 @@
 """Wire helpers the ``model_repo`` Python models share, kept here so tests reach them without Triton:
-stop/bad word lists (TensorRT-LLM's CSV convention and its [2, N] id layout) and incremental
-detokenization for streaming."""
+stop/bad word lists (TensorRT-LLM's CSV convention and its [2, N] id layout), incremental
+detokenization for streaming, and the coalescing of queued token events."""
 from __future__ import annotations
 
 import csv
@@ -80,3 +80,31 @@ def stream_text(tokenizer, ids, prefix_len: int, finished: bool) -> str:
     # a decoder that is not prefix-stable (rare): fall back to the common prefix
     common = os.path.commonprefix([before, full])
     return full[len(common):]
+
+
+def coalesce_events(items):
+    """The speculative model's queued token events (entry, new ids, finished, info), one per request:
+    events that queued while the dispatcher was sending are joined in order (tokens, and the
+    log-probabilities that go with them; the later event's other info wins), so a busy server sends
+    fewer, larger responses instead of falling behind. String entries (control events) pass as
+    they are; an event after a request's finished or failed one starts a new item."""
+    out, open_ = [], {}
+    for item in items:
+        entry, new, finished, info = item
+        if isinstance(entry, str):
+            out.append(item)
+            continue
+        index = open_.get(id(entry))
+        if index is None:
+            out.append((entry, list(new), finished, info))
+            if not finished and "error" not in info:
+                open_[id(entry)] = len(out) - 1
+            continue
+        _, tokens, _, merged = out[index]
+        joined = {**merged, **info}
+        if "logprobs" in merged or "logprobs" in info:
+            joined["logprobs"] = list(merged.get("logprobs") or []) + list(info.get("logprobs") or [])
+        out[index] = (entry, tokens + list(new), finished, joined)
+        if finished or "error" in info:
+            del open_[id(entry)]
+    return out

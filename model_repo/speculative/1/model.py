@@ -65,7 +65,7 @@ class TritonPythonModel:
         from runtime.scheduler import Request, Scheduler, SchedulerError
         from runtime.draft_policy import policy_from
         from serving.cancel import cancel_listener, request_key
-        from serving.protocol import stream_window, unpack_word_ids
+        from serving.protocol import coalesce_events, stream_window, unpack_word_ids
         from serving.repository import decode_policy
         from serving import request_fields
         from serving.tensors import REQUEST_INPUTS
@@ -73,6 +73,7 @@ class TritonPythonModel:
         self.input_names = ("input_ids", "max_tokens") + tuple(t.name for t in REQUEST_INPUTS)
         self.Request, self.SchedulerError = Request, SchedulerError
         self.stream_window, self.unpack, self.request_key = stream_window, unpack_word_ids, request_key
+        self.coalesce = coalesce_events
         self.pid = os.getpid()
         self.loaded = open_engine_dir(_param(config, "engine_dir"), _param(config, "backend", "auto"))
         if self.loaded.speculative:  # the engine directory's adaptive draft length, flags on top
@@ -254,27 +255,6 @@ class TritonPythonModel:
             entry.last_token_ns = now
         self.events.put((entry, list(new), bool(finished), dict(info)))
 
-    @staticmethod
-    def _coalesce(items):
-        """Events that queued up while the dispatcher was sending: one per request, tokens joined in
-        order, so a busy server sends fewer, larger responses instead of falling behind."""
-        out, open_ = [], {}
-        for item in items:
-            entry, new, finished, info = item
-            if isinstance(entry, str):
-                out.append(item)
-                continue
-            index = open_.get(id(entry))
-            if index is None:
-                out.append((entry, list(new), finished, info))
-                if not finished and "error" not in info:
-                    open_[id(entry)] = len(out) - 1
-            else:
-                _, tokens, _, merged = out[index]
-                out[index] = (entry, tokens + list(new), finished, {**merged, **info})
-                if finished or "error" in info:
-                    del open_[id(entry)]
-        return out
     def _tensors(self, entry, new, context, prefix_len, finished, mean, logprobs, reason):
         spec = entry.speculation
         drafts, accepted = int(spec["draft_tokens"]), int(spec["accepted_draft_tokens"])
@@ -414,7 +394,7 @@ class TritonPythonModel:
                         item = self.events.get_nowait()
                     except queue.Empty:
                         item = None
-                for item in self._coalesce(items) if len(items) > 1 else items:
+                for item in self.coalesce(items) if len(items) > 1 else items:
                     self._deliver(*item)
                 now = time.monotonic()
                 if now - last_metrics >= METRICS_SECONDS:  # no round trips when nothing changed
