@@ -40,6 +40,14 @@ class EagerDraft:
     def run(self, name: str, feeds: dict) -> dict:
         return self.components[name].call(feeds)
 
+    def _call(self, name: str, feeds: dict) -> dict:
+        """A component's own call, for the one-call proposals (chain, tree, block): they run inside
+        one graph on the compiled path, where ``run`` (compiled per call there) must not nest."""
+        return self.components[name].call(feeds)
+
+    def _block_forward(self, feeds: dict, state: dict) -> dict:
+        return self._call("draft", {**feeds, **{"past." + k: v for k, v in state.items()}})
+
     def to_target_vocab(self, logits):
         if self.target_ids is None:
             return logits
@@ -76,11 +84,11 @@ class EagerDraft:
     def chain(self, ids, features, positions, lengths, state, k: int):
         return self._chain(ids, features, positions, lengths, state, k)
 
-    def _catch_up(self, call, ids, features, positions, lengths, state):
+    def _catch_up(self, ids, features, positions, lengths, state):
         """The catch-up chunk (``ids`` with the target's ``features``, ``lengths`` real rows per
         sequence): (its last row's logits [B, V] and hidden [B, H], the next position [B, 1], state)."""
         index = (lengths - 1).to(torch.int32)[:, None]
-        logits, hidden, state = self._step(call, ids, features, None, positions, lengths, index, state)
+        logits, hidden, state = self._step(self._call, ids, features, None, positions, lengths, index, state)
         hidden = hidden.gather(1, index.long()[:, :, None].expand(-1, -1, hidden.shape[-1]))[:, 0]
         return logits[:, 0], hidden, positions[:, :1] + lengths.to(positions.dtype)[:, None], state
 
@@ -90,14 +98,13 @@ class EagerDraft:
         [B, k], the catch-up's last-row logits [B, V] and hidden [B, H], the state after the last
         row): what ``k`` calls of ``step`` with argmax in between give, without a host round trip
         per token."""
-        call = lambda name, feeds: self.components[name].call(feeds)  # noqa: E731
-        first_logits, hidden, position, state = self._catch_up(call, ids, features, positions, lengths, state)
+        first_logits, hidden, position, state = self._catch_up(ids, features, positions, lengths, state)
         first_hidden, token = hidden, first_logits.argmax(-1)
         tokens = [token]
         one = torch.ones_like(lengths)
         zero = torch.zeros_like(one)[:, None]
         for i in range(1, k):
-            logits, out, state = self._step(call, token.to(torch.int32)[:, None], None, hidden[:, None],
+            logits, out, state = self._step(self._call, token.to(torch.int32)[:, None], None, hidden[:, None],
                                             position + (i - 1), one, zero, state)
             hidden, token = out[:, 0], logits[:, 0].argmax(-1)
             tokens.append(token)
@@ -112,8 +119,7 @@ class EagerDraft:
         depth with the top-k expansion and the final selection (``grow_greedy``) between them, no
         host round trip. Returns (tree tokens, parents, depth [B, T], the catch-up's last-row logits
         and hidden, the state after the last tree step)."""
-        call = lambda name, feeds: self.components[name].call(feeds)  # noqa: E731
-        logits, hidden, position, state = self._catch_up(call, ids, features, positions, lengths, state)
+        logits, hidden, position, state = self._catch_up(ids, features, positions, lengths, state)
         expand, front = feature_expand(self._tree_step, hidden, position, state, shape)
         tree = grow_greedy(logits, expand, shape)
         return tree.tokens, tree.parents, tree.depth, logits, hidden, front["state"]
@@ -161,11 +167,10 @@ class EagerDraft:
         """A block draft's greedy proposal in one call: the block's forward, then each draft row's
         argmax over the target vocabulary, after DSpark's Markov bias for the previous row's token
         (``anchor`` [B] target ids before the first row). Returns (target ids [B, K], new state)."""
-        call = lambda name, f: self.components[name].call(f)  # noqa: E731
-        out = call("draft", {**feeds, **{"past." + k: v for k, v in state.items()}})
+        out = self._block_forward(feeds, state)
         base, prev, tokens = out["logits"], anchor.long()[:, None], []
         for j in range(base.shape[1]):
-            token = self.block_row(base, j, prev, call)[:, 0].argmax(-1)
+            token = self.block_row(base, j, prev, self._call)[:, 0].argmax(-1)
             tokens.append(token)
             prev = token[:, None]
         return torch.stack(tokens, 1), _present(out)
@@ -178,11 +183,10 @@ class EagerDraft:
         """A block draft's greedy tree in one call: the block's forward, then per depth the top-k of
         block row d after each frontier node's token (``grow_greedy``, ``max_nodes`` expanded).
         Returns ((tree tokens, parents, depth [B, T]), new state)."""
-        call = lambda name, f: self.components[name].call(f)  # noqa: E731
-        out = call("draft", {**feeds, **{"past." + k: v for k, v in state.items()}})
+        out = self._block_forward(feeds, state)
         base = out["logits"]
-        root = self.block_row(base, 0, anchor.long()[:, None], call)[:, 0]
-        tree = grow_greedy(root, lambda tokens, parent, depth: self.block_row(base, depth, tokens, call), shape,
+        root = self.block_row(base, 0, anchor.long()[:, None], self._call)[:, 0]
+        tree = grow_greedy(root, lambda tokens, parent, depth: self.block_row(base, depth, tokens, self._call), shape,
                            shape.max_nodes)
         return (tree.tokens, tree.parents, tree.depth), _present(out)
 
