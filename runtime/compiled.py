@@ -35,6 +35,7 @@ import torch
 from runtime.acceptance import greedy
 from runtime.drafts import EagerDraft
 from runtime.runner import TorchRunner, verify_greedy, verify_tree_greedy
+from runtime.small_linear import install as install_small_linear
 
 HEADROOM = 16          # extra KV slots per sequence: the longest compiled chunk
 MAX_TOKENS = 16        # chunks longer than this always run eagerly (prefill)
@@ -65,6 +66,7 @@ def _configure():
             setattr(dynamo, name, max(getattr(dynamo, name), 64))
     if hasattr(dynamo, "accumulated_recompile_limit"):
         dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 1024)
+    install_small_linear(path.parent)
 
 
 def _dims(state_spec) -> dict[str, tuple[int, ...]]:

@@ -18,7 +18,30 @@ _ACTIVATIONS = {
 }
 
 
+SMALL_LINEAR_ROWS = 16   # products of at most this many rows go to the small-row kernel
+_small_linear = None
+
+
+def use_small_linear(kernel) -> None:
+    """Sets the kernel (x [..., K], w [N, K] -> x @ w^T) that compiled graphs use for fp32
+    products of few rows (``runtime.small_linear``); ``None`` restores torch's own."""
+    global _small_linear
+    _small_linear = kernel
+
+
+def _few_rows(shape) -> bool:
+    """[1, T, K] with T <= SMALL_LINEAR_ROWS: a batch-1 step. Decided without a guard on a dynamic
+    batch dim (dynamo takes such dims as >= 2, so ``== 1`` is known false there); other ranks, such
+    as [N, K] whose N may hide the batch, keep torch's GEMM."""
+    return len(shape) == 3 and shape[0] == 1 and shape[1] <= SMALL_LINEAR_ROWS
+
+
 def linear(x, weight, bias=None):
+    if (_small_linear is not None and torch.compiler.is_compiling() and x.dtype == torch.float32
+            and weight.dtype == torch.float32 and weight.dim() == 2 and not getattr(weight, "is_nvfp4", False)
+            and x.device.type == "cpu" and _few_rows(x.shape)):
+        y = _small_linear(x, weight)
+        return y if bias is None else y + bias
     return tf.linear(x, weight, bias)
 
 
@@ -230,7 +253,7 @@ def route(router_input, router_weight, router_bias, top_k, n_group, topk_group, 
     return index, weights * routed_scaling_factor
 
 
-def _moe_branch_free(x, index, weights, up, down, act):
+def _moe_branch_free(x, index, weights, up, down, act, few_rows=False):
     """Routed experts for x [N, H] with no loop over the chosen experts (the ``torch.compile`` form):
     where 3x the chosen (token, expert) pairs are fewer than the experts, gather the chosen experts'
     weights (a gather reads, writes and re-reads each chosen matrix); else run every expert densely
@@ -242,8 +265,12 @@ def _moe_branch_free(x, index, weights, up, down, act):
         h = torch.einsum("nkhi,nki->nkh", down[index], h)
         return (h.float() * weights[..., None]).sum(1).to(x.dtype)
     dense = torch.zeros(x.shape[0], up.shape[0], dtype=torch.float32, device=x.device).scatter_(1, index, weights)
-    h = _ACTIVATIONS[act](torch.einsum("eih,nh->nei", up, x))
-    h = torch.einsum("ehi,nei->neh", down, h)
+    rows = x[None] if few_rows else x    # [1, n, h]: the small-row kernel's shape (``linear``)
+    h = _ACTIVATIONS[act](linear(rows, up.reshape(-1, up.shape[-1])).reshape(x.shape[0], *up.shape[:2]))
+    if few_rows and _small_linear is not None and up.shape[0] <= SMALL_LINEAR_ROWS:  # one product per expert
+        h = torch.stack([linear(h[None, :, e], down[e])[0] for e in range(down.shape[0])], 1)
+    else:
+        h = torch.einsum("ehi,nei->neh", down, h)
     return (h.float() * dense[..., None]).sum(1).to(x.dtype)
 
 
@@ -255,7 +282,7 @@ def moe(router_input, x, router_weight, router_bias, up, down, top_k, n_group, t
     index, weights = route(router_input, router_weight, router_bias, top_k, n_group, topk_group,
                            norm_topk_prob, routed_scaling_factor)
     if torch.compiler.is_compiling():  # no data-dependent loop over the chosen experts
-        return _moe_branch_free(x, index, weights, up, down, act).reshape(shape)
+        return _moe_branch_free(x, index, weights, up, down, act, _few_rows(shape)).reshape(shape)
     if index.numel() <= 16 and x.is_cuda:  # a few tokens on a GPU: gather the chosen experts' weights
         # (on the CPU the per-expert loop below is 2-3x faster: the gather copies whole weight matrices)
         h = _ACTIVATIONS[act](torch.einsum("nkih,nh->nki", up[index], x))

@@ -1,0 +1,113 @@
+"""The compiled path's small-row GEMM (nemospec::small_linear) against torch's (MKL), side by side.
+
+Two measurements in one process, interleaved so machine noise hits both sides alike:
+1. products alone: every weight matrix of the embedded target (its real shapes, ~9.5 MB, cycled so
+   each product reads its weights from beyond L2, as a model step does) at M = 1, 2, 3, 5, 9 rows;
+2. the embedded target's compiled steps (decode T=1, verify T=3 and T=5), compiled twice: with the
+   kernel and with torch's GEMM (``use_small_linear(None)``), ms per step and verify / decode.
+
+    python benchmarks/small_linear.py [--threads 1] [--blocks 7]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+
+def _interleaved(fns: dict, blocks: int, iters: int) -> dict:
+    times = {k: [] for k in fns}
+    for _ in range(blocks):
+        for k, fn in fns.items():
+            for _ in range(2):
+                fn()
+            start = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            times[k].append((time.perf_counter() - start) / iters * 1e3)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def products(module, kernel, blocks: int) -> None:
+    weights = [p for n, p in module.named_parameters() if p.dim() == 2 and "embed" not in n and p.shape[0] > 4]
+    weights += [w.reshape(-1, w.shape[-1]) for n, w in module.named_parameters() if w.dim() == 3]
+    mb = sum(w.numel() for w in weights) * 4 / 1e6
+    print(f"products alone: {len(weights)} weight matrices of the embedded target, {mb:.1f} MB, cycled")
+    print(f"{'rows':>5}{'torch ms':>11}{'ours ms':>10}{'ratio':>8}")
+    for rows in (1, 2, 3, 5, 9):
+        xs = {k: torch.randn(rows, k) for k in {w.shape[1] for w in weights}}
+
+        def run(fn):
+            return lambda: [fn(xs[w.shape[1]], w) for w in weights]
+        med = _interleaved({"torch": run(torch.nn.functional.linear), "ours": run(kernel)}, blocks, 20)
+        print(f"{rows:>5}{med['torch']:>11.3f}{med['ours']:>10.3f}{med['torch'] / med['ours']:>7.2f}x")
+
+
+def steps(loaded, kernel, blocks: int) -> None:
+    from builder.backends import torch_backend
+    from runtime import compiled
+    module, runner = loaded.runner.module, loaded.runner
+    torch.manual_seed(0)
+    prompt = torch.randint(0, loaded.config.vocab_size, (1, 64), dtype=torch.int32)
+    pos = torch.arange(64, dtype=torch.int32)[None]
+    with torch.no_grad():
+        state = runner.new_state(1, 256)
+        _, state, _ = runner.forward(prompt, pos, torch.tensor([64], dtype=torch.int32),
+                                     torch.tensor([[63]], dtype=torch.int32), state)
+    fns = {}
+    for side, k in (("torch", None), ("ours", kernel)):
+        torch_backend.use_small_linear(k)
+        for t in (1, 3, 5):
+            fn = torch.compile(compiled._own_code(module.forward), fullgraph=True, dynamic=False,
+                               options={"cpp_wrapper": True})
+            args = (prompt[:, :t], pos[:, :t] + 64, torch.tensor([t], dtype=torch.int32),
+                    torch.arange(t, dtype=torch.int32)[None], state)
+            with torch.no_grad():
+                for _ in range(2):
+                    fn(*args, verify=t > 1)
+            fns[(side, t)] = (fn, args, t > 1)
+    torch_backend.use_small_linear(kernel)
+
+    def call(entry):
+        fn, args, verify = entry
+        return lambda: fn(*args, verify=verify)
+    with torch.no_grad(), torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+        med = _interleaved({k: call(v) for k, v in fns.items()}, blocks, 30)
+    print("compiled target steps (batch 1, 64-token context)")
+    print(f"{'step':<12}{'torch ms':>10}{'ours ms':>10}{'ratio':>8}{'torch /dec':>12}{'ours /dec':>11}")
+    for t in (1, 3, 5):
+        name = "decode T=1" if t == 1 else f"verify T={t}"
+        a, b = med[("torch", t)], med[("ours", t)]
+        print(f"{name:<12}{a:>10.3f}{b:>10.3f}{a / b:>7.2f}x{a / med[('torch', 1)]:>11.2f}x{b / med[('ours', 1)]:>10.2f}x")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--blocks", type=int, default=7)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from builder.embedded import resolve_sources
+    from runtime import compiled, small_linear
+    from runtime.loading import open_checkpoint
+    if not small_linear.load(compiled.cache_dir().parent):
+        print("nemospec::small_linear is not available on this CPU (it needs AVX-512F)")
+        return 1
+    compiled._configure()
+    kernel = torch.ops.nemospec.small_linear
+    target, _ = resolve_sources(None, "eagle3", None, None)
+    loaded = open_checkpoint(target, backend="torch")
+    print(f"{args.threads} thread(s)")
+    products(loaded.runner.module, kernel, args.blocks)
+    steps(loaded, kernel, args.blocks)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
