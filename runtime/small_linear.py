@@ -15,6 +15,7 @@ import functools
 import hashlib
 import os
 import platform
+import shutil
 import sys
 import time
 import warnings
@@ -57,6 +58,8 @@ def load(cache: Path) -> bool:
         return False
     if not hasattr(torch.ops.nemospec, "small_linear"):
         from torch.utils.cpp_extension import load as load_extension
+        if shutil.which("ninja") is None:  # the venv's own ninja (pyproject), off PATH when not activated
+            os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
         start = time.perf_counter()
         try:
             build = _build_dir(cache)
