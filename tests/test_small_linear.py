@@ -8,13 +8,38 @@ from builder.backends import torch_backend
 from runtime import compiled, small_linear
 from tests.tolerances import assert_within, matmul_bound
 
-pytestmark = pytest.mark.skipif(not small_linear.supported(), reason="the kernel needs an x86-64 CPU with AVX-512F")
+@pytest.fixture(scope="module")
+def op():
+    """The kernel itself; its own tests skip, with the reason, on a CPU without AVX-512F (there the
+    compiled path keeps MKL: test_unsupported_cpu_keeps_torch_gemm)."""
+    if not small_linear.supported():
+        pytest.skip("the kernel needs an x86-64 CPU with AVX-512F")
+    assert small_linear.load(compiled.cache_dir().parent), "the kernel did not build on an AVX-512 CPU"
+    return torch.ops.nemospec.small_linear
 
 
 @pytest.fixture(scope="module")
-def op():
-    assert small_linear.load(compiled.cache_dir().parent), "the kernel did not build on an AVX-512 CPU"
-    return torch.ops.nemospec.small_linear
+def kernel():
+    """What the routing tests hand the torch backend: the kernel where it runs, else torch's linear
+    (routing does not depend on which product is behind it)."""
+    if small_linear.supported() and small_linear.load(compiled.cache_dir().parent):
+        return torch.ops.nemospec.small_linear
+    return torch.nn.functional.linear
+
+
+def test_unsupported_cpu_keeps_torch_gemm(monkeypatch, tmp_path):
+    """Without AVX-512F (or with NEMOSPEC_SMALL_LINEAR=0) nothing is built or installed."""
+    previous = torch_backend._small_linear
+    try:
+        torch_backend.use_small_linear(None)
+        monkeypatch.setattr(small_linear, "supported", lambda: False)
+        assert small_linear.load.__wrapped__(tmp_path) is False
+        monkeypatch.setattr(small_linear, "load", small_linear.load.__wrapped__)
+        assert small_linear.install(tmp_path) is False
+        assert torch_backend._small_linear is None
+        assert not (tmp_path / "kernels").exists()
+    finally:
+        torch_backend.use_small_linear(previous)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9, 16])
@@ -44,14 +69,14 @@ def test_bad_input_is_one_clear_error(op):
         op(torch.ones(1, 5), torch.ones(3, 4))
 
 
-def test_routed_only_inside_compiled_graphs(op):
+def test_routed_only_inside_compiled_graphs(kernel):
     """The torch backend's ``linear`` calls the kernel while dynamo traces and torch's linear
     eagerly; a graph built with it computes the same product (and its fake shape is right)."""
     calls = []
 
     def counting(x, w):
         calls.append(tuple(x.shape))
-        return op(x, w)
+        return kernel(x, w)
 
     x, w = torch.randn(1, 5, 192), torch.randn(64, 192)
     previous = torch_backend._small_linear
@@ -87,7 +112,7 @@ def test_compiled_path_installs_it(op):
         torch_backend.use_small_linear(previous)
 
 
-def test_dynamic_batch_graphs_keep_torch_gemm_without_a_guard(op):
+def test_dynamic_batch_graphs_keep_torch_gemm_without_a_guard(kernel):
     """A batch-2+ graph (batch dim dynamic, as runtime.compiled marks it) must not branch on the batch
     size: one graph serves batch 2, 3 and 5 (a guard on it would recompile, which compiled steps
     that skip guard evaluation refuse), and the kernel stays out of it."""
@@ -95,7 +120,7 @@ def test_dynamic_batch_graphs_keep_torch_gemm_without_a_guard(op):
 
     def counting(x, w):
         calls.append(tuple(x.shape))
-        return op(x, w)
+        return kernel(x, w)
 
     w = torch.randn(64, 192)
     previous = torch_backend._small_linear

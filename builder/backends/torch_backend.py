@@ -19,6 +19,7 @@ _ACTIVATIONS = {
 
 
 SMALL_LINEAR_ROWS = 16   # products of at most this many rows go to the small-row kernel
+EXPERT_LOOP_MAX = 16     # a batch-1 dense MoE runs one small-row product per expert up to this many
 _small_linear = None
 
 
@@ -267,7 +268,7 @@ def _moe_branch_free(x, index, weights, up, down, act, few_rows=False):
     dense = torch.zeros(x.shape[0], up.shape[0], dtype=torch.float32, device=x.device).scatter_(1, index, weights)
     rows = x[None] if few_rows else x    # [1, n, h]: the small-row kernel's shape (``linear``)
     h = _ACTIVATIONS[act](linear(rows, up.reshape(-1, up.shape[-1])).reshape(x.shape[0], *up.shape[:2]))
-    if few_rows and _small_linear is not None and up.shape[0] <= SMALL_LINEAR_ROWS:  # one product per expert
+    if few_rows and _small_linear is not None and up.shape[0] <= EXPERT_LOOP_MAX:  # one product per expert
         h = torch.stack([linear(h[None, :, e], down[e])[0] for e in range(down.shape[0])], 1)
     else:
         h = torch.einsum("ehi,nei->neh", down, h)
