@@ -1,10 +1,13 @@
 """The compiled path's small-row GEMM (nemospec::small_linear) against torch's (MKL), side by side.
 
 Two measurements in one process, interleaved so machine noise hits both sides alike:
-1. products alone: every weight matrix of the embedded target (its real shapes, ~9.5 MB, cycled so
+1. products alone: every weight matrix of the embedded target (its real shapes, ~10 MB, cycled so
    each product reads its weights from beyond L2, as a model step does) at M = 1, 2, 3, 5, 9 rows;
 2. the embedded target's compiled steps (decode T=1, verify T=3 and T=5), compiled twice: with the
    kernel and with torch's GEMM (``use_small_linear(None)``), ms per step and verify / decode.
+The kernel runs both ways in each: with its packed weight copies (the default) and row-major
+(``nemospec::small_linear_packing(False)``), switched at run time in the same graphs. The products
+alone pay a Python dispatch per call (~5 us) that a compiled graph's C++ wrapper does not.
 
     python benchmarks/small_linear.py [--threads 1] [--blocks 7]
 """
@@ -41,14 +44,20 @@ def products(checkpoint, kernel, blocks: int) -> None:
                if tensors[n].dim() == 2 and "embed" not in n and tensors[n].shape[0] > 4 and "mtp" not in n]
     mb = sum(w.numel() for w in weights) * 4 / 1e6
     print(f"products alone: {len(weights)} weight matrices of the embedded target, {mb:.1f} MB, cycled")
-    print(f"{'rows':>5}{'torch ms':>11}{'ours ms':>10}{'ratio':>8}")
+    print(f"{'rows':>5}{'torch ms':>11}{'row-major':>11}{'packed':>9}{'torch/packed':>14}{'row-major/packed':>18}")
     for rows in (1, 2, 3, 5, 9):
         xs = {k: torch.randn(rows, k) for k in {w.shape[1] for w in weights}}
 
-        def run(fn):
-            return lambda: [fn(xs[w.shape[1]], w) for w in weights]
-        med = _interleaved({"torch": run(torch.nn.functional.linear), "ours": run(kernel)}, blocks, 20)
-        print(f"{rows:>5}{med['torch']:>11.3f}{med['ours']:>10.3f}{med['torch'] / med['ours']:>7.2f}x")
+        def run(fn, packed=True):
+            def go():
+                torch.ops.nemospec.small_linear_packing(packed)
+                return [fn(xs[w.shape[1]], w) for w in weights]
+            return go
+        med = _interleaved({"torch": run(torch.nn.functional.linear), "row-major": run(kernel, False),
+                            "packed": run(kernel)}, blocks, 20)
+        print(f"{rows:>5}{med['torch']:>11.3f}{med['row-major']:>11.3f}{med['packed']:>9.3f}"
+              f"{med['torch'] / med['packed']:>13.2f}x{med['row-major'] / med['packed']:>17.2f}x")
+    torch.ops.nemospec.small_linear_packing(True)
 
 
 def steps(loaded, kernel, blocks: int) -> None:
@@ -76,17 +85,26 @@ def steps(loaded, kernel, blocks: int) -> None:
             fns[(side, t)] = (fn, args, t > 1)
     torch_backend.use_small_linear(kernel)
 
-    def call(entry):
+    def call(entry, packed=True):
         fn, args, verify = entry
-        return lambda: fn(*args, verify=verify)
+
+        def go():
+            torch.ops.nemospec.small_linear_packing(packed)
+            return fn(*args, verify=verify)
+        return go
+    runs = {**{("torch", t): call(fns[("torch", t)]) for t in (1, 3, 5)},
+            **{("row-major", t): call(fns[("ours", t)], False) for t in (1, 3, 5)},
+            **{("packed", t): call(fns[("ours", t)]) for t in (1, 3, 5)}}
     with torch.no_grad(), torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-        med = _interleaved({k: call(v) for k, v in fns.items()}, blocks, 30)
-    print("compiled target steps (batch 1, 64-token context)")
-    print(f"{'step':<12}{'torch ms':>10}{'ours ms':>10}{'ratio':>8}{'torch /dec':>12}{'ours /dec':>11}")
+        med = _interleaved(runs, blocks, 30)
+    torch.ops.nemospec.small_linear_packing(True)
+    print("compiled target steps (batch 1, 64-token context), ms and / decode")
+    print(f"{'step':<12}{'torch':>14}{'row-major':>14}{'packed':>14}{'torch/packed':>14}")
     for t in (1, 3, 5):
         name = "decode T=1" if t == 1 else f"verify T={t}"
-        a, b = med[("torch", t)], med[("ours", t)]
-        print(f"{name:<12}{a:>10.3f}{b:>10.3f}{a / b:>7.2f}x{a / med[('torch', 1)]:>11.2f}x{b / med[('ours', 1)]:>10.2f}x")
+        cells = "".join(f"{med[(side, t)]:>7.3f} {med[(side, t)] / med[(side, 1)]:>5.2f}x"
+                        for side in ("torch", "row-major", "packed"))
+        print(f"{name:<12}{cells}{med[('torch', t)] / med[('packed', t)]:>13.2f}x")
 
 
 def main(argv=None) -> int:

@@ -47,10 +47,67 @@ def test_unsupported_cpu_keeps_torch_gemm(monkeypatch, tmp_path):
 def test_matches_float64_oracle(op, rows, n, k):
     g = torch.Generator().manual_seed(rows * 1000 + n + k)
     x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
-    got = op(x, w)
-    assert got.shape == (rows, n) and got.dtype == torch.float32
     want = x.double() @ w.double().T
-    assert_within(got, want, matmul_bound(x, w.T) / 2, f"small_linear {rows}x{k} @ {n}x{k}")
+    for call in ("row-major (first use)", "packing (second use)", "packed (cached)"):
+        got = op(x, w)
+        assert got.shape == (rows, n) and got.dtype == torch.float32
+        assert_within(got, want, matmul_bound(x, w.T) / 2, f"small_linear {rows}x{k} @ {n}x{k}, {call}")
+
+
+def _check(op, x, w, what):
+    assert_within(op(x, w), x.double() @ w.double().T, matmul_bound(x, w.T) / 2, what)
+
+
+def test_weight_written_in_place_is_packed_again(op):
+    """A packed copy follows its weight's version counter: written in place, the weight is read
+    as it is now (row-major at once, packed again at its next use)."""
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(5, 64, generator=g), torch.randn(40, 64, generator=g)
+    for _ in range(2):
+        _check(op, x, w, "before the write")
+    with torch.no_grad():
+        w.mul_(-2.0).add_(1.0)
+    for _ in range(3):
+        _check(op, x, w, "after the write")
+
+
+def test_views_of_one_storage_are_packed_apart(op):
+    """Slices and transposes of one storage (fused weights cut at run time) each get their own
+    packed copy: the key holds offset, shape and strides, not the storage alone."""
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(48, 48, generator=g)
+    views = {"top": base[:20], "bottom": base[20:], "transposed": base.T, "columns": base[:, 8:40]}
+    x = torch.randn(3, 48, generator=g)
+    for _ in range(3):
+        for name, w in views.items():
+            xw = x[:, :w.shape[1]]
+            _check(op, xw, w, f"view {name}")
+
+
+def test_a_new_weight_in_a_dead_ones_memory_is_not_confused(op):
+    """A weight freed after packing, and a new one of the same shape (likely at the same address):
+    the new one is read, not the old copy."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 96, generator=g)
+    for seed in range(4):
+        w = torch.randn(70, 96, generator=torch.Generator().manual_seed(seed))
+        for _ in range(3):
+            _check(op, x, w, f"weight {seed}")
+        del w
+
+
+def test_inference_tensors_and_transient_weights(op):
+    """Weights made under inference_mode (no version counter to watch) and weights computed afresh
+    for every call are read as they are."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 32, generator=g)
+    with torch.inference_mode():
+        w = torch.randn(24, 32, generator=g)
+        for _ in range(3):
+            _check(op, x, w, "inference tensor")
+    base = torch.randn(24, 32, generator=g)
+    for i in range(3):
+        _check(op, x, base * (i + 1), f"transient weight {i}")
 
 
 def test_leading_dims_and_strided_inputs(op):

@@ -2,9 +2,20 @@
 //
 // MKL's sgemm on the CPUs we measure costs M times its one-row cost for M = 2..8 rows (a 838x192
 // product: 11 us at M=1, 42 us at M=5), so a verify of K+1 tokens paid K+1 decodes in its products.
-// Here each 4-row block of w is read once for every group of up to 4 input rows: 16 accumulators,
-// one FMA per weight per row, the weights streamed once per group. Rows are split across threads
-// in blocks of w rows (at::parallel_for), so a product stays on one thread until it is large.
+//
+// Two layouts of w:
+// * packed (a weight seen before): w copied once into [N/16][K][16], so 16 outputs are one vector.
+//   For each k, a tile loads C weight vectors and multiplies them by x[m][k] broadcast, for all M
+//   rows at once: every weight is read once per call, no horizontal sums, M*C independent sums.
+//   The copies live in a cache keyed by the weight's storage (held weakly: a dead storage's entry
+//   is dropped, and its address cannot be reused while the entry holds it), offset, shape and
+//   strides; a weight changed in place (its version counter moved) is packed again.
+// * row-major (a weight seen for the first time, or an inference tensor, whose version cannot be
+//   read): each 4-row block of w is read once per group of up to 4 input rows, 16 accumulators,
+//   four sums reduced in one shuffle tree.
+// A weight is packed at its second use, so a weight computed afresh every call is never packed.
+// Work is split across threads in blocks of w rows (at::parallel_for), so a product stays on one
+// thread until it is large.
 #include <ATen/core/Tensor.h>
 #include <ATen/Functions.h>
 #include <ATen/Parallel.h>
@@ -13,9 +24,16 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include <atomic>
+#include <mutex>
+#include <unordered_map>
+
 namespace {
 
 constexpr int kRows = 4;  // w rows per block
+
+// The kernels (block, tile) are not inlined: inlined into the parallel_for lambda, GCC 12 kept
+// their accumulator arrays in memory, a store after every FMA (5-row products ran 2.7x slower).
 
 // The sums of four vectors' lanes, as [sum a, sum b, sum c, sum d]: 13 instructions for four
 // results, where a reduce per vector takes about 8 for one (a quarter of the work at K = 192).
@@ -29,7 +47,7 @@ inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
 }
 
 template <int G>
-inline void block(const float* x, int64_t K, const float* w, int64_t n0, int64_t rows,
+__attribute__((noinline)) void block(const float* x, int64_t K, const float* w, int64_t n0, int64_t rows,
                   float* y, int64_t N, int64_t m0) {
   __m512 acc[kRows][G];
   for (int r = 0; r < kRows; ++r)
@@ -67,22 +85,140 @@ inline void block(const float* x, int64_t K, const float* w, int64_t n0, int64_t
   }
 }
 
+
+constexpr int kLanes = 16;  // outputs per vector in the packed layout
+
+// Tile of C packed column blocks (16 outputs each) for M rows of x: M*C accumulators.
+template <int M, int C>
+__attribute__((noinline)) void tile(const float* x, int64_t K, const float* p, int64_t b0, int64_t N, float* y) {
+  __m512 acc[M][C];
+  for (int m = 0; m < M; ++m)
+    for (int c = 0; c < C; ++c) acc[m][c] = _mm512_setzero_ps();
+  const float* pb[C];
+  for (int c = 0; c < C; ++c) pb[c] = p + (b0 + c) * K * kLanes;
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_ps(pb[c] + k * kLanes);
+    for (int m = 0; m < M; ++m) {
+      const __m512 xv = _mm512_set1_ps(x[m * K + k]);
+      for (int c = 0; c < C; ++c) acc[m][c] = _mm512_fmadd_ps(wv[c], xv, acc[m][c]);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int c = 0; c < C; ++c) {
+      const int64_t n = (b0 + c) * kLanes;
+      if (n + kLanes <= N) _mm512_storeu_ps(y + m * N + n, acc[m][c]);
+      else _mm512_mask_storeu_ps(y + m * N + n, static_cast<__mmask16>((1u << (N - n)) - 1), acc[m][c]);
+    }
+}
+
+// Column blocks [b0, b1) for M rows, C blocks per tile (the last ones one by one).
+template <int M, int C>
+inline void tiles(const float* x, int64_t K, const float* p, int64_t b0, int64_t b1, int64_t N, float* y) {
+  int64_t b = b0;
+  for (; b + C <= b1; b += C) tile<M, C>(x, K, p, b, N, y);
+  for (; b < b1; ++b) tile<M, 1>(x, K, p, b, N, y);
+}
+
+// Up to 6 rows per pass over w (24 sums at most, with room for the weight vectors in 32 registers).
+void packed_rows(const float* x, int64_t M, int64_t K, const float* p, int64_t b0, int64_t b1, int64_t N, float* y) {
+  for (; M > 0; M -= 6, x += 6 * K, y += 6 * N) {
+    switch (std::min<int64_t>(M, 6)) {
+      case 1: tiles<1, 8>(x, K, p, b0, b1, N, y); break;
+      case 2: tiles<2, 6>(x, K, p, b0, b1, N, y); break;
+      case 3: tiles<3, 6>(x, K, p, b0, b1, N, y); break;
+      case 4: tiles<4, 4>(x, K, p, b0, b1, N, y); break;
+      case 5: tiles<5, 4>(x, K, p, b0, b1, N, y); break;
+      default: tiles<6, 3>(x, K, p, b0, b1, N, y); break;
+    }
+  }
+}
+
+at::Tensor pack(const at::Tensor& w) {
+  const int64_t N = w.size(0), K = w.size(1), blocks = (N + kLanes - 1) / kLanes;
+  at::Tensor out = at::zeros({blocks, K, kLanes}, w.options().memory_format(at::MemoryFormat::Contiguous));
+  const float* src = w.const_data_ptr<float>();
+  float* dst = out.mutable_data_ptr<float>();
+  const int64_t s0 = w.stride(0), s1 = w.stride(1);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < K; ++k) dst[((n / kLanes) * K + k) * kLanes + n % kLanes] = src[n * s0 + k * s1];
+  return out;
+}
+
+struct PackKey {
+  const c10::StorageImpl* storage;
+  int64_t offset, n, k, s0, s1;
+  bool operator==(const PackKey& o) const {
+    return storage == o.storage && offset == o.offset && n == o.n && k == o.k && s0 == o.s0 && s1 == o.s1;
+  }
+};
+struct PackKeyHash {
+  size_t operator()(const PackKey& key) const {
+    size_t h = std::hash<const void*>()(key.storage);
+    for (int64_t v : {key.offset, key.n, key.k, key.s0, key.s1}) h = h * 1000003u ^ std::hash<int64_t>()(v);
+    return h;
+  }
+};
+struct PackEntry {
+  c10::weak_intrusive_ptr<c10::StorageImpl> storage;
+  uint32_t version;
+  at::Tensor packed;  // undefined until the weight's second use
+};
+
+std::mutex cache_mutex;
+std::atomic<bool> packing{true};  // off: every product row-major (benchmarks/small_linear.py's A/B)
+std::unordered_map<PackKey, PackEntry, PackKeyHash> cache;
+
+// w's packed copy, or an undefined tensor: use the row-major kernel this time.
+at::Tensor packed_weight(const at::Tensor& w) {
+  if (!packing.load(std::memory_order_relaxed) || w.is_inference()) return {};
+  const uint32_t version = w.unsafeGetTensorImpl()->version_counter().current_version();
+  const PackKey key{w.storage().unsafeGetStorageImpl(), w.storage_offset(), w.size(0), w.size(1), w.stride(0), w.stride(1)};
+  std::lock_guard<std::mutex> lock(cache_mutex);
+  auto it = cache.find(key);
+  if (it == cache.end()) {
+    for (auto e = cache.begin(); e != cache.end();) e = e->second.storage.expired() ? cache.erase(e) : std::next(e);
+    cache.emplace(key, PackEntry{c10::weak_intrusive_ptr<c10::StorageImpl>(w.storage().getWeakStorageImpl()), version, {}});
+    return {};
+  }
+  PackEntry& entry = it->second;
+  if (entry.version != version) {  // written in place since: pack at its next use
+    entry.version = version;
+    entry.packed = at::Tensor();
+    return {};
+  }
+  if (!entry.packed.defined()) entry.packed = pack(w);
+  return entry.packed;
+}
+
 at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && w.dim() == 2,
               "nemospec::small_linear: expected fp32 x [..., K] and fp32 w [N, K]");
   TORCH_CHECK(x.size(-1) == w.size(1), "nemospec::small_linear: x has ", x.size(-1), " features, w expects ",
               w.size(1));
-  const at::Tensor xc = x.contiguous(), wc = w.contiguous();
-  const int64_t K = wc.size(1), N = wc.size(0), M = K ? xc.numel() / K : 0;
+  const at::Tensor xc = x.contiguous();
+  const int64_t K = w.size(1), N = w.size(0), M = K ? xc.numel() / K : 0;
   std::vector<int64_t> sizes = x.sizes().vec();
   sizes.back() = N;
   at::Tensor y = at::empty(sizes, x.options());
   const float* xp = xc.const_data_ptr<float>();
-  const float* wp = wc.const_data_ptr<float>();
   float* yp = y.mutable_data_ptr<float>();
-  // >= ~1M multiply-adds per task: a decode or verify product of the embedded model stays on one
-  // thread (a fork and join cost more than it saves there); a full-width one is split
-  const int64_t grain = std::max<int64_t>(1, (1 << 20) / std::max<int64_t>(1, K * std::max<int64_t>(M, 1) * kRows));
+  if (K == 0) return y.zero_();
+  if (M == 0 || N == 0) return y;
+  const at::Tensor packed = packed_weight(w);
+  if (packed.defined()) {
+    const float* pp = packed.const_data_ptr<float>();
+    // >= ~1M multiply-adds per task: a decode or verify product of the embedded model stays on one
+    // thread (a fork and join cost more than it saves there); a full-width one is split
+    const int64_t grain = std::max<int64_t>(8, (1 << 20) / std::max<int64_t>(1, K * M * kLanes));
+    at::parallel_for(0, (N + kLanes - 1) / kLanes, grain, [&](int64_t b0, int64_t b1) {
+      packed_rows(xp, M, K, pp, b0, b1, N, yp);
+    });
+    return y;
+  }
+  const at::Tensor wc = w.contiguous();
+  const float* wp = wc.const_data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, (1 << 20) / std::max<int64_t>(1, K * M * kRows));
   at::parallel_for(0, (N + kRows - 1) / kRows, grain, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * kRows, rows = std::min<int64_t>(kRows, N - n0);
@@ -111,5 +247,11 @@ extern "C" AOTITorchError aoti_torch_cpu_small_linear(AtenTensorHandle x, AtenTe
   });
 }
 
-TORCH_LIBRARY(nemospec, m) { m.def("small_linear(Tensor x, Tensor w) -> Tensor"); }
+// Turns the packed layout on or off for every later product; returns whether it was on.
+bool small_linear_packing(bool on) { return packing.exchange(on); }
+
+TORCH_LIBRARY(nemospec, m) {
+  m.def("small_linear(Tensor x, Tensor w) -> Tensor");
+  m.def("small_linear_packing(bool on) -> bool", &small_linear_packing);
+}
 TORCH_LIBRARY_IMPL(nemospec, CPU, m) { m.impl("small_linear", &small_linear); }
