@@ -7,6 +7,10 @@ The C++ kernel (``kernels/small_linear.cpp``, AVX-512) is built once per machine
 ``install`` hands it to the torch backend, which uses it only while ``torch.compile`` traces: the
 eager path keeps ``torch.nn.functional.linear`` and stays the reference. Where the CPU has no
 AVX-512 or the build fails, nothing is installed (one warning) and the compiled path keeps MKL.
+
+The kernel copies a weight into a packed layout at its second use (kept while the weight lives,
+within a byte budget, 4 GiB by default); ``nemospec::small_linear_packing``,
+``small_linear_pack_budget`` and ``small_linear_packed_bytes`` switch, bound and report it.
 """
 from __future__ import annotations
 

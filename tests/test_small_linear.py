@@ -58,6 +58,35 @@ def _check(op, x, w, what):
     assert_within(op(x, w), x.double() @ w.double().T, matmul_bound(x, w.T) / 2, what)
 
 
+def _packed_size(w) -> int:
+    return (w.shape[0] + 15) // 16 * 16 * w.shape[1] * 4
+
+
+def test_second_use_packs_within_the_budget(op):
+    """A weight is copied into the packed layout at its second use; copies stop at the byte budget
+    (a weight past it stays row-major and is still right); a dead weight's copy is released when
+    the next new weight comes."""
+    packed_bytes = torch.ops.nemospec.small_linear_packed_bytes
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(5, 96, generator=g)
+    w1, w2 = torch.randn(70, 96, generator=g), torch.randn(70, 96, generator=g)
+    size = _packed_size(w1)
+    _check(op, x, w1, "first use")            # (a new weight also releases dead weights' copies)
+    before = packed_bytes()
+    previous = torch.ops.nemospec.small_linear_pack_budget(before + size)
+    try:
+        _check(op, x, w1, "second use")
+        assert packed_bytes() == before + size, "the second use packs the weight"
+        for _ in range(3):
+            _check(op, x, w2, "over the budget")
+        assert packed_bytes() == before + size, "no copy past the budget"
+        del w1
+        _check(op, x, torch.randn(3, 96, generator=g), "a new weight")
+        assert packed_bytes() == before, "the dead weight's copy is released"
+    finally:
+        torch.ops.nemospec.small_linear_pack_budget(previous)
+
+
 def test_weight_written_in_place_is_packed_again(op):
     """A packed copy follows its weight's version counter: written in place, the weight is read
     as it is now (row-major at once, packed again at its next use)."""

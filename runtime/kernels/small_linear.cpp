@@ -167,6 +167,12 @@ struct PackEntry {
 
 std::mutex cache_mutex;
 std::atomic<bool> packing{true};  // off: every product row-major (benchmarks/small_linear.py's A/B)
+// Packed copies double the memory of the weights they copy: past this many bytes of copies, a weight
+// stays row-major (a full-size fp32 model on the compiled path keeps its footprint bounded).
+std::atomic<int64_t> budget{int64_t{4} << 30};
+int64_t packed_bytes = 0;  // under cache_mutex
+
+int64_t bytes_of(const at::Tensor& t) { return t.defined() ? t.numel() * static_cast<int64_t>(sizeof(float)) : 0; }
 std::unordered_map<PackKey, PackEntry, PackKeyHash> cache;
 
 // w's packed copy, or an undefined tensor: use the row-major kernel this time.
@@ -177,17 +183,27 @@ at::Tensor packed_weight(const at::Tensor& w) {
   std::lock_guard<std::mutex> lock(cache_mutex);
   auto it = cache.find(key);
   if (it == cache.end()) {
-    for (auto e = cache.begin(); e != cache.end();) e = e->second.storage.expired() ? cache.erase(e) : std::next(e);
+    for (auto e = cache.begin(); e != cache.end();) {
+      if (!e->second.storage.expired()) { ++e; continue; }
+      packed_bytes -= bytes_of(e->second.packed);
+      e = cache.erase(e);
+    }
     cache.emplace(key, PackEntry{c10::weak_intrusive_ptr<c10::StorageImpl>(w.storage().getWeakStorageImpl()), version, {}});
     return {};
   }
   PackEntry& entry = it->second;
   if (entry.version != version) {  // written in place since: pack at its next use
     entry.version = version;
+    packed_bytes -= bytes_of(entry.packed);
     entry.packed = at::Tensor();
     return {};
   }
-  if (!entry.packed.defined()) entry.packed = pack(w);
+  if (!entry.packed.defined()) {
+    const int64_t size = (w.size(0) + kLanes - 1) / kLanes * kLanes * w.size(1) * static_cast<int64_t>(sizeof(float));
+    if (packed_bytes + size > budget.load(std::memory_order_relaxed)) return {};
+    entry.packed = pack(w);
+    packed_bytes += size;
+  }
   return entry.packed;
 }
 
@@ -248,10 +264,21 @@ extern "C" AOTITorchError aoti_torch_cpu_small_linear(AtenTensorHandle x, AtenTe
 }
 
 // Turns the packed layout on or off for every later product; returns whether it was on.
-bool small_linear_packing(bool on) { return packing.exchange(on); }
+static bool small_linear_packing(bool on) { return packing.exchange(on); }
+
+// Sets the byte budget of packed copies (copies made before stay); returns the previous one.
+static int64_t small_linear_pack_budget(int64_t bytes) { return budget.exchange(bytes); }
+
+// Bytes held by packed copies now (dead weights' copies are dropped at the next new weight).
+static int64_t small_linear_packed_bytes() {
+  std::lock_guard<std::mutex> lock(cache_mutex);
+  return packed_bytes;
+}
 
 TORCH_LIBRARY(nemospec, m) {
   m.def("small_linear(Tensor x, Tensor w) -> Tensor");
   m.def("small_linear_packing(bool on) -> bool", &small_linear_packing);
+  m.def("small_linear_pack_budget(int bytes) -> int", &small_linear_pack_budget);
+  m.def("small_linear_packed_bytes() -> int", &small_linear_packed_bytes);
 }
 TORCH_LIBRARY_IMPL(nemospec, CPU, m) { m.impl("small_linear", &small_linear); }
