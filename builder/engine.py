@@ -63,6 +63,9 @@ class BuildOptions:
     strip_plan: bool = False
     max_host_memory_gb: float = 0.0     # 0: the machine's available memory
     num_layers: int = 0                 # 0: every layer
+    # the compiled CPU path's draft: its products by weights rounded to bf16 (half the bytes per
+    # proposal; the speculative output is the target's either way). auto: the model's dtype.
+    draft_weight_dtype: str = "auto"
 
     def validate(self):
         for name in ("max_batch_size", "max_input_len", "max_seq_len"):
@@ -79,6 +82,8 @@ class BuildOptions:
             raise BuildError("--max_host_memory_gb and --num_layers: expected >= 0 (0: the default)")
         if self.dtype not in ("auto",) + tuple(TORCH_DTYPES):
             raise BuildError(f"--dtype: expected auto, float32, float16 or bfloat16, got {self.dtype}")
+        if self.draft_weight_dtype not in ("auto", "float32", "bfloat16"):
+            raise BuildError(f"--draft_weight_dtype: expected auto, float32 or bfloat16, got {self.draft_weight_dtype}")
         mode = self.speculative_decoding_mode
         if mode is not None and mode not in MODES:
             raise BuildError(f"--speculative_decoding_mode: expected one of {', '.join(MODES)}, got {mode}")

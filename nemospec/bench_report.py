@@ -58,12 +58,18 @@ def tree_table(report: dict) -> list[str]:
     return rows
 
 
+def _draft_weights(report: dict) -> str:
+    dtype = report.get("draft_weight_dtype", "auto")
+    return "" if dtype == "auto" else f", draft weights in {dtype}"
+
+
 def markdown(report: dict) -> str:
     k = report["num_draft_tokens"]
     lines = [f"# nemospec bench ({report['created']}{', quick' if report['quick'] else ''})", "",
              f"Model: `{report['model']}`. Greedy code completion, {report['prompts']} prompts x "
              f"{report['max_new_tokens']} new tokens, batch 1, K = {k} draft tokens per step, median of "
-             f"{report['runs']} run(s), {report.get('backend', 'torch')} backend on both sides; CPU torch threads "
+             f"{report['runs']} run(s), {report.get('backend', 'torch')} backend on both sides"
+             f"{_draft_weights(report)}; CPU torch threads "
              f"{report['machine']['cpu_threads']}, CUDA "
              f"{report['machine']['cuda']}. Speculative output equals target-only greedy output in every mode "
              "(checked).", ""]

@@ -40,6 +40,9 @@ def _add_build_args(p):
     p.add_argument("--max_host_memory_gb", type=float, default=0.0,
                    help="refuse (exit 2) a build whose estimated peak host memory exceeds this (default: available)")
     p.add_argument("--num_layers", type=int, default=0, help="a trial build of the first N layers (default: all)")
+    p.add_argument("--draft_weight_dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="the compiled CPU path's draft multiplies by its weights rounded to this (bfloat16: half "
+                        "the bytes per proposal; the output is the target's either way). auto: the model's dtype")
     add_policy_args(p, build=True)
     add_tree_args(p, build=True)
 
@@ -118,7 +121,7 @@ def cmd_build(args):
                            args.speculative_decoding_mode, **{f: getattr(args, f) for f in POLICY_FLAGS},
                            **{f: getattr(args, f) for f in TREE_FLAGS},
                            strip_plan=args.strip_plan, max_host_memory_gb=args.max_host_memory_gb,
-                           num_layers=args.num_layers)
+                           num_layers=args.num_layers, draft_weight_dtype=args.draft_weight_dtype)
     with err.status("building ...") as status:
         def log(message):
             status.update(message)

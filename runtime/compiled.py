@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from builder.backends import torch_backend
 from runtime.acceptance import greedy
 from runtime.drafts import EagerDraft
 from runtime.runner import TorchRunner, verify_greedy, verify_tree_greedy
@@ -135,9 +136,9 @@ class _Steps:
     change after the module is built, and inputs pass ``_prepare`` (dense strides). Set
     ``NEMOSPEC_CHECK_GUARDS=1`` to evaluate every guard."""
 
-    def __init__(self, fn, what: str, options: dict | None = None):
+    def __init__(self, fn, what: str, options: dict | None = None, bf16_weights: bool = False):
         _configure()
-        self.fn, self.what = fn, what
+        self.fn, self.what, self.bf16_weights = fn, what, bf16_weights
         self.compiled = torch.compile(_own_code(fn), dynamic=False, fullgraph=True,
                                       options={"cpp_wrapper": True, **(options or {})})
         self.skip_guards = _skip_guards()
@@ -158,7 +159,8 @@ class _Steps:
         print(f"compiling {label} ...", end="", file=sys.stderr, flush=True)
         start = time.perf_counter()
         try:
-            out = self.compiled(*args, **kwargs)
+            with torch_backend.bf16_weights(self.bf16_weights):  # read while the graph is traced
+                out = self.compiled(*args, **kwargs)
         except Exception as e:  # a graph break or a lowering inductor lacks: eager from now on
             print(" failed", file=sys.stderr, flush=True)
             warnings.warn(f"{self.what}: torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
@@ -188,15 +190,19 @@ class CompiledRunner(TorchRunner):
     ``no_grad``, not ``inference_mode``: graph guards tell inference tensors from the ordinary
     ones ``new_state`` allocates, and a mix would compile every step twice."""
 
-    def __init__(self, module, device="cpu", max_draft_len: int = 4):
+    def __init__(self, module, device="cpu", max_draft_len: int = 4, weight_dtype: str = "auto"):
         super().__init__(module, device)
         self.verify_buckets = sorted(t for t in {2, 3, 5, 9, max_draft_len + 1} if 1 < t <= MAX_TOKENS)
         self.capacity_dims = _dims(module.state_spec)
-        self._forward = _Steps(module.forward, "target forward")
-        self._rollback = _Steps(module.rollback, "target rollback") if hasattr(module, "rollback") else None
-        self._tree_rollback = _Steps(module.tree_rollback, "target tree rollback")
-        self._verify_greedy = _Steps(functools.partial(verify_greedy, module), "target greedy verify")
-        self._verify_tree_greedy = _Steps(functools.partial(verify_tree_greedy, module), "target greedy tree verify")
+        bf16 = weight_dtype == "bfloat16"   # a draft_target draft's --draft_weight_dtype
+        self._forward = _Steps(module.forward, "target forward", bf16_weights=bf16)
+        self._rollback = (_Steps(module.rollback, "target rollback", bf16_weights=bf16)
+                          if hasattr(module, "rollback") else None)
+        self._tree_rollback = _Steps(module.tree_rollback, "target tree rollback", bf16_weights=bf16)
+        self._verify_greedy = _Steps(functools.partial(verify_greedy, module), "target greedy verify",
+                                     bf16_weights=bf16)
+        self._verify_tree_greedy = _Steps(functools.partial(verify_tree_greedy, module), "target greedy tree verify",
+                                          bf16_weights=bf16)
 
     def new_state(self, batch, capacity):
         return super().new_state(batch, capacity + HEADROOM)
@@ -295,7 +301,9 @@ class CompiledRunner(TorchRunner):
 
 
 class CompiledDraft(EagerDraft):
-    """``EagerDraft`` with the draft network's short chunks compiled.
+    """``EagerDraft`` with the draft network's short chunks compiled; ``weight_dtype="bfloat16"``
+    multiplies by its weights rounded to bf16 in those graphs (``torch_backend.bf16_weights``):
+    half the bytes a proposal streams, the same speculative output (the target verifies).
 
     Feature drafts (eagle, eagle3, mtp) pad a catch-up chunk of 2..K rows to K+1 rows (``pad_to``):
     padded rows lie past ``lengths`` and past every valid position, so they change no valid output
@@ -306,16 +314,18 @@ class CompiledDraft(EagerDraft):
     runs eagerly (its verified rows and placeholders share one chunk whose width changes every step;
     compiling each width cost far more than it saved: 17 tokens/s against 480 target-only)."""
 
-    def __init__(self, module, target_vocab: int, device="cpu", max_draft_len: int = 4):
+    def __init__(self, module, target_vocab: int, device="cpu", max_draft_len: int = 4,
+                 weight_dtype: str = "auto"):
         super().__init__(module, target_vocab, device)
         self.pad_to = max_draft_len + 1
         self.capacity_dims = {"past." + k: v for k, v in _dims(module.state_spec).items()}
-        self._steps = _Steps(self.components["draft"].call, f"{self.kind} draft", DRAFT_OPTIONS)
-        self._tree_steps = _Steps(self._tree_step, f"{self.kind} draft tree", DRAFT_OPTIONS)
+        bf16 = weight_dtype == "bfloat16"
+        self._steps = _Steps(self.components["draft"].call, f"{self.kind} draft", DRAFT_OPTIONS, bf16)
+        self._tree_steps = _Steps(self._tree_step, f"{self.kind} draft tree", DRAFT_OPTIONS, bf16)
         self._chains = _Steps(self._chain if self.kind in FEATURE_DRAFTS else self._block_chain,
-                              f"{self.kind} draft chain", DRAFT_OPTIONS)
+                              f"{self.kind} draft chain", DRAFT_OPTIONS, bf16)
         self._trees = _Steps(self._tree_chain if self.kind in FEATURE_DRAFTS else self._block_tree,
-                             f"{self.kind} draft tree", DRAFT_OPTIONS)
+                             f"{self.kind} draft tree", DRAFT_OPTIONS, bf16)
 
     def new_state(self, batch, capacity):
         return super().new_state(batch, capacity + HEADROOM)

@@ -85,25 +85,29 @@ def resolve_backend(backend: str, engine_dir: bool = True, tokens: int | None = 
     return "torch" if tokens is not None and tokens < AUTO_COMPILE_MIN_TOKENS else "compiled"
 
 
-def _eager_proposer(draft, vocab_size: int, device, chunk: int, compiled: bool = False, max_draft_len: int = 4):
-    """The draft run eagerly, or with ``compiled`` through ``runtime.compiled`` (its short steps compiled)."""
+def _eager_proposer(draft, vocab_size: int, device, chunk: int, compiled: bool = False, max_draft_len: int = 4,
+                    weight_dtype: str = "auto"):
+    """The draft run eagerly, or with ``compiled`` through ``runtime.compiled`` (its short steps
+    compiled, its weights rounded to bf16 there with ``weight_dtype="bfloat16"``)."""
     if compiled:
         from runtime.compiled import CompiledDraft, CompiledRunner
         draft = quantization.dequantized_module(draft)   # FP4 weights once, not per call: one graph per step
     if _draft_kind(draft) == "draft_target":
-        runner = CompiledRunner(draft, device) if compiled else TorchRunner(draft, device)
+        runner = CompiledRunner(draft, device, weight_dtype=weight_dtype) if compiled else TorchRunner(draft, device)
         return lambda: ModelDraftProposer(runner, chunk)
-    stepper = (CompiledDraft(draft, vocab_size, device, max_draft_len) if compiled
+    stepper = (CompiledDraft(draft, vocab_size, device, max_draft_len, weight_dtype) if compiled
                else EagerDraft(draft, vocab_size, device))
     make = PROPOSERS.get(_draft_kind(draft), FeatureDraftProposer)
     return lambda: make(stepper, chunk)
 
 
 def open_checkpoint(checkpoint_dir, dtype="auto", device=None, mode=None, draft_dir=None, quantization=None,
-                    max_draft_len: int = 4, prefill_chunk: int = 512, backend: str = "torch") -> Loaded:
+                    max_draft_len: int = 4, prefill_chunk: int = 512, backend: str = "torch",
+                    draft_weight_dtype: str = "auto") -> Loaded:
     """Eager (torch) runner of a checkpoint, or with ``backend="compiled"`` (``auto`` on a machine
     without a GPU) the compiled CPU path; with ``mode`` also its draft, read from ``draft_dir``
-    (speculative decoding without building engines)."""
+    (speculative decoding without building engines). ``draft_weight_dtype="bfloat16"``: the compiled
+    path's draft multiplies by its weights rounded to bf16."""
     backend = resolve_backend(backend, engine_dir=False)
     if backend not in ("torch", "compiled"):
         raise NemospecError(f"--backend {backend} needs --engine_dir (build one with `nemospec build`)")
@@ -117,7 +121,7 @@ def open_checkpoint(checkpoint_dir, dtype="auto", device=None, mode=None, draft_
         draft = load_draft(mode, config, weights, draft_dir, torch_dtype, log=lambda m: None, quantization=quantization)
         spec = draft.meta
         proposer = _eager_proposer(draft.module, config.vocab_size, device, prefill_chunk, backend == "compiled",
-                                   max_draft_len)
+                                   max_draft_len, draft_weight_dtype)
     module = NemotronH(config, weights, torch_dtype, **(draft.target_features if draft else {}))
     tok = Path(checkpoint_dir) / "tokenizer.json"
     if backend == "compiled":
@@ -184,7 +188,7 @@ def open_engine_dir(engine_dir, backend="auto", device=None) -> Loaded:
         chunk = build["max_input_len"]
         if backend in ("torch", "compiled"):
             proposer = _eager_proposer(draft, config.vocab_size, device, chunk, backend == "compiled",
-                                       build.get("max_draft_len", 0))
+                                       build.get("max_draft_len", 0), build.get("draft_weight_dtype", "auto"))
         elif _draft_kind(draft) == "draft_target":
             draft_runner = EngineRunner(draft.cfg, dtype, device, executor(draft_component(draft, options)),
                                         engines["draft"])

@@ -11,6 +11,9 @@ AVX-512 or the build fails, nothing is installed (one warning) and the compiled 
 The kernel copies a weight into a packed layout at its second use (kept while the weight lives,
 within a byte budget, 4 GiB by default); ``nemospec::small_linear_packing``,
 ``small_linear_pack_budget`` and ``small_linear_packed_bytes`` switch, bound and report it.
+``nemospec::small_linear_bf16w`` multiplies by the weight rounded to bf16 (a packed bf16 copy made at
+its first use): the compiled path's draft weights when the build asks for them
+(``--draft_weight_dtype bfloat16``), half the bytes per proposal.
 """
 from __future__ import annotations
 
@@ -29,7 +32,8 @@ import torch
 
 SOURCE = Path(__file__).with_name("kernels") / "small_linear.cpp"
 FLAGS = ["-O3", "-mavx512f", "-mfma", "-std=c++17"]
-C_SHIM = "AOTITorchError aoti_torch_cpu_small_linear(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* ret0)"
+C_SHIMS = {name: f"AOTITorchError aoti_torch_cpu_{name}(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* ret0)"
+           for name in ("small_linear", "small_linear_bf16w")}
 
 
 def _cpu_flags() -> set[str]:
@@ -77,15 +81,15 @@ def load(cache: Path) -> bool:
         if seconds > 2:
             print(f"built nemospec::small_linear in {seconds:.1f} s", file=sys.stderr, flush=True)
 
-        @torch.library.register_fake("nemospec::small_linear")
-        def _(x, w):
-            return x.new_empty((*x.shape[:-1], w.shape[0]))
+        for name in C_SHIMS:
+            torch.library.register_fake(f"nemospec::{name}")(lambda x, w: x.new_empty((*x.shape[:-1], w.shape[0])))
 
         # the C shim's symbol, global, so that compiled graphs' wrappers resolve it when loaded
         ctypes.CDLL(str(build / "nemospec_small_linear.so"), mode=os.RTLD_GLOBAL)
         import torch._inductor.config as inductor
         inductor.aot_inductor.custom_ops_to_c_shims = {
-            **inductor.aot_inductor.custom_ops_to_c_shims, torch.ops.nemospec.small_linear.default: [C_SHIM]}
+            **inductor.aot_inductor.custom_ops_to_c_shims,
+            **{getattr(torch.ops.nemospec, name).default: [shim] for name, shim in C_SHIMS.items()}}
     return True
 
 
@@ -95,5 +99,5 @@ def install(cache: Path) -> bool:
     from builder.backends import torch_backend
     if not load(Path(cache)):
         return False
-    torch_backend.use_small_linear(torch.ops.nemospec.small_linear)
+    torch_backend.use_small_linear(torch.ops.nemospec.small_linear, torch.ops.nemospec.small_linear_bf16w)
     return True

@@ -299,3 +299,28 @@ def test_same_shape_models_keep_their_own_graphs(tmp_path, one_thread):
         got = [generate(r, [RAGGED[0]], NEW).output_ids for r in runners]
         assert got == eager
     assert all(r._forward.ready for r in runners)
+
+
+def test_bf16_draft_weights_keep_the_target_output(models, monkeypatch):
+    """``draft_weight_dtype="bfloat16"``: the compiled draft's graphs multiply by its weights rounded
+    to bf16 (traced through the bf16-weights kernel; the target's graphs are not) and speculation
+    still emits the target's greedy output."""
+    from builder.backends import torch_backend
+    from runtime import small_linear
+    eager, _ = models
+    target, draft = embedded.target_dir(), embedded.draft_dir("eagle3")
+    loaded = open_checkpoint(target, mode="eagle3", draft_dir=draft, backend="compiled", draft_weight_dtype="bfloat16")
+    proposer = loaded.proposer()
+    assert proposer.draft._chains.bf16_weights and not loaded.runner._verify_greedy.bf16_weights
+    traced = []
+    if small_linear.supported():
+        kernel = torch_backend._small_linear_bf16w
+        monkeypatch.setattr(torch_backend, "_small_linear_bf16w", lambda x, w: (traced.append(w.shape), kernel(x, w))[1])
+    prompts = RAGGED[:1]
+    want = generate(eager.runner, prompts, NEW).output_ids
+    got = speculative_generate(loaded.runner, proposer, prompts, NEW, 4)
+    assert got.output_ids == want
+    assert got.extra["acceptance"]["mean_accepted_tokens"] > 1.0
+    assert proposer.draft._chains.ready, "the draft chain ran compiled"
+    if small_linear.supported():
+        assert traced, "no draft product went through the bf16-weights kernel"

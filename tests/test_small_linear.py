@@ -29,7 +29,7 @@ def kernel():
 
 def test_unsupported_cpu_keeps_torch_gemm(monkeypatch, tmp_path):
     """Without AVX-512F (or with NEMOSPEC_SMALL_LINEAR=0) nothing is built or installed."""
-    previous = torch_backend._small_linear
+    previous = torch_backend._small_linear, torch_backend._small_linear_bf16w
     try:
         torch_backend.use_small_linear(None)
         monkeypatch.setattr(small_linear, "supported", lambda: False)
@@ -39,7 +39,7 @@ def test_unsupported_cpu_keeps_torch_gemm(monkeypatch, tmp_path):
         assert torch_backend._small_linear is None
         assert not (tmp_path / "kernels").exists()
     finally:
-        torch_backend.use_small_linear(previous)
+        torch_backend.use_small_linear(*previous)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9, 16])
@@ -139,6 +139,22 @@ def test_inference_tensors_and_transient_weights(op):
         _check(op, x, base * (i + 1), f"transient weight {i}")
 
 
+@pytest.mark.parametrize("rows", [1, 3, 5, 9])
+@pytest.mark.parametrize("n, k", [(838, 192), (7, 7), (2048, 192)])
+def test_bf16_weights_form_multiplies_by_the_rounded_weight(op, rows, n, k):
+    """small_linear_bf16w is x @ bf16(w)^T (round to nearest even, as torch rounds), computed in
+    fp32 from its first call on; the control: it is not the fp32 product."""
+    g = torch.Generator().manual_seed(rows * 7 + n + k)
+    x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
+    rounded = w.bfloat16().double()
+    want = x.double() @ rounded.T
+    for call in ("first use", "cached"):
+        got = torch.ops.nemospec.small_linear_bf16w(x, w)
+        assert_within(got, want, matmul_bound(x, rounded.T.float()) / 2, f"bf16w {rows}x{k} @ {n}x{k}, {call}")
+    exact = x.double() @ w.double().T
+    assert ((got.double() - exact).abs() > matmul_bound(x, w.T) / 2).any(), "the weights were not rounded"
+
+
 def test_leading_dims_and_strided_inputs(op):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 3, 40, generator=g)[:, :, :33]     # [B, T, K] with a row stride past K
@@ -165,7 +181,7 @@ def test_routed_only_inside_compiled_graphs(kernel):
         return kernel(x, w)
 
     x, w = torch.randn(1, 5, 192), torch.randn(64, 192)
-    previous = torch_backend._small_linear
+    previous = torch_backend._small_linear, torch_backend._small_linear_bf16w
     try:
         torch_backend.use_small_linear(counting)
         torch_backend.linear(x, w)
@@ -182,20 +198,44 @@ def test_routed_only_inside_compiled_graphs(kernel):
         torch.compile(lambda a, b: torch_backend.linear(a, b), fullgraph=True)(many, w)
         assert calls == [], "more rows than SMALL_LINEAR_ROWS keep torch's GEMM"
     finally:
-        torch_backend.use_small_linear(previous)
+        torch_backend.use_small_linear(*previous)
+        torch._dynamo.reset()
+
+
+def test_bf16_weights_are_routed_only_where_asked(op):
+    """Inside ``torch_backend.bf16_weights()`` a traced graph calls the bf16-weights form; outside
+    it the fp32 one (a compiled draft asks for it, the target never does)."""
+    traced = []
+
+    def counting(name, kernel):
+        return lambda x, w: (traced.append(name), kernel(x, w))[1]
+
+    x, w = torch.randn(1, 3, 96), torch.randn(40, 96)
+    previous = torch_backend._small_linear, torch_backend._small_linear_bf16w
+    try:
+        torch_backend.use_small_linear(counting("fp32", op), counting("bf16w", torch.ops.nemospec.small_linear_bf16w))
+        for asked, want in ((True, "bf16w"), (False, "fp32")):
+            traced.clear()
+            torch._dynamo.reset()
+            fn = torch.compile(lambda a, b: torch_backend.linear(a, b), fullgraph=True)
+            with torch_backend.bf16_weights(asked):
+                fn(x, w)
+            assert traced == [want], f"bf16_weights({asked}) traced {traced}"
+    finally:
+        torch_backend.use_small_linear(*previous)
         torch._dynamo.reset()
 
 
 def test_compiled_path_installs_it(op):
     """Every compiled step (``runtime.compiled._Steps``) configures inductor through ``_configure``,
     which hands the kernel to the torch backend."""
-    previous = torch_backend._small_linear
+    previous = torch_backend._small_linear, torch_backend._small_linear_bf16w
     try:
         torch_backend.use_small_linear(None)
         compiled._configure()
         assert torch_backend._small_linear is op
     finally:
-        torch_backend.use_small_linear(previous)
+        torch_backend.use_small_linear(*previous)
 
 
 def test_dynamic_batch_graphs_keep_torch_gemm_without_a_guard(kernel):
@@ -209,7 +249,7 @@ def test_dynamic_batch_graphs_keep_torch_gemm_without_a_guard(kernel):
         return kernel(x, w)
 
     w = torch.randn(64, 192)
-    previous = torch_backend._small_linear
+    previous = torch_backend._small_linear, torch_backend._small_linear_bf16w
     try:
         torch_backend.use_small_linear(counting)
         torch._dynamo.reset()
@@ -225,5 +265,5 @@ def test_dynamic_batch_graphs_keep_torch_gemm_without_a_guard(kernel):
             assert_within(got, x.double() @ w.double().T, matmul_bound(x.reshape(-1, 192), w.T).reshape(batch, 5, 64))
         assert calls == []
     finally:
-        torch_backend.use_small_linear(previous)
+        torch_backend.use_small_linear(*previous)
         torch._dynamo.reset()

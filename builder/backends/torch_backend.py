@@ -5,6 +5,8 @@ and router, softmax in fp32), so the eager path can be compared against it token
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as tf
 
@@ -23,13 +25,29 @@ _ACTIVATIONS = {
 SMALL_LINEAR_ROWS = 48
 EXPERT_LOOP_MAX = 16     # a batch-1 dense MoE runs one small-row product per expert up to this many
 _small_linear = None
+_small_linear_bf16w = None
+_bf16_weights = False
 
 
-def use_small_linear(kernel) -> None:
+def use_small_linear(kernel, bf16_weights_kernel=None) -> None:
     """Sets the kernel (x [..., K], w [N, K] -> x @ w^T) that compiled graphs use for fp32
-    products of few rows (``runtime.small_linear``); ``None`` restores torch's own."""
-    global _small_linear
-    _small_linear = kernel
+    products of few rows (``runtime.small_linear``), and its form with w rounded to bf16 (for
+    graphs traced under ``bf16_weights``); ``None`` restores torch's own."""
+    global _small_linear, _small_linear_bf16w
+    _small_linear, _small_linear_bf16w = kernel, bf16_weights_kernel
+
+
+@contextlib.contextmanager
+def bf16_weights(on: bool = True):
+    """Graphs traced inside multiply their few-row fp32 products by bf16-rounded weights (the
+    compiled path's draft, ``--draft_weight_dtype bfloat16``): weights only, activations stay fp32.
+    Without the small-row kernel it changes nothing."""
+    global _bf16_weights
+    previous, _bf16_weights = _bf16_weights, on
+    try:
+        yield
+    finally:
+        _bf16_weights = previous
 
 
 def _few_rows(shape) -> bool:
@@ -43,7 +61,7 @@ def linear(x, weight, bias=None):
     if (_small_linear is not None and torch.compiler.is_compiling() and x.dtype == torch.float32
             and weight.dtype == torch.float32 and weight.dim() == 2 and not getattr(weight, "is_nvfp4", False)
             and x.device.type == "cpu" and _few_rows(x.shape)):
-        y = _small_linear(x, weight)
+        y = (_small_linear_bf16w if _bf16_weights and _small_linear_bf16w is not None else _small_linear)(x, weight)
         return y if bias is None else y + bias
     return tf.linear(x, weight, bias)
 

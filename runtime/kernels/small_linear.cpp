@@ -88,17 +88,24 @@ __attribute__((noinline)) void block(const float* x, int64_t K, const float* w, 
 
 constexpr int kLanes = 16;  // outputs per vector in the packed layout
 
+// 16 packed weights as fp32: as stored, or bf16 widened (its bits are the high half of an fp32).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
 // Tile of C packed column blocks (16 outputs each) for M rows of x: M*C accumulators.
-template <int M, int C>
-__attribute__((noinline)) void tile(const float* x, int64_t K, const float* p, int64_t b0, int64_t N, float* y) {
+template <int M, int C, typename W>
+__attribute__((noinline)) void tile(const float* x, int64_t K, const W* p, int64_t b0, int64_t N, float* y) {
   __m512 acc[M][C];
   for (int m = 0; m < M; ++m)
     for (int c = 0; c < C; ++c) acc[m][c] = _mm512_setzero_ps();
-  const float* pb[C];
+  const W* pb[C];
   for (int c = 0; c < C; ++c) pb[c] = p + (b0 + c) * K * kLanes;
   for (int64_t k = 0; k < K; ++k) {
     __m512 wv[C];
-    for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_ps(pb[c] + k * kLanes);
+    for (int c = 0; c < C; ++c) wv[c] = load16(pb[c] + k * kLanes);
     for (int m = 0; m < M; ++m) {
       const __m512 xv = _mm512_set1_ps(x[m * K + k]);
       for (int c = 0; c < C; ++c) acc[m][c] = _mm512_fmadd_ps(wv[c], xv, acc[m][c]);
@@ -113,48 +120,59 @@ __attribute__((noinline)) void tile(const float* x, int64_t K, const float* p, i
 }
 
 // Column blocks [b0, b1) for M rows, C blocks per tile (the last ones one by one).
-template <int M, int C>
-inline void tiles(const float* x, int64_t K, const float* p, int64_t b0, int64_t b1, int64_t N, float* y) {
+template <int M, int C, typename W>
+inline void tiles(const float* x, int64_t K, const W* p, int64_t b0, int64_t b1, int64_t N, float* y) {
   int64_t b = b0;
-  for (; b + C <= b1; b += C) tile<M, C>(x, K, p, b, N, y);
-  for (; b < b1; ++b) tile<M, 1>(x, K, p, b, N, y);
+  for (; b + C <= b1; b += C) tile<M, C, W>(x, K, p, b, N, y);
+  for (; b < b1; ++b) tile<M, 1, W>(x, K, p, b, N, y);
 }
 
 // Up to 6 rows per pass over w (24 sums at most, with room for the weight vectors in 32 registers).
-void packed_rows(const float* x, int64_t M, int64_t K, const float* p, int64_t b0, int64_t b1, int64_t N, float* y) {
+template <typename W>
+void packed_rows(const float* x, int64_t M, int64_t K, const W* p, int64_t b0, int64_t b1, int64_t N, float* y) {
   for (; M > 0; M -= 6, x += 6 * K, y += 6 * N) {
     switch (std::min<int64_t>(M, 6)) {
-      case 1: tiles<1, 8>(x, K, p, b0, b1, N, y); break;
-      case 2: tiles<2, 6>(x, K, p, b0, b1, N, y); break;
-      case 3: tiles<3, 6>(x, K, p, b0, b1, N, y); break;
-      case 4: tiles<4, 4>(x, K, p, b0, b1, N, y); break;
-      case 5: tiles<5, 4>(x, K, p, b0, b1, N, y); break;
-      default: tiles<6, 3>(x, K, p, b0, b1, N, y); break;
+      case 1: tiles<1, 8, W>(x, K, p, b0, b1, N, y); break;
+      case 2: tiles<2, 6, W>(x, K, p, b0, b1, N, y); break;
+      case 3: tiles<3, 6, W>(x, K, p, b0, b1, N, y); break;
+      case 4: tiles<4, 4, W>(x, K, p, b0, b1, N, y); break;
+      case 5: tiles<5, 4, W>(x, K, p, b0, b1, N, y); break;
+      default: tiles<6, 3, W>(x, K, p, b0, b1, N, y); break;
     }
   }
 }
 
-at::Tensor pack(const at::Tensor& w) {
+// w [N, K] as [N/16][K][16], in fp32 or rounded to bf16 (to nearest, ties to even).
+at::Tensor pack(const at::Tensor& w, bool bf16) {
   const int64_t N = w.size(0), K = w.size(1), blocks = (N + kLanes - 1) / kLanes;
-  at::Tensor out = at::zeros({blocks, K, kLanes}, w.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor out = at::zeros({blocks, K, kLanes}, w.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
   const float* src = w.const_data_ptr<float>();
-  float* dst = out.mutable_data_ptr<float>();
   const int64_t s0 = w.stride(0), s1 = w.stride(1);
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t k = 0; k < K; ++k) dst[((n / kLanes) * K + k) * kLanes + n % kLanes] = src[n * s0 + k * s1];
+  auto at_packed = [&](int64_t n, int64_t k) { return ((n / kLanes) * K + k) * kLanes + n % kLanes; };
+  if (bf16) {
+    auto* dst = reinterpret_cast<c10::BFloat16*>(out.mutable_data_ptr());
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t k = 0; k < K; ++k) dst[at_packed(n, k)] = c10::BFloat16(src[n * s0 + k * s1]);
+  } else {
+    float* dst = out.mutable_data_ptr<float>();
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t k = 0; k < K; ++k) dst[at_packed(n, k)] = src[n * s0 + k * s1];
+  }
   return out;
 }
 
 struct PackKey {
   const c10::StorageImpl* storage;
   int64_t offset, n, k, s0, s1;
+  bool bf16;
   bool operator==(const PackKey& o) const {
-    return storage == o.storage && offset == o.offset && n == o.n && k == o.k && s0 == o.s0 && s1 == o.s1;
+    return storage == o.storage && offset == o.offset && n == o.n && k == o.k && s0 == o.s0 && s1 == o.s1 &&
+           bf16 == o.bf16;
   }
 };
 struct PackKeyHash {
   size_t operator()(const PackKey& key) const {
-    size_t h = std::hash<const void*>()(key.storage);
+    size_t h = std::hash<const void*>()(key.storage) ^ static_cast<size_t>(key.bf16);
     for (int64_t v : {key.offset, key.n, key.k, key.s0, key.s1}) h = h * 1000003u ^ std::hash<int64_t>()(v);
     return h;
   }
@@ -172,14 +190,16 @@ std::atomic<bool> packing{true};  // off: every product row-major (benchmarks/sm
 std::atomic<int64_t> budget{int64_t{4} << 30};
 int64_t packed_bytes = 0;  // under cache_mutex
 
-int64_t bytes_of(const at::Tensor& t) { return t.defined() ? t.numel() * static_cast<int64_t>(sizeof(float)) : 0; }
+int64_t bytes_of(const at::Tensor& t) { return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0; }
 std::unordered_map<PackKey, PackEntry, PackKeyHash> cache;
 
-// w's packed copy, or an undefined tensor: use the row-major kernel this time.
-at::Tensor packed_weight(const at::Tensor& w) {
-  if (!packing.load(std::memory_order_relaxed) || w.is_inference()) return {};
-  const uint32_t version = w.unsafeGetTensorImpl()->version_counter().current_version();
-  const PackKey key{w.storage().unsafeGetStorageImpl(), w.storage_offset(), w.size(0), w.size(1), w.stride(0), w.stride(1)};
+// w's packed copy, or an undefined tensor: use the row-major kernel this time. A bf16 copy is made
+// at the first use (its products must not change after the first call).
+at::Tensor packed_weight(const at::Tensor& w, bool bf16) {
+  if (!bf16 && (!packing.load(std::memory_order_relaxed) || w.is_inference())) return {};
+  const uint32_t version = w.is_inference() ? 0 : w.unsafeGetTensorImpl()->version_counter().current_version();
+  const PackKey key{w.storage().unsafeGetStorageImpl(), w.storage_offset(), w.size(0), w.size(1), w.stride(0), w.stride(1),
+                    bf16};
   std::lock_guard<std::mutex> lock(cache_mutex);
   auto it = cache.find(key);
   if (it == cache.end()) {
@@ -188,26 +208,29 @@ at::Tensor packed_weight(const at::Tensor& w) {
       packed_bytes -= bytes_of(e->second.packed);
       e = cache.erase(e);
     }
-    cache.emplace(key, PackEntry{c10::weak_intrusive_ptr<c10::StorageImpl>(w.storage().getWeakStorageImpl()), version, {}});
-    return {};
+    it = cache.emplace(key, PackEntry{c10::weak_intrusive_ptr<c10::StorageImpl>(w.storage().getWeakStorageImpl()),
+                                      version, {}}).first;
+    if (!bf16) return {};
   }
   PackEntry& entry = it->second;
   if (entry.version != version) {  // written in place since: pack at its next use
     entry.version = version;
     packed_bytes -= bytes_of(entry.packed);
     entry.packed = at::Tensor();
-    return {};
+    if (!bf16) return {};
   }
   if (!entry.packed.defined()) {
-    const int64_t size = (w.size(0) + kLanes - 1) / kLanes * kLanes * w.size(1) * static_cast<int64_t>(sizeof(float));
-    if (packed_bytes + size > budget.load(std::memory_order_relaxed)) return {};
-    entry.packed = pack(w);
+    const int64_t size = (w.size(0) + kLanes - 1) / kLanes * kLanes * w.size(1) * (bf16 ? 2 : 4);
+    if (!bf16 && packed_bytes + size > budget.load(std::memory_order_relaxed)) return {};
+    entry.packed = pack(w, bf16);
     packed_bytes += size;
   }
   return entry.packed;
 }
 
-at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w) {
+// bf16_weights: the product of x and w rounded to bf16 (a draft's weights on the compiled path: half
+// the bytes to stream), from a bf16 packed copy made at w's first use, whatever the budget.
+at::Tensor product(const at::Tensor& x, const at::Tensor& w, bool bf16_weights) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && w.dim() == 2,
               "nemospec::small_linear: expected fp32 x [..., K] and fp32 w [N, K]");
   TORCH_CHECK(x.size(-1) == w.size(1), "nemospec::small_linear: x has ", x.size(-1), " features, w expects ",
@@ -221,14 +244,16 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w) {
   float* yp = y.mutable_data_ptr<float>();
   if (K == 0) return y.zero_();
   if (M == 0 || N == 0) return y;
-  const at::Tensor packed = packed_weight(w);
+  const at::Tensor packed = packed_weight(w, bf16_weights);
   if (packed.defined()) {
-    const float* pp = packed.const_data_ptr<float>();
     // >= ~1M multiply-adds per task: a decode or verify product of the embedded model stays on one
     // thread (a fork and join cost more than it saves there); a full-width one is split
     const int64_t grain = std::max<int64_t>(8, (1 << 20) / std::max<int64_t>(1, K * M * kLanes));
     at::parallel_for(0, (N + kLanes - 1) / kLanes, grain, [&](int64_t b0, int64_t b1) {
-      packed_rows(xp, M, K, pp, b0, b1, N, yp);
+      if (bf16_weights)
+        packed_rows(xp, M, K, reinterpret_cast<const uint16_t*>(packed.const_data_ptr()), b0, b1, N, yp);
+      else
+        packed_rows(xp, M, K, packed.const_data_ptr<float>(), b0, b1, N, yp);
     });
     return y;
   }
@@ -251,6 +276,9 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w) {
   return y;
 }
 
+at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w) { return product(x, w, false); }
+at::Tensor small_linear_bf16w(const at::Tensor& x, const at::Tensor& w) { return product(x, w, true); }
+
 }  // namespace
 
 // The C entry point a compiled graph's C++ wrapper calls directly (inductor's custom_ops_to_c_shims),
@@ -259,6 +287,14 @@ extern "C" AOTITorchError aoti_torch_cpu_small_linear(AtenTensorHandle x, AtenTe
   AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
     *ret0 = torch::aot_inductor::new_tensor_handle(
         small_linear(*torch::aot_inductor::tensor_handle_to_tensor_pointer(x),
+                     *torch::aot_inductor::tensor_handle_to_tensor_pointer(w)));
+  });
+}
+
+extern "C" AOTITorchError aoti_torch_cpu_small_linear_bf16w(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* ret0) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    *ret0 = torch::aot_inductor::new_tensor_handle(
+        small_linear_bf16w(*torch::aot_inductor::tensor_handle_to_tensor_pointer(x),
                      *torch::aot_inductor::tensor_handle_to_tensor_pointer(w)));
   });
 }
@@ -277,8 +313,12 @@ static int64_t small_linear_packed_bytes() {
 
 TORCH_LIBRARY(nemospec, m) {
   m.def("small_linear(Tensor x, Tensor w) -> Tensor");
+  m.def("small_linear_bf16w(Tensor x, Tensor w) -> Tensor");
   m.def("small_linear_packing(bool on) -> bool", &small_linear_packing);
   m.def("small_linear_pack_budget(int bytes) -> int", &small_linear_pack_budget);
   m.def("small_linear_packed_bytes() -> int", &small_linear_packed_bytes);
 }
-TORCH_LIBRARY_IMPL(nemospec, CPU, m) { m.impl("small_linear", &small_linear); }
+TORCH_LIBRARY_IMPL(nemospec, CPU, m) {
+  m.impl("small_linear", &small_linear);
+  m.impl("small_linear_bf16w", &small_linear_bf16w);
+}
