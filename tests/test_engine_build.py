@@ -48,7 +48,8 @@ def test_engine_directory_is_self_contained(engines, checkpoints):
                              "dtype": "float32", "speculative_decoding_mode": None, "draft_len_schedule": "",
                              "draft_confidence_threshold": 0.0, "acceptance_rate_threshold": 0.0,
                              "acceptance_rate_window_size": 8, "max_tree_nodes": 16, "tree_topk": 4, "tree_depth": 0,
-                             "strip_plan": False, "max_host_memory_gb": 0.0, "num_layers": 0}
+                             "strip_plan": False, "max_host_memory_gb": 0.0, "num_layers": 0,
+                             "draft_weight_dtype": "auto"}
     assert meta["tensorrt"]["flavour"] in ("tensorrt", "tensorrt_rtx") and meta["tensorrt"]["version"]
     target = meta["engines"]["target"]
     assert set(target["inputs"]) >= {"input_ids", "positions", "lengths", "logit_index"}
@@ -178,3 +179,11 @@ def test_nemospec_build_console_script_and_engine_generate(checkpoints, tmp_path
     ref = generate(runner, [[4, 5, 6]], 8).output_ids[0]
     assert_greedy_margin(runner, [[4, 5, 6]], [ref])
     assert record["output_ids"] == ref
+
+
+def test_draft_weight_dtype_is_checked():
+    """--draft_weight_dtype takes auto, float32 or bfloat16; anything else is one clear error."""
+    from builder.errors import BuildError
+    with pytest.raises(BuildError, match="--draft_weight_dtype: expected auto, float32 or bfloat16, got int8"):
+        BuildOptions(draft_weight_dtype="int8").validate()
+    BuildOptions(draft_weight_dtype="bfloat16").validate()

@@ -184,7 +184,7 @@ struct PackEntry {
 };
 
 std::mutex cache_mutex;
-std::atomic<bool> packing{true};  // off: every product row-major (benchmarks/small_linear.py's A/B)
+std::atomic<bool> packing{true};  // off: every fp32-weight product row-major (benchmarks/small_linear.py's A/B)
 // Packed copies double the memory of the weights they copy: past this many bytes of copies, a weight
 // stays row-major (a full-size fp32 model on the compiled path keeps its footprint bounded).
 std::atomic<int64_t> budget{int64_t{4} << 30};
