@@ -7,7 +7,7 @@ Two measurements in one process, interleaved so machine noise hits both sides al
    kernel and with torch's GEMM (``use_small_linear(None)``), ms per step and verify / decode.
 The kernel runs both ways in each: with its packed weight copies (the default) and row-major
 (``nemospec::small_linear_packing(False)``), switched at run time in the same graphs. The products
-alone pay a Python dispatch per call (~5 us) that a compiled graph's C++ wrapper does not.
+alone pay a Python dispatch per call (~2.5 us) that a compiled graph's C++ wrapper does not.
 
     python benchmarks/small_linear.py [--threads 1] [--blocks 7]
 """
@@ -37,6 +37,14 @@ def _interleaved(fns: dict, blocks: int, iters: int) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def _packing(packed: bool, fn):
+    """``fn`` run with the kernel's packed layout on or off (the A/B switch)."""
+    def go():
+        torch.ops.nemospec.small_linear_packing(packed)
+        return fn()
+    return go
+
+
 def products(checkpoint, kernel, blocks: int) -> None:
     from builder.checkpoint import load_checkpoint
     _, tensors = load_checkpoint(checkpoint)
@@ -49,10 +57,7 @@ def products(checkpoint, kernel, blocks: int) -> None:
         xs = {k: torch.randn(rows, k) for k in {w.shape[1] for w in weights}}
 
         def run(fn, packed=True):
-            def go():
-                torch.ops.nemospec.small_linear_packing(packed)
-                return [fn(xs[w.shape[1]], w) for w in weights]
-            return go
+            return _packing(packed, lambda: [fn(xs[w.shape[1]], w) for w in weights])
         med = _interleaved({"torch": run(torch.nn.functional.linear), "row-major": run(kernel, False),
                             "packed": run(kernel)}, blocks, 20)
         print(f"{rows:>5}{med['torch']:>11.3f}{med['row-major']:>11.3f}{med['packed']:>9.3f}"
@@ -87,11 +92,7 @@ def steps(loaded, kernel, blocks: int) -> None:
 
     def call(entry, packed=True):
         fn, args, verify = entry
-
-        def go():
-            torch.ops.nemospec.small_linear_packing(packed)
-            return fn(*args, verify=verify)
-        return go
+        return _packing(packed, lambda: fn(*args, verify=verify))
     runs = {**{("torch", t): call(fns[("torch", t)]) for t in (1, 3, 5)},
             **{("row-major", t): call(fns[("ours", t)], False) for t in (1, 3, 5)},
             **{("packed", t): call(fns[("ours", t)]) for t in (1, 3, 5)}}

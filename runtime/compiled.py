@@ -194,15 +194,13 @@ class CompiledRunner(TorchRunner):
         super().__init__(module, device)
         self.verify_buckets = sorted(t for t in {2, 3, 5, 9, max_draft_len + 1} if 1 < t <= MAX_TOKENS)
         self.capacity_dims = _dims(module.state_spec)
-        bf16 = weight_dtype == "bfloat16"   # a draft_target draft's --draft_weight_dtype
-        self._forward = _Steps(module.forward, "target forward", bf16_weights=bf16)
-        self._rollback = (_Steps(module.rollback, "target rollback", bf16_weights=bf16)
-                          if hasattr(module, "rollback") else None)
-        self._tree_rollback = _Steps(module.tree_rollback, "target tree rollback", bf16_weights=bf16)
-        self._verify_greedy = _Steps(functools.partial(verify_greedy, module), "target greedy verify",
-                                     bf16_weights=bf16)
-        self._verify_tree_greedy = _Steps(functools.partial(verify_tree_greedy, module), "target greedy tree verify",
-                                          bf16_weights=bf16)
+        # a draft_target draft's --draft_weight_dtype
+        steps = functools.partial(_Steps, bf16_weights=weight_dtype == "bfloat16")
+        self._forward = steps(module.forward, "target forward")
+        self._rollback = steps(module.rollback, "target rollback") if hasattr(module, "rollback") else None
+        self._tree_rollback = steps(module.tree_rollback, "target tree rollback")
+        self._verify_greedy = steps(functools.partial(verify_greedy, module), "target greedy verify")
+        self._verify_tree_greedy = steps(functools.partial(verify_tree_greedy, module), "target greedy tree verify")
 
     def new_state(self, batch, capacity):
         return super().new_state(batch, capacity + HEADROOM)
@@ -319,13 +317,12 @@ class CompiledDraft(EagerDraft):
         super().__init__(module, target_vocab, device)
         self.pad_to = max_draft_len + 1
         self.capacity_dims = {"past." + k: v for k, v in _dims(module.state_spec).items()}
-        bf16 = weight_dtype == "bfloat16"
-        self._steps = _Steps(self.components["draft"].call, f"{self.kind} draft", DRAFT_OPTIONS, bf16)
-        self._tree_steps = _Steps(self._tree_step, f"{self.kind} draft tree", DRAFT_OPTIONS, bf16)
-        self._chains = _Steps(self._chain if self.kind in FEATURE_DRAFTS else self._block_chain,
-                              f"{self.kind} draft chain", DRAFT_OPTIONS, bf16)
-        self._trees = _Steps(self._tree_chain if self.kind in FEATURE_DRAFTS else self._block_tree,
-                             f"{self.kind} draft tree", DRAFT_OPTIONS, bf16)
+        steps = functools.partial(_Steps, options=DRAFT_OPTIONS, bf16_weights=weight_dtype == "bfloat16")
+        self._steps = steps(self.components["draft"].call, f"{self.kind} draft")
+        self._tree_steps = steps(self._tree_step, f"{self.kind} draft tree")
+        self._chains = steps(self._chain if self.kind in FEATURE_DRAFTS else self._block_chain, f"{self.kind} draft chain")
+        self._trees = steps(self._tree_chain if self.kind in FEATURE_DRAFTS else self._block_tree,
+                            f"{self.kind} draft tree")
 
     def new_state(self, batch, capacity):
         return super().new_state(batch, capacity + HEADROOM)

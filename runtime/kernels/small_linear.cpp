@@ -14,6 +14,8 @@
 //   read): each 4-row block of w is read once per group of up to 4 input rows, 16 accumulators,
 //   four sums reduced in one shuffle tree.
 // A weight is packed at its second use, so a weight computed afresh every call is never packed.
+// small_linear_bf16w multiplies by w rounded to bf16 (a compiled draft's weights): a bf16 packed copy
+// made at the first use, widened to fp32 in registers.
 // Work is split across threads in blocks of w rows (at::parallel_for), so a product stays on one
 // thread until it is large.
 #include <ATen/core/Tensor.h>
