@@ -10,6 +10,7 @@ for 1 and 5 rows; trees build their fused draft tree and greedy tree verify per 
 """
 import io
 import json
+import functools
 from contextlib import redirect_stderr, redirect_stdout
 
 import pytest
@@ -20,6 +21,7 @@ from nemospec import cli
 from runtime.generation import generate
 from runtime.loading import AUTO_COMPILE_MIN_TOKENS, open_checkpoint, resolve_backend
 from runtime.speculative import speculative_generate
+from tests.tolerances import assert_within, matmul_bound
 
 RAGGED = [[5, 9, 17, 33, 8, 100, 7], [42], [3, 4, 5, 6]]
 NEW = 16
@@ -324,3 +326,30 @@ def test_bf16_draft_weights_keep_the_target_output(models, monkeypatch):
     assert proposer.draft._chains.ready, "the draft chain ran compiled"
     if small_linear.supported():
         assert traced, "no draft product went through the bf16-weights kernel"
+
+
+def _toy(x, w, scale):
+    return torch.tanh(x @ w) * scale
+
+
+@pytest.mark.parametrize("check_guards", ["0", "1"])
+def test_steps_run_a_recurring_key_compiled(monkeypatch, check_guards):
+    """A key compiles on its min_calls-th call and runs compiled after (its output the function's);
+    by default the graph is called directly (no dynamo frame, no guards: the key must name the
+    shapes), with NEMOSPEC_CHECK_GUARDS=1 through dynamo, where a shape the key does not name still
+    computes the right thing (dynamo recompiles)."""
+    from runtime import compiled
+    monkeypatch.setenv("NEMOSPEC_CHECK_GUARDS", check_guards)
+    steps = compiled._Steps(functools.partial(_toy, scale=2.0), "toy")
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 8, generator=g), torch.randn(8, 5, generator=g)
+    want = _toy(x, w, 2.0)
+    outs = [steps(("rows", 3), "toy", 2, x, w) for _ in range(3)]
+    assert list(steps.ready) == [("rows", 3)] and not steps.broken
+    for out in outs:   # eager, then compiled: the same products, maybe summed in another order
+        assert_within(out, want, 2.0 * (matmul_bound(x, w) + 4 * torch.finfo(torch.float32).eps), "toy")
+    direct = type(steps.graphs[("rows", 3)].func).__name__ == "AOTCompiledFunction"
+    assert direct == (check_guards == "0")
+    if check_guards == "1":
+        x4 = torch.randn(4, 8, generator=g)
+        assert steps(("rows", 3), "toy", 2, x4, w).shape == (4, 5)
