@@ -206,26 +206,45 @@ def _ssm_chunked(x, dt, A, B, C, state, chunk_size):
     return y, h
 
 
+# Chunks of up to this many tokens (decode, verify, a short draft_target chunk) run the recurrence
+# token by token, as decode does: no [T, T] decay matrix and no batched products, which a compiled
+# graph would call out to BLAS for (~5 us each, 18 per verify of the embedded target); and the state
+# after each row is the one a decode of that row computes.
+RECURRENT_TOKENS = 8
+
+
+def _ssm_update(h, x, dt, A, B):
+    """The state after one token: h [b, h, p, n] decayed by exp(dt A), plus dt x (outer) B."""
+    return h * torch.exp(dt * A)[..., None, None] + (dt[..., None] * x)[..., None] * B[:, :, None, :]
+
+
 def ssm_scan(x, dt, A, B, C, D, state, chunk_size):
     dtype = x.dtype
     heads = x.shape[2]
     xf, dtf, Af = x.float(), dt.float(), A.float()
     Bf, Cf = _heads(B.float(), heads), _heads(C.float(), heads)
-    if x.shape[1] == 1:
-        h = state.float() * torch.exp(dtf[:, 0] * Af)[..., None, None]
-        h = h + (dtf[:, 0, :, None] * xf[:, 0])[..., None] * Bf[:, 0, :, None, :]
-        y = torch.einsum("bhpn,bhn->bhp", h, Cf[:, 0])[:, None]
-        return (y + xf * D.float()[:, None]).to(dtype), h
+    if x.shape[1] <= RECURRENT_TOKENS:
+        h, ys = state.float(), []
+        for t in range(x.shape[1]):
+            h = _ssm_update(h, xf[:, t], dtf[:, t], Af, Bf[:, t])
+            ys.append((h * Cf[:, t, :, None, :]).sum(-1))
+        return (torch.stack(ys, 1) + xf * D.float()[:, None]).to(dtype), h
     y, new_state = _ssm_chunked(xf, dtf, Af, Bf, Cf, state.float(), chunk_size)
     return (y + xf * D.float()[:, None]).to(dtype), new_state
 
 
 def ssm_state(x, dt, A, B, state):
     xf, dtf = x.float(), dt.float()
+    Bf = _heads(B.float(), x.shape[2])
+    if x.shape[1] <= RECURRENT_TOKENS:   # a verify chunk's rollback: decode's recurrence, row by row
+        h = state.float()
+        for t in range(x.shape[1]):
+            h = _ssm_update(h, xf[:, t], dtf[:, t], A.float(), Bf[:, t])
+        return h
     a_cum = torch.cumsum(dtf * A.float(), dim=1)                              # [b, t, h]
     to_end = torch.exp(a_cum[:, -1:] - a_cum) * dtf                          # decay to the chunk end x dt
     h = state.float() * torch.exp(a_cum[:, -1])[..., None, None]
-    return h + torch.einsum("bth,bthp,bthn->bhpn", to_end, xf, _heads(B.float(), x.shape[2]))
+    return h + torch.einsum("bth,bthp,bthn->bhpn", to_end, xf, Bf)
 
 
 def kv_cache_update(cache, new, positions):
