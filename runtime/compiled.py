@@ -110,9 +110,8 @@ def _prepare(tree, batch: int, capacity_dims: dict):
 
 def _own_code(fn):
     """``fn`` (a function, bound method or partial) running a code object of its own. Dynamo keeps
-    one cache of graphs per code object; with a copy per ``_Steps``, every cache holds the graphs of
-    one model instance only, so skipping guard evaluation (``_Steps``) never has to tell two models'
-graphs apart."""
+    one cache of graphs per code object; with a copy per ``_Steps`` (or per A/B side in
+    benchmarks/small_linear.py), every cache holds the graphs of one model instance only."""
     if isinstance(fn, functools.partial):
         return functools.partial(_own_code(fn.func), *fn.args, **fn.keywords)
     if isinstance(fn, types.MethodType):
@@ -185,12 +184,11 @@ class _Steps:
             with torch_backend.bf16_weights(self.bf16_weights):  # read while the graph is traced
                 if self.check_guards:   # dynamo's own frame evaluation: every guard on every call
                     graph = functools.partial(self.compiler, *self.lead)
-                    out = graph(*args, **self.keywords, **kwargs)
                 else:
-                    graph = self.compiler.aot_compile(((*self.lead, *args), {**self.keywords, **kwargs}))
-                    graph.disable_guard_check()
-                    graph = functools.partial(graph, *self.lead)
-                    out = graph(*args, **self.keywords, **kwargs)
+                    captured = self.compiler.aot_compile(((*self.lead, *args), {**self.keywords, **kwargs}))
+                    captured.disable_guard_check()
+                    graph = functools.partial(captured, *self.lead)
+                out = graph(*args, **self.keywords, **kwargs)
         except Exception as e:  # a graph break or a lowering inductor lacks: eager from now on
             print(" failed", file=sys.stderr, flush=True)
             warnings.warn(f"{self.what}: torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
