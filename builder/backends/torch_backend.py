@@ -218,17 +218,22 @@ def _ssm_update(h, x, dt, A, B):
     return h * torch.exp(dt * A)[..., None, None] + (dt[..., None] * x)[..., None] * B[:, :, None, :]
 
 
+def _ssm_states(h, x, dt, A, B):
+    """The state after each row of a chunk (x [b, t, h, p], dt [b, t, h], B [b, t, h, n]), in order."""
+    for t in range(x.shape[1]):
+        h = _ssm_update(h, x[:, t], dt[:, t], A, B[:, t])
+        yield h
+
+
 def ssm_scan(x, dt, A, B, C, D, state, chunk_size):
     dtype = x.dtype
     heads = x.shape[2]
     xf, dtf, Af = x.float(), dt.float(), A.float()
     Bf, Cf = _heads(B.float(), heads), _heads(C.float(), heads)
     if x.shape[1] <= RECURRENT_TOKENS:
-        h, ys = state.float(), []
-        for t in range(x.shape[1]):
-            h = _ssm_update(h, xf[:, t], dtf[:, t], Af, Bf[:, t])
-            ys.append((h * Cf[:, t, :, None, :]).sum(-1))
-        return (torch.stack(ys, 1) + xf * D.float()[:, None]).to(dtype), h
+        states = list(_ssm_states(state.float(), xf, dtf, Af, Bf))
+        y = torch.stack([(h * Cf[:, t, :, None, :]).sum(-1) for t, h in enumerate(states)], 1)
+        return (y + xf * D.float()[:, None]).to(dtype), states[-1]
     y, new_state = _ssm_chunked(xf, dtf, Af, Bf, Cf, state.float(), chunk_size)
     return (y + xf * D.float()[:, None]).to(dtype), new_state
 
@@ -237,10 +242,7 @@ def ssm_state(x, dt, A, B, state):
     xf, dtf = x.float(), dt.float()
     Bf = _heads(B.float(), x.shape[2])
     if x.shape[1] <= RECURRENT_TOKENS:   # a verify chunk's rollback: decode's recurrence, row by row
-        h = state.float()
-        for t in range(x.shape[1]):
-            h = _ssm_update(h, xf[:, t], dtf[:, t], A.float(), Bf[:, t])
-        return h
+        return list(_ssm_states(state.float(), xf, dtf, A.float(), Bf))[-1]
     a_cum = torch.cumsum(dtf * A.float(), dim=1)                              # [b, t, h]
     to_end = torch.exp(a_cum[:, -1:] - a_cum) * dtf                          # decay to the chunk end x dt
     h = state.float() * torch.exp(a_cum[:, -1])[..., None, None]

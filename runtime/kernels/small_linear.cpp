@@ -129,10 +129,10 @@ inline void tiles(const float* x, int64_t K, const W* p, int64_t b0, int64_t b1,
   int64_t b = b0;
   for (; b + C <= b1; b += C) tile<M, C, W>(x, K, p, b, N, y);
   if constexpr (C > 1) {
-    const int64_t rest = b1 - b;
-    if (rest >= C / 2 + (C & 1)) {
-      tile<M, C / 2 + (C & 1), W>(x, K, p, b, N, y);
-      b += C / 2 + (C & 1);
+    constexpr int half = (C + 1) / 2;
+    if (b1 - b >= half) {
+      tile<M, half, W>(x, K, p, b, N, y);
+      b += half;
     }
     tiles<M, C / 2, W>(x, K, p, b, b1, N, y);
   }
