@@ -90,6 +90,23 @@ def test_second_use_packs_within_the_budget(op):
         torch.ops.nemospec.small_linear_pack_budget(previous)
 
 
+def test_bf16_valued_weight_is_packed_in_half_the_bytes(op):
+    """A weight whose values are all bf16 numbers (a bf16 checkpoint run in fp32) is packed as bf16:
+    half the bytes, the same fp32 product; one value off the bf16 grid keeps the fp32 copy."""
+    packed_bytes = torch.ops.nemospec.small_linear_packed_bytes
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 96, generator=g)
+    exact = torch.randn(70, 96, generator=g).bfloat16().float()
+    off_grid = exact.clone()
+    off_grid[69, 95] += 2.0 ** -20 * off_grid[69, 95].abs().clamp(min=1.0)
+    for w, size in ((exact, _packed_size(exact) // 2), (off_grid, _packed_size(off_grid))):
+        _check(op, x, w, "first use")
+        before = packed_bytes()
+        for call in ("second use", "cached"):
+            _check(op, x, w, call)
+        assert packed_bytes() == before + size
+
+
 def test_weight_written_in_place_is_packed_again(op):
     """A packed copy follows its weight's version counter: written in place, the weight is read
     as it is now (row-major at once, packed again at its next use)."""

@@ -16,6 +16,9 @@
 // A weight is packed at its second use, so a weight computed afresh every call is never packed.
 // small_linear_bf16w multiplies by w rounded to bf16 (a compiled draft's weights): a bf16 packed copy
 // made at the first use, widened to fp32 in registers.
+// A weight whose every value is already a bf16 number (a bf16 checkpoint run in fp32, as the embedded
+// drafts are) is packed as bf16 by small_linear too: the same values and the same sums in the same
+// order, so the same products, from half the bytes.
 // Work is split across threads in blocks of w rows (at::parallel_for), so a product stays on one
 // thread until it is large.
 #include <ATen/core/Tensor.h>
@@ -153,6 +156,17 @@ void packed_rows(const float* x, int64_t M, int64_t K, const W* p, int64_t b0, i
   }
 }
 
+// Whether every value of w is a bf16 number (the low 16 bits of each fp32 zero): then its bf16 copy
+// holds exactly the values of w.
+bool bf16_exact(const at::Tensor& w) {
+  const auto* src = reinterpret_cast<const uint32_t*>(w.const_data_ptr<float>());
+  const int64_t N = w.size(0), K = w.size(1), s0 = w.stride(0), s1 = w.stride(1);
+  uint32_t low = 0;
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < K; ++k) low |= src[n * s0 + k * s1] & 0xFFFFu;
+  return low == 0;
+}
+
 // w [N, K] as [N/16][K][16], in fp32 or rounded to bf16 (to nearest, ties to even).
 at::Tensor pack(const at::Tensor& w, bool bf16) {
   const int64_t N = w.size(0), K = w.size(1), blocks = (N + kLanes - 1) / kLanes;
@@ -231,9 +245,10 @@ at::Tensor packed_weight(const at::Tensor& w, bool bf16) {
     if (!bf16) return {};
   }
   if (!entry.packed.defined()) {
-    const int64_t size = (w.size(0) + kLanes - 1) / kLanes * kLanes * w.size(1) * (bf16 ? 2 : 4);
+    const bool as_bf16 = bf16 || bf16_exact(w);  // exact: the fp32 product from the bf16 copy
+    const int64_t size = (w.size(0) + kLanes - 1) / kLanes * kLanes * w.size(1) * (as_bf16 ? 2 : 4);
     if (!bf16 && packed_bytes + size > budget.load(std::memory_order_relaxed)) return {};
-    entry.packed = pack(w, bf16);
+    entry.packed = pack(w, as_bf16);
     packed_bytes += size;
   }
   return entry.packed;
@@ -261,7 +276,7 @@ at::Tensor product(const at::Tensor& x, const at::Tensor& w, bool bf16_weights) 
     // thread (a fork and join cost more than it saves there); a full-width one is split
     const int64_t grain = std::max<int64_t>(8, (1 << 20) / std::max<int64_t>(1, K * M * kLanes));
     at::parallel_for(0, (N + kLanes - 1) / kLanes, grain, [&](int64_t b0, int64_t b1) {
-      if (bf16_weights)
+      if (packed.scalar_type() == at::kBFloat16)
         packed_rows(xp, M, K, reinterpret_cast<const uint16_t*>(packed.const_data_ptr()), b0, b1, N, yp);
       else
         packed_rows(xp, M, K, packed.const_data_ptr<float>(), b0, b1, N, yp);
