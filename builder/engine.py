@@ -57,7 +57,7 @@ class BuildOptions:
     acceptance_rate_window_size: int = 8
     # tree speculation defaults (runtime.tree_draft; generate/serve --tree turns it on)
     max_tree_nodes: int = 16
-    tree_topk: int = 4
+    tree_topk: int = 0          # 0: by draft kind (runtime.tree_draft.default_topk)
     tree_depth: int = 0                 # 0: max_draft_len
     # scale: weight-stripped refittable engines, a host-memory limit, a trial build of the first layers
     strip_plan: bool = False
@@ -75,8 +75,8 @@ class BuildOptions:
             raise BuildError(f"--max_draft_len: expected >= 0, got {self.max_draft_len}")
         if self.max_input_len > self.max_seq_len:
             raise BuildError(f"--max_input_len ({self.max_input_len}) exceeds --max_seq_len ({self.max_seq_len})")
-        if self.max_tree_nodes < 1 or self.tree_topk < 1 or self.tree_depth < 0:
-            raise BuildError(f"--max_tree_nodes, --tree_topk: expected >= 1, --tree_depth >= 0; got "
+        if self.max_tree_nodes < 1 or self.tree_topk < 0 or self.tree_depth < 0:
+            raise BuildError(f"--max_tree_nodes: expected >= 1, --tree_topk and --tree_depth >= 0 (0: the default); got "
                              f"{self.max_tree_nodes}, {self.tree_topk}, {self.tree_depth}")
         if self.max_host_memory_gb < 0 or self.num_layers < 0:
             raise BuildError("--max_host_memory_gb and --num_layers: expected >= 0 (0: the default)")

@@ -54,7 +54,8 @@ def add_bench_args(p) -> None:
     p.add_argument("--tree", action="store_true",
                    help="also run tree speculation (every mode but draft_target) beside its chain, interleaved")
     p.add_argument("--max_tree_nodes", type=int, default=16, help="with --tree: drafted nodes per verify")
-    p.add_argument("--tree_topk", type=int, default=4, help="with --tree: children per expanded node")
+    p.add_argument("--tree_topk", type=int, default=0,
+                   help="with --tree: children per expanded node (0 = by draft kind: 8 block drafts, 4 chain drafts)")
     p.add_argument("--tree_depth", type=int, default=0, help="with --tree: deepest node (0 = --num_draft_tokens)")
     p.add_argument("--quick", action="store_true",
                    help=f"small: modes {','.join(QUICK_MODES)}, 2 prompts x 24 tokens, 1 run (for tests)")
@@ -262,7 +263,9 @@ def run_bench(args) -> dict:
     tree = None
     if getattr(args, "tree", False):
         from runtime.tree_draft import TreeShape
-        tree = TreeShape(args.max_tree_nodes, args.tree_topk, args.tree_depth or k)
+        from runtime.tree_draft import default_topk
+        tree = {mode: TreeShape(args.max_tree_nodes, args.tree_topk or default_topk(mode), args.tree_depth or k)
+                for mode in modes if mode != "draft_target"}
     root = Path(args.output_dir)
     root.mkdir(parents=True, exist_ok=True)
     target_dir, _ = resolve_sources(args.checkpoint_dir)
@@ -282,7 +285,7 @@ def run_bench(args) -> dict:
         engines = {n: {"bytes": e["engine_bytes"], "layers": e["layers"], "build_seconds": round(e["build_seconds"], 1)}
                    for n, e in build["engines"].items()}
         _log(f"bench: {mode}: generating ({len(prompts)} prompts x {new_tokens} tokens, with and without speculation)")
-        entry = _offline(engine_dir, prompts, new_tokens, k, runs, backend, tree if mode != "draft_target" else None)
+        entry = _offline(engine_dir, prompts, new_tokens, k, runs, backend, tree.get(mode) if tree else None)
         entry.update(engine_dir=portable_path(engine_dir, root), build_seconds=round(build["total_seconds"], 1),
                      engine_bytes=sum(e["bytes"] for e in engines.values()), engines=engines)
         report["modes"][mode] = entry

@@ -218,7 +218,7 @@ def cmd_generate(args):
             raise NemospecError(f"--tree: runs on --backend torch or compiled (backend {loaded.backend} has no tree "
                                 "verify engine yet)")
         try:
-            tree = tree_from(k, loaded.build_options, args)
+            tree = tree_from(k, loaded.build_options, args, loaded.speculative.get("mode"))
         except ValueError as e:
             raise NemospecError(str(e)) from None
     trace_file = None

@@ -199,9 +199,24 @@ def _select(tokens, parents, scores, depths, heads, qs, max_nodes, sampled) -> D
 # --- flags: recorded at build (BuildOptions), overridable by generate, bench and serve --------------
 TREE_FLAGS = {  # flag -> (type, build default, help)
     "max_tree_nodes": (int, 16, "tree speculation: drafted nodes verified per step (the root excluded)"),
-    "tree_topk": (int, 4, "tree speculation: children per expanded node, and nodes expanded per depth"),
+    "tree_topk": (int, 0, "tree speculation: children per expanded node, and nodes expanded per depth "
+                          "(0 = by draft kind: 8 for dflash, dspark and peagle, 4 for eagle, eagle3 and mtp)"),
     "tree_depth": (int, 0, "tree speculation: the deepest node (0 = max_draft_len)"),
 }
+
+
+# Children per node by draft kind (--tree_topk 0). A block draft scores every depth in its one forward
+# whatever k is, so a wider top-k costs it nothing but verify rows, which --max_tree_nodes fixes; at 16
+# nodes (embedded model, 6 prompts x 128, greedy) top-8 accepted dflash +0.65 over its chain against
+# +0.58 at top-4 (dspark +0.82 / +0.81, peagle +0.73 / +0.58). A chain draft runs each expanded node
+# as a draft row, so k multiplies its draft work per depth: it keeps 4 (eagle3 +0.71; top-8 +0.78).
+BLOCK_TREE_TOPK, CHAIN_TREE_TOPK = 8, 4
+BLOCK_TREE_MODES = ("dflash", "dspark", "peagle")
+
+
+def default_topk(mode: str | None) -> int:
+    """``--tree_topk 0``'s value for a draft kind."""
+    return BLOCK_TREE_TOPK if (mode or "").removesuffix("_nvfp4") in BLOCK_TREE_MODES else CHAIN_TREE_TOPK
 
 
 def add_tree_args(parser, build: bool) -> None:
@@ -218,9 +233,10 @@ def add_tree_args(parser, build: bool) -> None:
                            help=text + ("" if build else " (default: the engine directory's)"))
 
 
-def tree_from(max_draft_len: int, recorded: dict, overrides=None) -> TreeShape:
+def tree_from(max_draft_len: int, recorded: dict, overrides=None, mode: str | None = None) -> TreeShape:
     """The tree shape of an engine directory (``recorded``: its build options) with flags on top; a
-    node count above the recorded one is refused (the build sized its buffers for it)."""
+    node count above the recorded one is refused (the build sized its buffers for it); a top-k of 0
+    is ``mode``'s default (``default_topk``)."""
     values = {f: recorded.get(f, default) for f, (_, default, _) in TREE_FLAGS.items()}
     built = int(values["max_tree_nodes"])
     for f in TREE_FLAGS:
@@ -231,4 +247,4 @@ def tree_from(max_draft_len: int, recorded: dict, overrides=None) -> TreeShape:
         raise ValueError(f"--max_tree_nodes: expected at most {built} (the engine directory's), "
                          f"got {values['max_tree_nodes']}")
     depth = int(values["tree_depth"]) or max_draft_len
-    return TreeShape(int(values["max_tree_nodes"]), int(values["tree_topk"]), depth)
+    return TreeShape(int(values["max_tree_nodes"]), int(values["tree_topk"]) or default_topk(mode), depth)

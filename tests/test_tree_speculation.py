@@ -301,3 +301,21 @@ def test_trace_of_a_tree_step_names_the_tree_and_its_accepted_path(pair, referen
     for seq in range(2):
         emitted = sum(r["emitted"] for r in records if r["sequence"] == seq)
         assert emitted == len(result.output_ids[seq]) - 1                                 # all but the prefill's token
+
+
+def test_tree_topk_zero_is_the_draft_kinds_default():
+    """``--tree_topk 0`` (the build default) resolves by draft kind: block drafts (one forward scores
+    every depth) get the wider top-8, chain drafts (a draft row per expanded node) top-4; a recorded
+    or given top-k wins, and the node-count ceiling still holds."""
+    from types import SimpleNamespace
+
+    from runtime.tree_draft import tree_from
+    for mode, k in (("dflash", 8), ("dspark", 8), ("dspark_nvfp4", 8), ("peagle", 8), ("eagle3", 4), ("eagle", 4),
+                    ("mtp", 4), (None, 4)):
+        assert tree_from(4, {}, None, mode) == TreeShape(16, k, 4), mode
+    assert tree_from(4, {"tree_topk": 0, "max_tree_nodes": 12}, None, "dflash") == TreeShape(12, 8, 4)
+    assert tree_from(4, {"tree_topk": 3}, None, "dflash").topk == 3
+    given = SimpleNamespace(tree_topk=2, max_tree_nodes=None, tree_depth=None)
+    assert tree_from(3, {"max_tree_nodes": 16}, given, "dspark") == TreeShape(16, 2, 3)
+    with pytest.raises(ValueError, match="--max_tree_nodes: expected at most 12"):
+        tree_from(4, {"max_tree_nodes": 12}, SimpleNamespace(max_tree_nodes=16), "dflash")
