@@ -230,7 +230,7 @@ def cmd_generate(args):
     try:
         if loaded.backend == "compiled":  # compile (or load from the cache) the steps this run uses, untimed
             from runtime.compiled import warm_up
-            warm_up(loaded, prompts, k if speculate else 0, max_seq_len=loaded.max_seq_len, prefill_chunk=chunk)
+            warm_up(loaded, prompts, k if speculate else 0, tree, max_seq_len=loaded.max_seq_len, prefill_chunk=chunk)
         if speculate:
             from runtime.speculative import speculative_generate
             policy = policy_from(k, loaded.build_options, args)

@@ -470,11 +470,11 @@ def _pad_rows(feeds: dict, batch: int, rows: int, pad: int) -> dict:
     return out
 
 
-def warm_up(loaded, prompts, draft_len: int = 0, **generate_args) -> float:
-    """A short greedy run of ``prompts`` (speculative with ``draft_len`` > 0, then target-only on the
-    first prompt, as the CLI's cost line runs it) so that the steps a timed run of them uses are
-    compiled, or loaded from the cache, before it starts. Returns the seconds it took (0 when
-    ``loaded`` is not on the compiled path)."""
+def warm_up(loaded, prompts, draft_len: int = 0, tree=None, **generate_args) -> float:
+    """A short greedy run of ``prompts`` (speculative with ``draft_len`` > 0, with token trees of
+    shape ``tree`` if given, then target-only on the first prompt, as the CLI's cost line runs it) so
+    that the steps a timed run of them uses are compiled, or loaded from the cache, before it starts.
+    Returns the seconds it took (0 when ``loaded`` is not on the compiled path)."""
     from runtime.generation import generate
     from runtime.speculative import speculative_generate
     if not isinstance(loaded.runner, CompiledRunner):
@@ -483,7 +483,8 @@ def warm_up(loaded, prompts, draft_len: int = 0, **generate_args) -> float:
     steps = STEP_CALLS + 2
     if draft_len > 0:
         proposer = loaded.proposer()
-        speculative_generate(loaded.runner, proposer, prompts, steps * (draft_len + 1), draft_len, **generate_args)
+        speculative_generate(loaded.runner, proposer, prompts, steps * (draft_len + 1), draft_len, tree=tree,
+                             **generate_args)
         draft = getattr(proposer, "runner", None)          # a draft_target draft: a NemotronH of its own
         if isinstance(draft, CompiledRunner):
             draft.warm(2, len(prompts))                    # [last draft, bonus], queued after a full accept

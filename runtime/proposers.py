@@ -4,7 +4,8 @@ Two families:
 
 * ``ModelDraftProposer`` (draft_target): a smaller NemotronH with the same vocabulary consumes
   tokens like the target. It keeps one state snapshot per draft step and, after verification,
-  restores the snapshot of the accepted position (its Mamba state cannot be truncated).
+  restores the snapshot of the accepted position (its Mamba state cannot be truncated). Its token
+  trees grow by tree forwards from the state before the root, which they leave as it was.
 * ``FeatureDraftProposer`` (eagle, eagle3, mtp): the draft reads the target's hidden features. A
   draft row pairs the token at position p+1 with the target feature of position p and uses
   position p (vLLM's convention). After a verify that kept m drafts, one "catch-up" chunk of
@@ -26,7 +27,8 @@ from runtime.prefill import prefill
 from runtime.rollback import select_snapshots
 from runtime.sampling import draw
 from runtime.state import chunk_inputs, keep_rows
-from runtime.tree_draft import DraftTree, TreeShape, feature_expand, grow
+from runtime.tree import ancestors
+from runtime.tree_draft import DraftTree, TreeShape, feature_expand, grow, model_expand
 
 
 def _take_rows(state: dict, keep: torch.Tensor) -> dict:
@@ -161,14 +163,39 @@ class ModelDraftProposer(_PerSequence):
         return chain.result()
 
     def propose_tree(self, shape: TreeShape, params) -> DraftTree:
-        raise ValueError("--tree: a draft_target draft keeps one Mamba state per sequence and cannot grow a "
-                         "token tree; use eagle, eagle3, mtp, dflash, dspark or peagle")
+        """EAGLE-2 tree growth (``runtime.tree_draft.model_expand``): the queued tokens but the root
+        (the last accepted one) are consumed; each depth runs one tree forward of the draft from
+        there over the root and the nodes expanded so far, leaving the draft's state as it was.
+        ``accept`` then queues the root and the accepted path for the next catch-up."""
+        if any(len(p) > 1 for p in self.pending):
+            self._consume(keep_last=True)
+        dev = self.runner.device
+        room = min((v.shape[1] for n, v in self.state.items() if n.endswith("key_cache")), default=0)
+        if room and max(self.consumed) + shape.draft_rows + 1 > room:
+            raise ValueError(f"tree: draft cache of {room} slots cannot hold {shape.draft_rows + 1} tree rows "
+                             f"past position {max(self.consumed)}")
+        base = torch.tensor(self.consumed, dtype=torch.int32, device=dev)[:, None]
+        batch = len(self.pending)
+
+        def tree_forward(tokens, parents):
+            rows = torch.arange(tokens.shape[1], dtype=torch.int32, device=dev).expand(batch, -1)
+            logits, _, _ = self.runner.forward(tokens, base + rows, torch.full((batch,), tokens.shape[1], dtype=torch.int32,
+                                               device=dev), rows, self.state, verify=True,
+                                               tree=(parents, ancestors(parents).to(dev)))
+            return logits
+        root_logits, expand = model_expand(tree_forward, torch.tensor([p[-1] for p in self.pending], device=dev))
+        self.snapshots = None                 # a tree step: accept queues the path, no snapshot to restore
+        return grow(root_logits, expand, shape, params)
 
     def accept(self, accepted, next_tokens, drafts, verify_features):
         if drafts.shape[1] == 0:  # a target-only step: queue the token (consumed with the next proposal)
             self.pending = [p + [int(t)] for p, t in zip(self.pending, next_tokens.tolist())]
             if max(len(p) for p in self.pending) >= self.prefill_chunk:
                 self._consume(keep_last=True)
+            return
+        if self.snapshots is None:  # after a tree step the root is still queued: queue the path after it
+            self.pending = [p + d[:m] + [t] for p, d, m, t in zip(self.pending, drafts.tolist(), accepted.tolist(),
+                                                                  next_tokens.tolist())]
             return
         k = drafts.shape[1]
         index = torch.clamp(accepted, max=k - 1)

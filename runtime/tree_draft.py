@@ -133,6 +133,25 @@ def feature_expand(tree_step, hidden: torch.Tensor, position: torch.Tensor, stat
     return expand, front
 
 
+def model_expand(tree_forward, root: torch.Tensor):
+    """The root logits and ``expand`` of a draft_target draft (a NemotronH of its own): its Mamba
+    layers keep one state per sequence, so every call runs one tree forward from the state before
+    the root (``tree_forward(tokens [B, T], parents [B, T])`` -> logits [B, T, V], state unchanged)
+    over the root (row 0) and every node expanded so far; the new frontier's rows give the logits.
+    Each row's Mamba state is its ancestor path's, as in the target's tree verify."""
+    batch, dev = root.shape[0], root.device
+    tree = {"tokens": root.to(torch.int32)[:, None], "parents": torch.full((batch, 1), -1, dtype=torch.long, device=dev),
+            "front": torch.zeros(batch, 1, dtype=torch.long, device=dev)}
+
+    def expand(tokens, parent, depth):
+        first = tree["tokens"].shape[1]
+        tree["tokens"] = torch.cat([tree["tokens"], tokens.to(device=dev, dtype=torch.int32)], 1)
+        tree["parents"] = torch.cat([tree["parents"], tree["front"].gather(1, parent.to(dev).long())], 1)
+        tree["front"] = first + torch.arange(tokens.shape[1], device=dev).expand(batch, -1)
+        return tree_forward(tree["tokens"], tree["parents"])[:, first:]
+    return tree_forward(tree["tokens"], tree["parents"])[:, 0], expand
+
+
 def _grow(root_logits, expand, shape: TreeShape, children, frontier, sampled) -> DraftTree:
     """The growth loop of :func:`grow`; ``children(logits)`` -> (tokens, log q, q); ``sampled`` [B]
     bool, or None when every row is greedy."""

@@ -267,12 +267,69 @@ def test_tree_sampling_preserves_the_target_distribution(mode, pair, monkeypatch
     assert pvalue < 1e-6
 
 
-def test_a_draft_target_draft_refuses_trees_by_name(checkpoints, tmp_path):
+@pytest.fixture(scope="module")
+def model_pair(checkpoints, tmp_path_factory):
+    """The moe target with a draft_target draft (its own NemotronH: noisy copies of its layers)."""
     from speculative_fixtures import layer_subset_draft
     target_dir = checkpoints["moe"]
-    target, proposer = runners(target_dir, layer_subset_draft(target_dir, tmp_path / "draft"))
-    with pytest.raises(ValueError, match="--tree: a draft_target draft"):
-        speculative_generate(target, proposer("draft_target"), [[5, 9]], 8, 2, tree=TreeShape(4, 2, 2))
+    target, proposer = runners(target_dir, layer_subset_draft(target_dir, tmp_path_factory.mktemp("tree_model") / "d"))
+    return target, lambda: proposer("draft_target")
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s.max_nodes}n{s.topk}k{s.depth}d")
+def test_draft_target_trees_equal_target_greedy(shape, model_pair):
+    """A draft_target draft grows trees by one tree forward of its own per depth (each node's Mamba
+    state along its own ancestor path, its committed state untouched): ragged batch, every shape,
+    output equal to target-only greedy, and the tree accepts paths its top-1 chain would miss."""
+    target, proposer = model_pair
+    want = generate(target, PROMPTS, 40).output_ids
+    assert_greedy_margin(target, PROMPTS, want)
+    result = speculative_generate(target, proposer(), PROMPTS, 40, shape.depth, tree=shape)
+    assert result.output_ids == want
+    stats = result.extra["acceptance"]
+    assert stats["tree"]["steps_by_size"], "no tree step ran"
+    if shape.max_nodes >= 16:
+        chain = speculative_generate(target, proposer(), PROMPTS, 40, shape.depth).extra["acceptance"]
+        assert stats["tree"]["accepted_off_chain"] > 0
+        assert stats["mean_accepted_tokens"] > chain["mean_accepted_tokens"]
+
+
+def test_draft_target_tree_then_chain_and_target_only_steps(model_pair):
+    """Tree steps, chain steps (a request's own K under the depth) and target-only steps (the
+    batch-size schedule) interleave on one draft_target draft: its queue of unconsumed tokens
+    carries across them, and the output stays the target's."""
+    from runtime.draft_policy import DraftPolicy
+    target, proposer = model_pair
+    want = [generate(target, [PROMPTS[0]], 40).output_ids[0], generate(target, [PROMPTS[1]], 8).output_ids[0]]
+    group = TreeSpeculativeGroup(target, proposer, TreeShape(6, 2, 3), 80, policy=DraftPolicy(3, schedule={1: 3, 2: 0}))
+    seqs = [Sequence(list(PROMPTS[0]), 40), Sequence(list(PROMPTS[1]), 8)]
+    group.add(seqs)
+    kinds = []
+    while not seqs[0].finished:
+        before = (group.target_only_steps, sum(group.tree_sizes.values()))
+        group.step()
+        after = (group.target_only_steps, sum(group.tree_sizes.values()))
+        kinds.append("plain" if after[0] > before[0] else "tree" if after[1] > before[1] else "chain")
+        if kinds.count("tree") == 3:
+            seqs[0].max_draft = 2              # its own K under the depth: chain steps from here
+        group.drop([i for i, s in enumerate(group.seqs) if not s.finished])
+    assert [s.outputs for s in seqs] == want
+    assert kinds[0] == "plain" and "tree" in kinds and kinds[-1] == "chain", kinds
+
+
+def test_tree_sampling_with_a_draft_target_draft_keeps_the_target_distribution(model_pair):
+    """Sampled tree growth from a draft_target draft: the 2nd generated token of 2500 seeded samples
+    against the exact target marginal."""
+    from test_speculative import _second_token_marginal
+    target, proposer = model_pair
+    prompt, temperature, n = [5, 9, 17], 1.3, 2500
+    marginal = _second_token_marginal(target, prompt, temperature)
+    result = speculative_generate(target, proposer(), [prompt] * n, 3, 2, temperature=temperature, seed=11,
+                                  tree=TreeShape(6, 3, 2))
+    second = torch.tensor([o[1] for o in result.output_ids])
+    pvalue, dof = chi_square_p(torch.bincount(second, minlength=marginal.shape[0]), marginal)
+    assert dof >= 5 and pvalue > 1e-3, (pvalue, dof)
+    assert result.extra["acceptance"]["tree"]["steps_by_size"]
 
 
 def test_sequence_asking_for_fewer_drafts_runs_chain_steps(pair):
