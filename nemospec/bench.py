@@ -52,7 +52,7 @@ def add_bench_args(p) -> None:
                    help="offline runs: compiled (default; the fastest exact CPU path, for both sides of every "
                         "ratio) or torch (eager; the default with --quick, which must not wait for compiles)")
     p.add_argument("--tree", action="store_true",
-                   help="also run tree speculation (every mode but draft_target) beside its chain, interleaved")
+                   help="also run tree speculation beside each mode's chain, interleaved")
     p.add_argument("--max_tree_nodes", type=int, default=16, help="with --tree: drafted nodes per verify")
     p.add_argument("--tree_topk", type=int, default=0,
                    help="with --tree: children per expanded node (0 = by draft kind: 8 block drafts, 4 chain drafts)")
@@ -151,6 +151,8 @@ class _TreeRuns:
         from runtime.step_costs import StepCosts
         self.loaded, self.shape = loaded, shape
         self.run_one = lambda ids, n: speculative_generate(loaded.runner, loaded.proposer(), [ids], n, k, tree=shape)
+        from runtime.compiled import warm_up
+        warm_up(loaded, [[0, 1, 2]], k, shape)        # the compiled path's tree shapes (a draft's queued rows too)
         self.run_one([0, 1, 2], 8)                                                  # warm-up
         self.seconds, self.tokens, self.costs = 0.0, 0, StepCosts()
         self.hist, self.sizes, self.depths, self.off_chain = {}, {}, {}, 0
@@ -265,7 +267,7 @@ def run_bench(args) -> dict:
         from runtime.tree_draft import TreeShape
         from runtime.tree_draft import default_topk
         tree = {mode: TreeShape(args.max_tree_nodes, args.tree_topk or default_topk(mode), args.tree_depth or k)
-                for mode in modes if mode != "draft_target"}
+                for mode in modes}
     root = Path(args.output_dir)
     root.mkdir(parents=True, exist_ok=True)
     target_dir, _ = resolve_sources(args.checkpoint_dir)

@@ -43,15 +43,15 @@ def tree_table(report: dict) -> list[str]:
         return []
     t0 = next(iter(trees.values()))
     rows = ["", "## Tree speculation", "",
-            f"Each mode's chain beside a token tree of {t0['max_nodes']} drafted nodes (top-{t0['topk']} children "
-            f"per expanded node, depth {t0['depth']}) verified in one target forward, interleaved on the same prompts; "
-            "tree output equals target-only greedy output (checked).", "",
-            "| mode | accepted / forward: chain | tree | tree - chain | tokens/s chain | tree | tree / chain | "
+            f"Each mode's chain beside a token tree of {t0['max_nodes']} drafted nodes (top-k children per expanded "
+            f"node, k in the table; depth {t0['depth']}) verified in one target forward, interleaved on the same "
+            "prompts; tree output equals target-only greedy output (checked).", "",
+            "| mode | top-k | accepted / forward: chain | tree | tree - chain | tokens/s chain | tree | tree / chain | "
             "tree step ms: draft | verify | accept + rollback | host | paths off the top chain |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for mode, t in trees.items():
         m, s = report["modes"][mode], t["cost"]["speculative"]
-        rows.append(f"| {mode} | {m['mean_accepted_tokens']:.2f} | {t['mean_accepted_tokens']:.2f} | "
+        rows.append(f"| {mode} | {t['topk']} | {m['mean_accepted_tokens']:.2f} | {t['mean_accepted_tokens']:.2f} | "
                     f"{t['over_chain_accepted']:+.2f} | {m['tokens_per_second']:.1f} | {t['tokens_per_second']:.1f} | "
                     f"{t['over_chain']:.2f}x | {s['draft_ms']:.3f} | {s['verify_ms']:.3f} | {s['accept_ms']:.3f} | "
                     f"{s['host_ms']:.3f} | {t['accepted_off_chain']} |")

@@ -221,6 +221,7 @@ class CompiledRunner(TorchRunner):
     def __init__(self, module, device="cpu", max_draft_len: int = 4, weight_dtype: str = "auto"):
         super().__init__(module, device)
         self.verify_buckets = sorted(t for t in {2, 3, 5, 9, max_draft_len + 1} if 1 < t <= MAX_TOKENS)
+        self.step_chunks = {2}     # chunk lengths compiled as steps (2nd call), not as other short chunks
         self.capacity_dims = _dims(module.state_spec)
         # a draft_target draft's --draft_weight_dtype
         steps = functools.partial(_Steps, bf16_weights=weight_dtype == "bfloat16")
@@ -252,8 +253,8 @@ class CompiledRunner(TorchRunner):
             label, calls = f"verify step ({tokens} tokens, {_batch_label(batch)})", STEP_CALLS
         elif tokens == 1:
             label, calls = f"decode step ({_batch_label(batch)})", STEP_CALLS
-        elif tokens == 2:  # a draft_target draft's queued [last draft, bonus] after a fully accepted step
-            label, calls = f"2-token chunk ({_batch_label(batch)})", STEP_CALLS
+        elif tokens in self.step_chunks:  # a draft_target draft's queued rows (``warm``)
+            label, calls = f"{tokens}-token chunk ({_batch_label(batch)})", STEP_CALLS
         else:
             label, calls = f"{tokens}-token chunk ({_batch_label(batch)})", OTHER_CALLS
         args = [_prepare(a, batch, {}) for a in (input_ids, positions, lengths, logit_index)]
@@ -304,8 +305,11 @@ class CompiledRunner(TorchRunner):
 
     def warm(self, tokens: int, batch: int = 1) -> None:
         """Runs a ``tokens``-token chunk on a scratch state until its graph is compiled (or loaded
-        from the cache): for a step shape that a short warm-up run may never repeat often enough,
-        such as a draft_target draft's 2-token chunk, queued only after a fully accepted step."""
+        from the cache), and counts that length as a step from now on: for a step shape that a short
+        warm-up run may never repeat often enough, such as a draft_target draft's 2-token chunk,
+        queued only after a fully accepted step, or the 1..depth+1 rows it queues after tree steps
+        (which would otherwise compile as other short chunks, on their 16th call, mid-run)."""
+        self.step_chunks.add(tokens)
         state = self.new_state(batch, 2 * MAX_TOKENS)
         ids = torch.zeros(batch, tokens, dtype=torch.int32, device=self.device)
         positions = torch.arange(tokens, dtype=torch.int32, device=self.device).expand(batch, -1)
@@ -486,7 +490,8 @@ def warm_up(loaded, prompts, draft_len: int = 0, tree=None, **generate_args) -> 
         speculative_generate(loaded.runner, proposer, prompts, steps * (draft_len + 1), draft_len, tree=tree,
                              **generate_args)
         draft = getattr(proposer, "runner", None)          # a draft_target draft: a NemotronH of its own
-        if isinstance(draft, CompiledRunner):
-            draft.warm(2, len(prompts))                    # [last draft, bonus], queued after a full accept
+        if isinstance(draft, CompiledRunner):              # [last draft, bonus], queued after a full accept;
+            for tokens in range(2, 2 + (tree.depth if tree is not None else 1)):   # after a tree: 1..depth+1 rows
+                draft.warm(tokens, len(prompts))
     generate(loaded.runner, prompts[:1] if draft_len > 0 else prompts, steps, **generate_args)
     return time.perf_counter() - start

@@ -73,7 +73,8 @@ def test_report_md_and_plots(report_dir):
     assert "Where a step's time goes" in md and "predicted speedup" in md
     assert "## Tree speculation" in md
     for mode, m in r["modes"].items():
-        assert f"| {mode} | {m['mean_accepted_tokens']:.2f} | {m['tree']['mean_accepted_tokens']:.2f} |" in md
+        assert (f"| {mode} | {m['tree']['topk']} | {m['mean_accepted_tokens']:.2f} | "
+                f"{m['tree']['mean_accepted_tokens']:.2f} |") in md
     for mode in r["modes"]:
         assert f"| {mode} | {r['modes'][mode]['cost']['speculative']['draft_ms']:.3f} (" in md
     for name in r["plots"]:

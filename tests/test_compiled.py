@@ -21,6 +21,7 @@ from nemospec import cli
 from runtime.generation import generate
 from runtime.loading import AUTO_COMPILE_MIN_TOKENS, open_checkpoint, resolve_backend
 from runtime.speculative import speculative_generate
+from runtime.tree_draft import TreeShape
 from tests.tolerances import assert_within, matmul_bound
 
 RAGGED = [[5, 9, 17, 33, 8, 100, 7], [42], [3, 4, 5, 6]]
@@ -127,7 +128,6 @@ def test_compiled_fused_trees_equal_the_eager_step_by_step_trees_on_a_ragged_bat
                                                                                     depth):
     """Batch 2+ (and batch 1 once the ragged batch's other sequences finished): the compiled fused
     draft tree and fused verify grow the trees and keep the paths the eager step-by-step path does."""
-    from runtime.tree_draft import TreeShape
     eager, compiled = models
     shape = TreeShape(nodes, topk, depth)
     want, want_steps = _unfused_tree_steps(eager, RAGGED, shape, monkeypatch)
@@ -143,7 +143,6 @@ def test_eagle3_tree_greedy_ids_equal_eager(models, monkeypatch):
     selection) is one graph and the tree verify + greedy accept + tree rollback another; the trees
     grown and paths kept equal the eager step-by-step path's, and so do the ids; a second run with
     another max_new_tokens builds no graph."""
-    from runtime.tree_draft import TreeShape
     eager, compiled = models
     shape = TreeShape(6, 2, 3)
     prompts = RAGGED[:1]
@@ -203,7 +202,6 @@ def test_cli_backend_compiled(models):
 def test_dflash_block_draft_compiles_one_graph_per_step(one_thread):
     """A block draft's steady step (context rows padded to K+1) runs as one graph; greedy ids equal
     the eager path's, as chains and as trees (the tree's depth is K, so its block has the same shape)."""
-    from runtime.tree_draft import TreeShape
     target, draft = embedded.target_dir(), embedded.draft_dir("dflash")
     eager = open_checkpoint(target, mode="dflash", draft_dir=draft, backend="torch")
     compiled = open_checkpoint(target, mode="dflash", draft_dir=draft, backend="compiled")
@@ -234,6 +232,16 @@ def test_draft_target_warm_up_compiles_every_draft_step(one_thread):
     assert (True, 1, 1, False) in runner._forward.ready
     want = generate(eager.runner, prompts, NEW).output_ids
     assert speculative_generate(compiled.runner, compiled.proposer(), prompts, NEW, 4).output_ids == want
+    # trees: the draft queues 1..depth+1 rows after a tree step (other short chunks compile on their
+    # 16th call, mid-run); warm_up with the tree compiles them and the tree shapes, and nothing after
+    shape = TreeShape(4, 2, 2)
+    warm_up(compiled, prompts, 4, shape)
+    assert {(True, n, 1, False) for n in (2, 3)} <= set(runner._forward.ready), runner._forward.ready
+    before = {id(s): set(s.ready) for s in (runner._forward, compiled.runner._forward, compiled.runner._verify_tree_greedy)}
+    tree = speculative_generate(compiled.runner, compiled.proposer(), prompts, NEW, 4, tree=shape)
+    assert tree.output_ids == want and tree.extra["acceptance"]["tree"]["steps_by_size"]
+    assert {id(s): set(s.ready) for s in (runner._forward, compiled.runner._forward,
+                                          compiled.runner._verify_tree_greedy)} == before, "compiled mid-run"
 
 
 def test_nvfp4_block_draft_compiles_with_its_weights_dequantized_once(one_thread):
