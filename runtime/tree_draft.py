@@ -245,8 +245,8 @@ def add_tree_args(parser, build: bool) -> None:
     group = parser.add_argument_group("tree speculation")
     if not build:
         group.add_argument("--tree", action="store_true",
-                           help="verify a token tree per step instead of a chain (eagle, eagle3, mtp, dflash, dspark, "
-                                "peagle; torch and compiled backends)")
+                           help="verify a token tree per step instead of a chain (every draft kind; torch and "
+                                "compiled backends)")
     for flag, (kind, default, text) in TREE_FLAGS.items():
         group.add_argument(f"--{flag}", type=kind, default=default if build else None,
                            help=text + ("" if build else " (default: the engine directory's)"))
