@@ -152,8 +152,8 @@ class _TreeRuns:
         self.loaded, self.shape = loaded, shape
         self.run_one = lambda ids, n: speculative_generate(loaded.runner, loaded.proposer(), [ids], n, k, tree=shape)
         from runtime.compiled import warm_up
-        warm_up(loaded, [[0, 1, 2]], k, shape)        # the compiled path's tree shapes (a draft's queued rows too)
-        self.run_one([0, 1, 2], 8)                                                  # warm-up
+        if not warm_up(loaded, [[0, 1, 2]], k, shape):   # compiled: its tree shapes, a draft's queued rows too
+            self.run_one([0, 1, 2], 8)                   # eager: allocations and caches
         self.seconds, self.tokens, self.costs = 0.0, 0, StepCosts()
         self.hist, self.sizes, self.depths, self.off_chain = {}, {}, {}, 0
 
@@ -264,8 +264,7 @@ def run_bench(args) -> dict:
     k = args.num_draft_tokens
     tree = None
     if getattr(args, "tree", False):
-        from runtime.tree_draft import TreeShape
-        from runtime.tree_draft import default_topk
+        from runtime.tree_draft import TreeShape, default_topk
         tree = {mode: TreeShape(args.max_tree_nodes, args.tree_topk or default_topk(mode), args.tree_depth or k)
                 for mode in modes}
     root = Path(args.output_dir)
