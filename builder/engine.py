@@ -8,6 +8,11 @@ An engine directory is self-contained:
     verify.engine        (speculative modes) the target scoring K+1 tokens, returning each Mamba
                          layer's chunk inputs (conv inputs, x, B, dt) for the rollback
     draft.engine         (speculative modes) the draft network
+    tree_verify.engine   (--tree_engines) the target scoring a token tree of up to max_tree_nodes + 1
+                         rows (parents and ancestor mask as inputs), keeping the same rollback inputs
+    draft_tree.engine    (--tree_engines, chain drafts) the draft's step over a tree frontier (eagle,
+                         eagle3, mtp: rows written at given slots, attending where ``visible`` says;
+                         draft_target: the draft NemotronH's own tree forward)
     weights/*.safetensors  the weights in the build dtype, written once (the TorchRunner's input, and
                          with --strip_plan every engine's: they hold no weights; an NVFP4 target's
                          then stays packed, config.json 'weights_format', dequantized at load)
@@ -59,6 +64,7 @@ class BuildOptions:
     max_tree_nodes: int = 16
     tree_topk: int = 0          # 0: by draft kind (runtime.tree_draft.default_topk)
     tree_depth: int = 0                 # 0: max_draft_len
+    tree_engines: bool = False          # also build tree_verify.engine (+ draft_tree.engine): --tree on TensorRT
     # scale: weight-stripped refittable engines, a host-memory limit, a trial build of the first layers
     strip_plan: bool = False
     max_host_memory_gb: float = 0.0     # 0: the machine's available memory
@@ -89,6 +95,8 @@ class BuildOptions:
             raise BuildError(f"--speculative_decoding_mode: expected one of {', '.join(MODES)}, got {mode}")
         if mode is not None and self.max_draft_len < 1:
             raise BuildError(f"--max_draft_len: speculative mode {mode} needs K >= 1, got {self.max_draft_len}")
+        if self.tree_engines and mode is None:
+            raise BuildError("--tree_engines: builds tree verify engines for a draft; it needs --speculative_decoding_mode")
         if mode is not None and self.max_draft_len + 1 > self.max_input_len:
             raise BuildError(f"--max_draft_len ({self.max_draft_len}) + 1 exceeds --max_input_len ({self.max_input_len})")
 
@@ -167,6 +175,52 @@ def target_component(module: NemotronH, options: BuildOptions, verify=False) -> 
     return Component("verify" if verify else "target", module, _chunk_inputs(module), call, profiles)
 
 
+TREE_INPUTS = {"parents": {"shape": ["batch", "tokens"], "dtype": "int32"},
+               "ancestors": {"shape": ["batch", "tokens", "tokens"], "dtype": "bool"}}
+
+
+def tree_verify_component(module: NemotronH, options: BuildOptions, name: str = "tree_verify") -> Component:
+    """A NemotronH scoring a token tree in one forward (row 0 the root; ``runtime.tree``'s parents and
+    ancestor mask): the target's tree verify, or (``name="draft_tree"``) a draft_target draft's tree
+    step. One profile of up to max_tree_nodes + 1 rows."""
+    def call(f):
+        logits, new_state, features = module.forward(f["input_ids"], f["positions"], f["lengths"], f["logit_index"],
+                                                     _state_feeds(f), verify=True, tree=(f["parents"], f["ancestors"]))
+        return _outputs(logits, new_state, {"features." + n: v for n, v in features.items()})
+    return Component(name, module, _chunk_inputs(module, TREE_INPUTS), call,
+                     [{"name": "tree", "max_tokens": options.max_tree_nodes + 1}])
+
+
+def draft_tree_component(module, options: BuildOptions) -> Component:
+    """A chain draft's step over a tree frontier (``runtime.tree_draft.feature_expand``): row (b, f)
+    is a node's token with its parent's ``hidden_out``, RoPE at ``positions`` (eagle, eagle3), KV
+    written at ``slots``, attending to the cache rows ``visible`` [B, F, S] marks. Frontiers hold up
+    to max_tree_nodes rows."""
+    kind = getattr(module, "kind", "draft_target")
+    if kind == "draft_target":
+        return tree_verify_component(module, options, "draft_tree")
+    if kind not in ("eagle", "eagle3", "mtp"):
+        raise ValueError(f"draft kind {kind}: a block draft grows its tree from its one block forward (no tree step)")
+    dtype = DTYPE_NAMES[module.dtype]
+    extra = {"hidden": {"shape": ["batch", "tokens", module.hidden_size], "dtype": dtype},
+             "slots": {"shape": ["batch", "tokens"], "dtype": "int32"},
+             "visible": {"shape": ["batch", "tokens", "capacity"], "dtype": "bool"}}
+
+    def call(f):
+        ids, hidden, positions, slots, visible = (f[n] for n in ("input_ids", "hidden", "positions", "slots", "visible"))
+        lengths, index, state = f["lengths"], f["logit_index"], _state_feeds(f)
+        if kind == "eagle3":
+            logits, out, new = module.forward(ids, None, hidden, None, positions, lengths, index, state,
+                                              tree=(slots, visible))
+        elif kind == "eagle":
+            logits, out, new = module.forward(ids, hidden, positions, lengths, index, state, tree=(slots, visible))
+        else:  # mtp: no RoPE, a row's cache row is its slot
+            logits, out, new = module.forward(ids, hidden, slots, lengths, index, state, visible=visible)
+        return _outputs(logits, new, {"hidden_out": out})
+    return Component("draft_tree", module, _chunk_inputs(module, extra), call,
+                     [{"name": "tree", "max_tokens": options.max_tree_nodes}])
+
+
 def draft_component(module, options: BuildOptions) -> Component:
     """The draft engine: catch-up/proposal chunks up to K+1 tokens, prompt chunks up to max_input_len."""
     kind = getattr(module, "kind", "draft_target")
@@ -228,12 +282,18 @@ def markov_component(module, options: BuildOptions) -> Component:
     return Component("markov", module, inputs, call, [{"name": "step", "max_tokens": 1}])
 
 
-def draft_components(module, options: BuildOptions) -> list[Component]:
-    """Every engine a draft needs: the draft network, plus DSpark's Markov step when it has one."""
+def draft_components(module, options: BuildOptions, tree: bool = False) -> list[Component]:
+    """Every engine a draft needs: the draft network, plus DSpark's Markov step when it has one, and
+    with ``tree`` a chain draft's tree step (block drafts grow trees from their block forward)."""
     out = [draft_component(module, options)]
     if getattr(module, "has_markov", False):
         out.append(markov_component(module, options))
+    if tree and getattr(module, "kind", "draft_target") in TREE_STEP_KINDS:
+        out.append(draft_tree_component(module, options))
     return out
+
+
+TREE_STEP_KINDS = ("draft_target", "eagle", "eagle3", "mtp")
 
 
 def record(component: Component, native_plugins: bool = False, refit=None, refit_method: str = "refit"):
@@ -341,7 +401,10 @@ def build(checkpoint_dir, output_dir, options: BuildOptions, log=print, draft_di
         target = NemotronH(config, weights, dtype, **(draft.target_features if draft else {}))
         components = [target_component(target, options)]
         if draft:
-            components += [target_component(target, options, verify=True), *draft_components(draft.module, options)]
+            components += [target_component(target, options, verify=True),
+                           *draft_components(draft.module, options, tree=options.tree_engines)]
+            if options.tree_engines:
+                components.append(tree_verify_component(target, options))
         for n, component in enumerate(components, 1):
             log(f"[{n}/{len(components)}] recording {component.name} network")
             recorder, outputs = record(component, refit=provenance, refit_method=method or "refit")

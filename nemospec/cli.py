@@ -9,6 +9,7 @@ from rich.console import Console
 
 from builder.errors import NemospecError
 from builder.embedded import resolve_sources
+from builder.engine import TREE_STEP_KINDS
 from runtime.draft_policy import POLICY_FLAGS, add_policy_args, policy_from
 from runtime.tree_draft import TREE_FLAGS, add_tree_args, tree_from
 from runtime.step_costs import cost_line
@@ -119,7 +120,7 @@ def cmd_build(args):
         policy_from(args.max_draft_len, vars(args))  # a bad flag exits 2 before anything is built
     options = BuildOptions(args.max_batch_size, args.max_input_len, args.max_seq_len, args.max_draft_len, args.dtype,
                            args.speculative_decoding_mode, **{f: getattr(args, f) for f in POLICY_FLAGS},
-                           **{f: getattr(args, f) for f in TREE_FLAGS},
+                           **{f: getattr(args, f) for f in TREE_FLAGS}, tree_engines=args.tree_engines,
                            strip_plan=args.strip_plan, max_host_memory_gb=args.max_host_memory_gb,
                            num_layers=args.num_layers, draft_weight_dtype=args.draft_weight_dtype)
     with err.status("building ...") as status:
@@ -214,13 +215,18 @@ def cmd_generate(args):
     if args.tree:
         if not speculate:
             raise NemospecError("--tree: tree speculation needs a speculative run (a draft, no --no_speculation)")
-        if loaded.backend not in ("torch", "compiled"):
-            raise NemospecError(f"--tree: runs on --backend torch or compiled (backend {loaded.backend} has no tree "
-                                "verify engine yet)")
+        engines = loaded.backend not in ("torch", "compiled")
+        if engines and getattr(loaded.runner, "tree", None) is None:
+            raise NemospecError(f"--tree: on --backend {loaded.backend} the engine directory needs its tree engines "
+                                "(tree_verify.engine): rebuild it with `nemospec build --tree_engines`, or use "
+                                "--backend torch or compiled")
         try:
             tree = tree_from(k, loaded.build_options, args, loaded.speculative.get("mode"))
         except ValueError as e:
             raise NemospecError(str(e)) from None
+        if engines and loaded.speculative.get("mode") in TREE_STEP_KINDS and tree.topk > tree.max_nodes:
+            raise NemospecError(f"--tree_topk: expected at most {tree.max_nodes} (--max_tree_nodes: the draft_tree "
+                                f"engine's widest frontier) on --backend {loaded.backend}, got {tree.topk}")
     trace_file = None
     if args.trace is not None:
         try:

@@ -31,7 +31,7 @@ class EagerDraft:
         self.target_vocab = target_vocab
         d2t = getattr(module, "d2t", None)
         self.target_ids = None if d2t is None else (torch.arange(d2t.shape[0]) + d2t.long()).to(self.device)
-        self.components = {c.name: c for c in draft_components(module, BuildOptions())}
+        self.components = {c.name: c for c in draft_components(module, BuildOptions(), tree=True)}
 
     def new_state(self, batch, capacity):
         return allocate(self.module.state_spec(batch, capacity), self.device)
@@ -129,22 +129,17 @@ class EagerDraft:
         return self._tree_step(ids, own_hidden, positions, slots, visible, state)
 
     def _tree_step(self, ids, own_hidden, positions, slots, visible, state):
-        """A feature draft's step over frontier nodes of a token tree: row (b, f) is node f's token
-        with its parent's ``hidden_out``, RoPE at ``positions`` (its depth past the draft's position),
-        KV written at ``slots``, attending to the slots ``visible`` [B, F, S] marks. Returns (logits
-        over the target vocabulary for every row, hidden_out, new state)."""
-        m = self.module
+        """A feature draft's step over frontier nodes of a token tree (``builder.engine``'s draft_tree
+        component): row (b, f) is node f's token with its parent's ``hidden_out``, RoPE at
+        ``positions`` (its depth past the draft's position), KV written at ``slots``, attending to the
+        slots ``visible`` [B, F, S] marks. Returns (logits over the target vocabulary for every row,
+        hidden_out, new state)."""
         batch, rows = ids.shape
-        lengths = torch.full((batch,), rows, dtype=torch.int32, device=self.device)
-        index = torch.arange(rows, dtype=torch.int32, device=self.device).expand(batch, -1)
-        if self.kind == "eagle3":
-            logits, out, new = m.forward(ids, None, own_hidden, None, positions, lengths, index, state,
-                                         tree=(slots, visible))
-        elif self.kind == "eagle":
-            logits, out, new = m.forward(ids, own_hidden, positions, lengths, index, state, tree=(slots, visible))
-        else:  # mtp: no RoPE, a row's cache row is its slot
-            logits, out, new = m.forward(ids, own_hidden, slots, lengths, index, state, visible=visible)
-        return self.to_target_vocab(logits), out, new
+        feeds = {"input_ids": ids, "hidden": own_hidden, "positions": positions, "slots": slots, "visible": visible,
+                 "lengths": torch.full((batch,), rows, dtype=torch.int32, device=self.device),
+                 "logit_index": torch.arange(rows, dtype=torch.int32, device=self.device).expand(batch, -1)}
+        out = self._call("draft_tree", {**feeds, **{"past." + k: v for k, v in state.items()}})
+        return self.to_target_vocab(out["logits"]), out["hidden_out"], _present(out)
 
     def block_row(self, base, j: int, prev, call=None):
         """Block row j's logits over the target vocabulary [B, F, V] after each of the previous

@@ -13,6 +13,7 @@ import torch
 from builder.engine import TORCH_DTYPES
 from runtime import state as state_lib
 from runtime.drafts import EagerDraft
+from runtime.runner import verify_tree_greedy
 
 DTYPES = dict(TORCH_DTYPES, int32=torch.int32, int64=torch.int64, bool=torch.bool)
 
@@ -99,29 +100,44 @@ def _split(outputs):
 
 
 class EngineRunner:
-    """The Runner interface over a chunk engine (``main``) and, for verify passes, ``verify``."""
+    """The Runner interface over a chunk engine (``main``), for verify passes ``verify`` and for
+    token trees ``tree`` (an engine directory built with --tree_engines)."""
 
-    def __init__(self, config, dtype, device, main, main_contract, verify=None, rollback=None):
-        """``rollback``: the target module's rollback (eager torch on the runtime's tensors: a few
+    def __init__(self, config, dtype, device, main, main_contract, verify=None, rollback=None, tree=None,
+                 tree_rollback=None):
+        """``rollback`` / ``tree_rollback``: the module's (eager torch on the runtime's tensors: a few
         small ops per Mamba layer once acceptance is known)."""
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
-        self.main, self.contract, self.verify = main, main_contract, verify
-        self._rollback = rollback
+        self.main, self.contract, self.verify, self.tree = main, main_contract, verify, tree
+        self._rollback, self._tree_rollback = rollback, tree_rollback
 
     def new_state(self, batch, capacity):
         return state_lib.allocate(_state_spec(self.contract, batch, capacity), self.device)
 
-    def forward(self, input_ids, positions, lengths, logit_index, state, verify=False):
-        executor = self.verify if verify else self.main
+    def forward(self, input_ids, positions, lengths, logit_index, state, verify=False, tree=None):
+        executor = self.tree if tree is not None else self.verify if verify else self.main
         if executor is None:
-            raise ValueError("this engine directory has no verify engine (build it with a speculative mode)")
+            raise ValueError("this engine directory has no tree verify engine (build it with --tree_engines)"
+                             if tree is not None else
+                             "this engine directory has no verify engine (build it with a speculative mode)")
         feeds = {"input_ids": input_ids, "positions": positions, "lengths": lengths, "logit_index": logit_index}
+        if tree is not None:
+            feeds.update(parents=tree[0].to(torch.int32), ancestors=tree[1])
         feeds.update({"past." + k: v for k, v in state.items()})
         return _split(executor.run(feeds))
 
     @torch.inference_mode()
     def rollback(self, state, verified, accepted_rows):
         return self._rollback(state, verified, accepted_rows.to(self.device))
+
+    @torch.inference_mode()
+    def verify_tree_greedy(self, input_ids, positions, state, parents, base, depth):
+        return verify_tree_greedy(self, input_ids, positions, state, parents, base, depth)
+
+    @torch.inference_mode()
+    def tree_rollback(self, state, verified, paths, lengths, base):
+        dev = self.device
+        return self._tree_rollback(state, verified, paths.to(dev), lengths.to(dev), base.to(dev))
 
 
 class EngineDraft(EagerDraft):
@@ -135,4 +151,11 @@ class EngineDraft(EagerDraft):
         return state_lib.allocate(_state_spec(self.contract, batch, capacity), self.device)
 
     def run(self, name, feeds):
+        if name not in self.executors:
+            raise ValueError(f"this engine directory has no {name} engine"
+                             + (" (build it with --tree_engines)" if name == "draft_tree" else ""))
         return self.executors[name].run(feeds)
+
+    def _call(self, name, feeds):
+        """The one-call proposals (chain, tree, block) run the engines too."""
+        return self.run(name, feeds)

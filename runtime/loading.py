@@ -11,7 +11,8 @@ from builder.safetensors_io import mmap_tensors as load_file  # memory-mapped: p
 from builder import quantization
 from builder.config import NemotronHConfig
 from builder.drafts import draft_from_engine_dir
-from builder.engine import TORCH_DTYPES, BuildOptions, draft_component, draft_components, target_component
+from builder.engine import (TORCH_DTYPES, BuildOptions, draft_component, draft_components, target_component,
+                            tree_verify_component)
 from builder.errors import NemospecError
 from builder.models.nemotron_h import NemotronH
 from runtime.draft_policy import policy_from
@@ -180,9 +181,12 @@ def open_engine_dir(engine_dir, backend="auto", device=None) -> Loaded:
         from runtime.compiled import CompiledRunner
         runner = CompiledRunner(target, device, build.get("max_draft_len", 0))
     else:
+        tree = "tree_verify" in engines   # built with --tree_engines
         runner = EngineRunner(config, dtype, device, executor(target_component(target, options)), engines["target"],
                               executor(target_component(target, options, verify=True)) if spec else None,
-                              rollback=target.rollback)
+                              rollback=target.rollback,
+                              tree=executor(tree_verify_component(target, options)) if tree else None,
+                              tree_rollback=target.tree_rollback)
     proposer = None
     if draft is not None:
         chunk = build["max_input_len"]
@@ -191,11 +195,12 @@ def open_engine_dir(engine_dir, backend="auto", device=None) -> Loaded:
                                        build.get("max_draft_len", 0), build.get("draft_weight_dtype", "auto"))
         elif _draft_kind(draft) == "draft_target":
             draft_runner = EngineRunner(draft.cfg, dtype, device, executor(draft_component(draft, options)),
-                                        engines["draft"])
+                                        engines["draft"], tree=executor(tree_verify_component(draft, options, "draft_tree"))
+                                        if tree else None)
             proposer = lambda: ModelDraftProposer(draft_runner, chunk)  # noqa: E731
         else:
             stepper = EngineDraft(draft, config.vocab_size,
-                                  {c.name: executor(c) for c in draft_components(draft, options)},
+                                  {c.name: executor(c) for c in draft_components(draft, options, tree=tree)},
                                   engines["draft"], device)
             make = PROPOSERS.get(_draft_kind(draft), FeatureDraftProposer)
             proposer = lambda: make(stepper, chunk)  # noqa: E731

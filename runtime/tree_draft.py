@@ -243,10 +243,15 @@ def add_tree_args(parser, build: bool) -> None:
     generate, bench and serve ``--tree`` turns tree speculation on (off by default) and the flags
     override the recorded values."""
     group = parser.add_argument_group("tree speculation")
-    if not build:
+    if build:
+        group.add_argument("--tree_engines", action="store_true",
+                           help="also build tree_verify.engine (and a chain draft's draft_tree.engine), sized by "
+                                "--max_tree_nodes, so that --tree runs on the TensorRT backend; each engine holds "
+                                "its own weights unless --strip_plan")
+    else:
         group.add_argument("--tree", action="store_true",
                            help="verify a token tree per step instead of a chain (every draft kind; torch and "
-                                "compiled backends)")
+                                "compiled backends, and engine backends of a directory built with --tree_engines)")
     for flag, (kind, default, text) in TREE_FLAGS.items():
         group.add_argument(f"--{flag}", type=kind, default=default if build else None,
                            help=text + ("" if build else " (default: the engine directory's)"))

@@ -12,6 +12,7 @@ from runtime.generation import generate
 from runtime.loading import open_engine_dir
 from runtime.speculative import speculative_generate
 from runtime.state import chunk_inputs
+from runtime.tree_draft import TreeShape
 from speculative_fixtures import assert_greedy_margin, layer_subset_draft, target_with_mtp
 
 OPTIONS = dict(max_batch_size=4, max_input_len=32, max_seq_len=96, max_draft_len=3)
@@ -25,8 +26,8 @@ def dirs(checkpoints, tmp_path_factory):
     engines = {}
     for mode in ("draft_target", "mtp"):
         engines[mode] = root / f"engine_{mode}"
-        build(target, engines[mode], BuildOptions(**OPTIONS, speculative_decoding_mode=mode), log=lambda m: None,
-              draft_dir=draft if mode == "draft_target" else None)
+        build(target, engines[mode], BuildOptions(**OPTIONS, speculative_decoding_mode=mode, tree_engines=True),
+              log=lambda m: None, draft_dir=draft if mode == "draft_target" else None)
     return target, draft, engines
 
 
@@ -35,15 +36,15 @@ def test_speculative_engine_directory(mode, dirs):
     engine_dir = dirs[2][mode]
     meta = json.loads((engine_dir / "config.json").read_text())
     assert meta["speculative"]["mode"] == mode
-    assert set(meta["engines"]) == {"target", "verify", "draft"}
+    assert set(meta["engines"]) == {"target", "verify", "draft", "tree_verify", "draft_tree"}
     verify = meta["engines"]["verify"]
     assert [p["max_tokens"] for p in verify["profiles"]] == [4]
     kept = {n.rpartition(".")[2] for n in verify["outputs"]}
     assert {"conv_inputs", "ssm_x", "ssm_B", "ssm_dt"} <= kept, "verify keeps what rollback needs"
     assert not kept & {"ssm_state", "ssm_states", "conv_states"}, "no per-position (or final) SSM states"
     report = json.loads((engine_dir / "build_report.json").read_text())
-    assert set(report["engines"]) == {"target", "verify", "draft"}
-    for name in ("target", "verify", "draft"):
+    assert set(report["engines"]) == set(meta["engines"])
+    for name in meta["engines"]:
         assert (engine_dir / f"{name}.engine").stat().st_size == report["engines"][name]["engine_bytes"]
     if mode == "mtp":
         assert "features.hidden" in meta["engines"]["target"]["outputs"]
@@ -179,7 +180,7 @@ def eagle_dirs(checkpoints, tmp_path_factory):
     engines = {}
     for mode, draft in FEATURE_DRAFTS.items():
         engines[mode] = root / mode
-        build(checkpoints["moe"], engines[mode], BuildOptions(**OPTIONS, speculative_decoding_mode=mode),
+        build(checkpoints["moe"], engines[mode], BuildOptions(**OPTIONS, speculative_decoding_mode=mode, tree_engines=True),
               log=lambda m: None, draft_dir=draft, draft_quantization="nvfp4_w4a16" if mode == "dspark" else None)
     return engines
 
@@ -220,3 +221,60 @@ def test_eagle3_draft_that_does_not_fit_exits_2(dirs, tmp_path, capsys):
                      "--speculative_decoding_mode", "eagle", "--draft_dir", str(FEATURE_DRAFTS["eagle3"])])
     assert code == 2 and "eagle3" in capsys.readouterr().err
     assert not (tmp_path / "e").exists()
+
+
+TREE = TreeShape(max_nodes=6, topk=2, depth=3)
+
+
+@pytest.mark.parametrize("mode", ["draft_target", "mtp", "eagle", "eagle3", "dflash", "dspark", "peagle"])
+def test_tree_engines_speculate_exactly_on_the_interpreter(mode, dirs, eagle_dirs):
+    """--tree_engines: the target's tree verify network (and a chain draft's tree step network) run on
+    the CPU interpreter inside tree speculation: greedy output equal to target-only, and the same
+    accepted paths as the eager tree run (both draft and verify networks compute what eager does)."""
+    engine_dir = dirs[2][mode] if mode in ("draft_target", "mtp") else eagle_dirs[mode]
+    meta = json.loads((engine_dir / "config.json").read_text())
+    engines = meta["engines"]
+    assert [p["max_tokens"] for p in engines["tree_verify"]["profiles"]] == [17]   # max_tree_nodes 16 + the root
+    assert {"parents", "ancestors"} <= set(engines["tree_verify"]["inputs"])
+    kept = {n.rpartition(".")[2] for n in engines["tree_verify"]["outputs"]}
+    assert {"conv_inputs", "ssm_x", "ssm_B", "ssm_dt"} <= kept and not kept & {"ssm_state", "ssm_states"}
+    chain_draft = mode in ("draft_target", "mtp", "eagle", "eagle3")
+    assert ("draft_tree" in engines) == chain_draft
+    if chain_draft and mode != "draft_target":
+        assert {"slots", "visible", "hidden"} <= set(engines["draft_tree"]["inputs"])
+        assert [p["max_tokens"] for p in engines["draft_tree"]["profiles"]] == [16]
+    eager = open_engine_dir(engine_dir, backend="torch")
+    interp = open_engine_dir(engine_dir, backend="interpreter")
+    prompts = [[5, 9, 17, 33, 4], [7]]
+    want = generate(eager.runner, prompts, 10).output_ids
+    assert_greedy_margin(eager.runner, prompts, want, TREE.max_nodes + 1)
+    proposer, calls = interp.proposer(), {}
+    draft_tree = proposer.runner.tree if mode == "draft_target" else proposer.draft.executors.get("draft_tree")
+    for name, executor in (("tree_verify", interp.runner.tree), ("draft_tree", draft_tree)):
+        if executor is not None:   # count the interpreted networks' calls
+            executor.run = (lambda run, name: lambda feeds: calls.update({name: calls.get(name, 0) + 1}) or run(feeds))(
+                executor.run, name)
+    got = speculative_generate(interp.runner, proposer, prompts, 10, TREE.depth, tree=TREE)
+    assert got.output_ids == want
+    stats = got.extra["acceptance"]
+    steps = sum(stats["tree"]["steps_by_size"].values())
+    assert steps and calls["tree_verify"] == steps, "every tree step verifies on the interpreted network"
+    if chain_draft:   # a chain draft's tree step runs its interpreted tree network once per depth below the last
+        assert calls["draft_tree"] >= steps * (TREE.depth - 1 if mode != "draft_target" else TREE.depth)
+    assert stats == speculative_generate(eager.runner, eager.proposer(), prompts, 10, TREE.depth,
+                                         tree=TREE).extra["acceptance"]
+
+
+def test_tree_on_an_engine_backend_needs_tree_engines(eagle_dirs, tmp_path, capsys):
+    """A directory built without --tree_engines refuses --tree on an engine backend, naming the flag."""
+    plain = tmp_path / "plain"
+    shutil.copytree(eagle_dirs["eagle3"], plain)
+    meta = json.loads((plain / "config.json").read_text())
+    for name in ("tree_verify", "draft_tree"):
+        del meta["engines"][name]
+        (plain / f"{name}.engine").unlink()
+        del meta["files"][f"{name}.engine"]
+    (plain / "config.json").write_text(json.dumps(meta))
+    code = cli.main(["generate", "--engine_dir", str(plain), "--backend", "interpreter", "--tree",
+                     "--input_ids", "5,9,17", "--max_new_tokens", "4"])
+    assert code == 2 and "--tree_engines" in capsys.readouterr().err
