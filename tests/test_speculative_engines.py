@@ -278,3 +278,17 @@ def test_tree_on_an_engine_backend_needs_tree_engines(eagle_dirs, tmp_path, caps
     code = cli.main(["generate", "--engine_dir", str(plain), "--backend", "interpreter", "--tree",
                      "--input_ids", "5,9,17", "--max_new_tokens", "4"])
     assert code == 2 and "--tree_engines" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", ["eagle3", "draft_target", "dspark"])
+def test_sampled_tree_steps_run_the_tree_engines(mode, dirs, eagle_dirs):
+    """Sampled trees take the step-by-step path (tree steps, tree verify, rejection walk, tree
+    rollback apart): through the interpreted networks they draw what the eager run draws with the
+    same seed (logits equal to ~1e-6; a draw flips only if a uniform lands that close to a boundary)."""
+    engine_dir = dirs[2][mode] if mode == "draft_target" else eagle_dirs[mode]
+    eager = open_engine_dir(engine_dir, backend="torch")
+    interp = open_engine_dir(engine_dir, backend="interpreter")
+    runs = [speculative_generate(o.runner, o.proposer(), [[5, 9, 17, 33, 4]], 8, TREE.depth, temperature=0.8, seed=3,
+                                 tree=TREE) for o in (interp, eager)]
+    assert runs[0].output_ids == runs[1].output_ids
+    assert runs[0].extra["acceptance"]["tree"]["steps_by_size"]
