@@ -219,14 +219,16 @@ def _peers(target_dir: Path, draft_dir: Path | None, prompts: list[list[int]], n
     return out
 
 
-def _serving(engine_dir: Path, texts: list[str], new_tokens: int, runs: int, offline_tps: float) -> dict:
+def _serving(engine_dir: Path, texts: list[str], new_tokens: int, runs: int, offline_tps: float,
+             backend: str = "compiled", threads: int = 0) -> dict:
     from serving.client import stream_generate
     from serving.launch import free_port, serving
     ports = dict(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
     spec_s = plain_s = 0.0
     tokens = 0
     means = []
-    with serving(engine_dir, **ports) as server:
+    # the offline runs' path and threads (compiled: warmed up before the server is ready)
+    with serving(engine_dir, backend=backend, torch_threads=threads, ready_timeout=1200, **ports) as server:
         stream_generate(server.grpc_url, texts[0], 8)                     # warm-up
         for text in texts:
             for _ in range(runs):
@@ -237,7 +239,9 @@ def _serving(engine_dir: Path, texts: list[str], new_tokens: int, runs: int, off
                 spec_s, plain_s, tokens = spec_s + a.seconds, plain_s + b.seconds, tokens + len(a.ids)
                 means.append(a.mean_accepted_tokens)
     tps = tokens / spec_s
+    from serving.repository import default_torch_threads
     return {"mode": json.loads((engine_dir / "config.json").read_text())["speculative"]["mode"],
+            "backend": backend, "torch_threads": threads or default_torch_threads(),
             "engine_dir": portable_path(engine_dir, engine_dir.parent.parent), "tokens_per_second": round(tps, 1),
             "target_only_tokens_per_second": round(tokens / plain_s, 1), "speedup": round(plain_s / spec_s, 3),
             "mean_accepted_tokens": round(statistics.mean(means), 3),
@@ -305,7 +309,7 @@ def run_bench(args) -> dict:
     if not args.no_serving:
         _log(f"bench: serving the best mode ({best}) through Triton")
         report["serving"] = _serving(root / report["modes"][best]["engine_dir"], texts, new_tokens, runs,
-                                     report["modes"][best]["tokens_per_second"])
+                                     report["modes"][best]["tokens_per_second"], backend, args.threads or 0)
     write_report(report, root)
     _log(f"bench: wrote {root / 'report.json'}, {root / 'report.md'} and plots")
     return report

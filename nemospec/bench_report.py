@@ -93,7 +93,8 @@ def markdown(report: dict) -> str:
                      (f"{a['tokens_per_second']:.1f} tokens/s" if "tokens_per_second" in a else f"not run ({a.get('error')})"))
     s = report.get("serving")
     if s:
-        lines += ["", "## Through the Triton server (gRPC streaming, one stream)", "",
+        where = f" ({s['backend']} backend, {s['torch_threads']} torch threads)" if "backend" in s else ""
+        lines += ["", f"## Through the Triton server (gRPC streaming, one stream){where}", "",
                   f"- mode {s['mode']}: {s['tokens_per_second']:.1f} tokens/s speculative vs "
                   f"{s['target_only_tokens_per_second']:.1f} target-only (`speculative: false`, same server): "
                   f"**{s['speedup']:.2f}x**; mean accepted {s['mean_accepted_tokens']:.2f}",

@@ -176,7 +176,7 @@ class _Steps:
         if graph is not None:
             return graph(*args, **self.keywords, **kwargs)
         self.calls[key] += 1
-        if self.broken or self.calls[key] < min_calls:
+        if self.broken or self.calls[key] < min_calls or not _COMPILING["on"]:
             return self.fn(*args, **kwargs)
         print(f"compiling {label} ...", end="", file=sys.stderr, flush=True)
         start = time.perf_counter()
@@ -200,6 +200,16 @@ class _Steps:
         self.compile_seconds[label] = seconds
         self.graphs[key] = graph
         return out
+
+
+_COMPILING = {"on": True}
+
+
+def stop_compiling() -> None:
+    """From now on this process compiles nothing: steps without a graph run eagerly. A server calls
+    it after its warm-up, so that no request ever waits behind a compile (tens of seconds on a cold
+    cache) for a shape it had not seen."""
+    _COMPILING["on"] = False
 
 
 def _batch_label(batch: int) -> str:
@@ -495,3 +505,22 @@ def warm_up(loaded, prompts, draft_len: int = 0, tree=None, **generate_args) -> 
                 draft.warm(tokens, len(prompts))
     generate(loaded.runner, prompts[:1] if draft_len > 0 else prompts, steps, **generate_args)
     return time.perf_counter() - start
+
+
+def warm_up_for_serving(loaded, draft_len: int, log=None) -> float:
+    """What a server's requests run, compiled (or loaded from the cache) before it reports ready:
+    greedy and sampled, one sequence and two (batch 1 and the batch-2+ graphs), speculative and
+    target-only; then ``stop_compiling``. Returns the seconds it took (0 off the compiled path)."""
+    if not isinstance(loaded.runner, CompiledRunner):
+        return 0.0
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
+    seconds = 0.0
+    for batch in (prompts[:1], prompts):
+        for sampling in ({}, {"temperature": 0.8, "seed": 0}):
+            seconds += warm_up(loaded, batch, draft_len, max_seq_len=loaded.max_seq_len, **sampling)
+            if log is not None:
+                log(f"warm-up: batch {len(batch)}, {'sampled' if sampling else 'greedy'}: {seconds:.1f} s so far")
+    if draft_len > 0:   # target-only requests (speculative: false) batched with others
+        seconds += warm_up(loaded, prompts, 0, max_seq_len=loaded.max_seq_len)
+    stop_compiling()
+    return seconds

@@ -361,3 +361,23 @@ def test_steps_run_a_recurring_key_compiled(monkeypatch, check_guards):
     if check_guards == "1":
         x4 = torch.randn(4, 8, generator=g)
         assert steps(("rows", 3), "toy", 2, x4, w).shape == (4, 5)
+
+
+def test_after_stop_compiling_a_new_key_runs_eagerly_and_compiled_ones_stay(monkeypatch):
+    """A server warms up, then stops compiling (``warm_up_for_serving``): a key compiled before keeps
+    its graph, a key seen only afterwards runs the function eagerly however often it recurs, so no
+    request waits behind a compile."""
+    from runtime import compiled
+    monkeypatch.setitem(compiled._COMPILING, "on", True)
+    steps = compiled._Steps(functools.partial(_toy, scale=2.0), "toy")
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(3, 8, generator=g), torch.randn(8, 5, generator=g)
+    for _ in range(2):
+        steps(("rows", 3), "toy", 2, x, w)
+    compiled.stop_compiling()
+    x2 = torch.randn(2, 8, generator=g)
+    outs = [steps(("rows", 2), "toy", 2, x2, w) for _ in range(compiled.OTHER_CALLS + 1)]
+    assert list(steps.ready) == [("rows", 3)], "nothing compiles once compiling stopped"
+    assert all(torch.equal(o, _toy(x2, w, 2.0)) for o in outs), "the eager function itself"
+    assert_within(steps(("rows", 3), "toy", 2, x, w), _toy(x, w, 2.0),
+                  2.0 * (matmul_bound(x, w) + 4 * torch.finfo(torch.float32).eps), "the graph compiled before")

@@ -277,6 +277,12 @@ def test_fill_model_repo(engine_dir, tmp_path):
         assert "${" not in text and (repo / name / "1").is_dir()
     spec = (repo / "speculative" / "config.pbtxt").read_text()
     assert "decoupled: true" in spec and str(engine_dir.resolve()) in spec and '"5"' in spec
+    threads = f'key: "torch_threads" value: {{ string_value: "{repository.default_torch_threads()}" }}'
+    assert threads in spec, "0: the default share of the cores"
+    three = repository.fill_model_repo(engine_dir, tmp_path / "r4", torch_threads=3, cancel_dir=tmp_path / "c")
+    assert 'key: "torch_threads" value: { string_value: "3" }' in (three / "speculative" / "config.pbtxt").read_text()
+    with pytest.raises(Exception, match="--torch_threads"):
+        repository.fill_model_repo(engine_dir, tmp_path / "r5", torch_threads=-1)
     with pytest.raises(Exception, match="--max_batch_size"):
         repository.fill_model_repo(engine_dir, tmp_path / "r2", max_batch_size=99)
     (tmp_path / "no_tok").mkdir()

@@ -15,6 +15,7 @@ same engines.
 """
 import json
 import os
+import locale
 import queue
 import sys
 import threading
@@ -75,10 +76,20 @@ class TritonPythonModel:
         self.stream_window, self.unpack, self.request_key = stream_window, unpack_word_ids, request_key
         self.coalesce = coalesce_events
         self.pid = os.getpid()
+        import torch
+        torch.set_num_threads(int(_param(config, "torch_threads", "1") or 1))
         self.loaded = open_engine_dir(_param(config, "engine_dir"), _param(config, "backend", "auto"))
         if self.loaded.speculative:  # the engine directory's adaptive draft length, flags on top
             self.loaded.draft_policy = policy_from(self.loaded.max_draft_len, self.loaded.build_options,
                                                    decode_policy(_param(config, "draft_policy", "")))
+        from runtime.compiled import warm_up_for_serving   # the compiled path: no compile inside a request
+        try:   # the stub's embedded Python reads files as ASCII; inductor's templates are UTF-8
+            locale.setlocale(locale.LC_CTYPE, "C.UTF-8")
+        except locale.Error:
+            pass
+        warm = warm_up_for_serving(self.loaded, int(self.loaded.max_draft_len or 0) if self.loaded.speculative else 0)
+        if warm:
+            pb_utils.Logger.log_info(f"nemospec speculative: compiled steps warmed up in {warm:.1f} s")
         max_batch = int(_param(config, "max_batch_size", "0") or 0) or None
         self.scheduler = Scheduler(self.loaded, max_batch_size=max_batch, max_queue=int(_param(config, "max_queue", "64")))
         self.vocab = self.loaded.config.vocab_size
