@@ -87,7 +87,8 @@ class TritonPythonModel:
             locale.setlocale(locale.LC_CTYPE, "C.UTF-8")
         except locale.Error:
             pass
-        warm = warm_up_for_serving(self.loaded, int(self.loaded.max_draft_len or 0) if self.loaded.speculative else 0)
+        warm = warm_up_for_serving(self.loaded, int(self.loaded.max_draft_len or 0) if self.loaded.speculative else 0,
+                                   log=pb_utils.Logger.log_info)
         if warm:
             pb_utils.Logger.log_info(f"nemospec speculative: compiled steps warmed up in {warm:.1f} s")
         max_batch = int(_param(config, "max_batch_size", "0") or 0) or None
