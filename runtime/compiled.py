@@ -37,6 +37,7 @@ from builder.backends import torch_backend
 from runtime.acceptance import greedy
 from runtime.drafts import EagerDraft
 from runtime.runner import TorchRunner, verify_greedy, verify_tree_greedy
+from runtime import compiled_store
 from runtime.small_linear import install as install_small_linear
 
 HEADROOM = 16          # extra KV slots per sequence: the longest compiled chunk
@@ -161,6 +162,14 @@ class _Steps:
         if not self.check_guards:  # none is checked, so none is built (nor pickled: aot_compile saves its guards)
             options["guard_filter_fn"] = _no_guards
         self.compiler = torch.compile(_own_code(func), dynamic=False, fullgraph=True, options=options)
+        # what names a saved step beside its key and inputs (runtime.compiled_store)
+        self.identity = dict(options, function=f"{func.__module__}.{func.__qualname__}", bf16_weights=bf16_weights,
+                             keywords=compiled_store.fingerprint([self.keywords]))
+        self.identity.pop("guard_filter_fn", None)
+        self._lead_digest = None
+        # a closure's cells count as the module they hold (a component's call closes over its module,
+        # whose weights dynamo then bakes into the graph as constants)
+        self._captured = tuple(c.cell_contents for c in (func.__closure__ or ()))
         self.graphs: dict = {}
         self.calls: Counter = Counter()
         self.broken = False
@@ -171,6 +180,11 @@ class _Steps:
         """The keys that run compiled."""
         return self.graphs.keys()
 
+    def _saved_path(self, key, args, kwargs):
+        if self._lead_digest is None:
+            self._lead_digest = compiled_store.fingerprint(self.lead + self._captured)
+        return compiled_store.step_path(cache_dir(), self.what, key, self.identity, self._lead_digest, args, kwargs)
+
     def __call__(self, key, label: str, min_calls: int, *args, **kwargs):
         graph = self.graphs.get(key)
         if graph is not None:
@@ -178,8 +192,18 @@ class _Steps:
         self.calls[key] += 1
         if self.broken or self.calls[key] < min_calls or not _COMPILING["on"]:
             return self.fn(*args, **kwargs)
-        print(f"compiling {label} ...", end="", file=sys.stderr, flush=True)
         start = time.perf_counter()
+        path = None if self.check_guards else self._saved_path(key, args, kwargs)
+        saved = compiled_store.load(path) if path is not None else None
+        if saved is not None:   # compiled by an earlier process
+            graph = functools.partial(saved, *self.lead)
+            out = graph(*args, **self.keywords, **kwargs)
+            seconds = time.perf_counter() - start
+            print(f"loaded {label} ({seconds:.1f} s)", file=sys.stderr, flush=True)
+            self.compile_seconds[label] = seconds   # what this process paid for the step
+            self.graphs[key] = graph
+            return out
+        print(f"compiling {label} ...", end="", file=sys.stderr, flush=True)
         try:
             with torch_backend.bf16_weights(self.bf16_weights):  # read while the graph is traced
                 if self.check_guards:   # dynamo's own frame evaluation: every guard on every call
@@ -189,6 +213,8 @@ class _Steps:
                     captured.disable_guard_check()
                     graph = functools.partial(captured, *self.lead)
                 out = graph(*args, **self.keywords, **kwargs)
+            if path is not None:
+                compiled_store.save(captured, path)
         except Exception as e:  # a graph break or a lowering inductor lacks: eager from now on
             print(" failed", file=sys.stderr, flush=True)
             warnings.warn(f"{self.what}: torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "

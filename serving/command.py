@@ -32,8 +32,9 @@ def add_serve_args(p) -> None:
                    help=f"require the key on the model-repository and shared-memory endpoints (HTTP header "
                         f"'{API_KEY_HEADER}: KEY', gRPC metadata '{GRPC_API_KEY_HEADER}: KEY')")
     p.add_argument("--backend", default="auto", choices=list(BACKENDS),
-                   help="auto: TensorRT on a GPU, else torch; compiled: the compiled CPU path (several times faster "
-                        "served; its steps are compiled before the server reports ready: minutes on a cold cache)")
+                   help="auto: TensorRT on a GPU, else compiled: the compiled CPU path, its steps compiled before "
+                        "the server reports ready (minutes the first time on a machine, seconds after: they are "
+                        "saved); torch: eager, ready at once but several times slower")
     p.add_argument("--torch_threads", type=int, default=0,
                    help="CPU threads of the speculative model's steps (0: a quarter of the cores, at least one)")
     p.add_argument("--max_batch_size", type=int, default=None, help="sequences per step (default: the engine's)")
@@ -72,10 +73,18 @@ def cmd_serve(args, out=print) -> int:
     if not 0 < args.shutdown_timeout <= 60:
         raise NemospecError(f"--shutdown_timeout: expected 0 < seconds <= 60, got {args.shutdown_timeout}")
 
+    backend = args.backend
+    if backend == "auto":   # the library's auto stays eager on the CPU (a quick start for tests and the demo)
+        from runtime.loading import resolve_backend
+        backend = resolve_backend("auto")
+        if backend == "compiled":
+            out("backend auto: the compiled CPU path (--backend torch starts at once, eagerly); its steps "
+                "compile before the server is ready, minutes the first time on this machine", file=sys.stderr)
+
     def start(ready_timeout: float = 600.0):
         return start_server(args.engine_dir, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
                             metrics_port=args.metrics_port, model_repo_dir=args.model_repo_dir, api_key=args.api_key,
-                            backend=args.backend, torch_threads=args.torch_threads, max_batch_size=args.max_batch_size,
+                            backend=backend, torch_threads=args.torch_threads, max_batch_size=args.max_batch_size,
                             max_queue=args.max_queue,
                             draft_policy={f: getattr(args, f, None) for f in POLICY_FLAGS},
                             shutdown_timeout=args.shutdown_timeout, limits=limits, ready_timeout=ready_timeout)

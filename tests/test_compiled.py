@@ -381,3 +381,71 @@ def test_after_stop_compiling_a_new_key_runs_eagerly_and_compiled_ones_stay(monk
     assert all(torch.equal(o, _toy(x2, w, 2.0)) for o in outs), "the eager function itself"
     assert_within(steps(("rows", 3), "toy", 2, x, w), _toy(x, w, 2.0),
                   2.0 * (matmul_bound(x, w) + 4 * torch.finfo(torch.float32).eps), "the graph compiled before")
+
+
+class _Scaled:
+    """A module of one weight, run by a step as ``_Steps`` runs a model's bound method."""
+
+    def __init__(self, w):
+        self.w = w
+
+    def forward(self, x):
+        return torch.tanh(x @ self.w) * 2.0
+
+
+def test_compiled_steps_are_saved_and_a_later_process_loads_them(tmp_path, monkeypatch, capsys):
+    """A compiled step is written to the cache directory whole; a new ``_Steps`` over an equal module
+    (a later process) loads it instead of compiling and computes the same; a module with other weights
+    or a damaged file compiles afresh (with a warning for the file)."""
+    from runtime import compiled
+    monkeypatch.setenv("NEMOSPEC_COMPILE_CACHE", str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))   # _configure points it there: restored after
+    monkeypatch.setenv("NEMOSPEC_CHECK_GUARDS", "0")
+    g = torch.Generator().manual_seed(2)
+    w, x = torch.randn(8, 5, generator=g), torch.randn(3, 8, generator=g)
+    bound = 2.0 * (matmul_bound(x, w) + 4 * torch.finfo(torch.float32).eps)
+
+    def run(module):
+        steps = compiled._Steps(module.forward, "scaled")
+        outs = [steps(("rows", 3), "scaled step", 2, x) for _ in range(3)]
+        return steps, outs, capsys.readouterr().err
+
+    first, outs, log = run(_Scaled(w))
+    assert "compiling scaled step" in log and list(first.ready) == [("rows", 3)]
+    files = sorted((tmp_path / "steps").glob("*.bin"))
+    assert len(files) == 1, "one step, one file"
+    second, again, log = run(_Scaled(w.clone()))
+    assert "loaded scaled step" in log and "compiling" not in log
+    for out in outs + again:
+        assert_within(out, _Scaled(w).forward(x), bound, "scaled step")
+    _, _, log = run(_Scaled(w + 1.0))
+    assert "compiling scaled step" in log, "other weights: another graph"
+    assert len(list((tmp_path / "steps").glob("*.bin"))) == 2
+    files[0].write_bytes(b"not a compiled step")
+    with pytest.warns(UserWarning, match="not loaded"):
+        _, outs, log = run(_Scaled(w))
+    assert "compiling scaled step" in log
+    assert_within(outs[-1], _Scaled(w).forward(x), bound, "recompiled after a damaged file")
+
+
+def test_a_saved_step_of_a_closure_is_keyed_by_what_it_closes_over(tmp_path, monkeypatch, capsys):
+    """A step function that closes over its module (a component's call): dynamo bakes the weights
+    into the graph, so the cell's module names the file; other weights never load that graph."""
+    from runtime import compiled
+    monkeypatch.setenv("NEMOSPEC_COMPILE_CACHE", str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("NEMOSPEC_CHECK_GUARDS", "0")
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(8, 5, generator=g), torch.randn(3, 8, generator=g)
+
+    def closing_over(module):
+        def call(x):
+            return module.forward(x)
+        return call
+
+    for weights, want in ((w, "compiling"), (w + 1.0, "compiling"), (w.clone(), "loaded")):
+        steps = compiled._Steps(closing_over(_Scaled(weights)), "closure")
+        out = [steps(("rows", 3), "closure step", 2, x) for _ in range(3)][-1]
+        assert f"{want} closure step" in capsys.readouterr().err
+        bound = 2.0 * (matmul_bound(x, weights) + 4 * torch.finfo(torch.float32).eps)
+        assert_within(out, _Scaled(weights).forward(x), bound, "closure step")

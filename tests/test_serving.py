@@ -544,7 +544,8 @@ def test_cli_serve_draft_target_engine_and_sigint(draft_target_engine_dir, tmp_p
         ports = [launch.free_port() for _ in range(3)]
         cmd = [sys.executable, "-m", "nemospec.cli", "serve", "--engine_dir", str(engine_dir),
                "--http_port", str(ports[0]), "--grpc_port", str(ports[1]), "--metrics_port", str(ports[2]),
-               "--max_batch_size", "2", "--model_repo_dir", str(tmp_path / "repo"), "--openai_port", "0"]
+               "--max_batch_size", "2", "--model_repo_dir", str(tmp_path / "repo"), "--openai_port", "0",
+               "--backend", "torch"]
         process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         lines = []
         for line in process.stdout:

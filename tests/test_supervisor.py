@@ -46,7 +46,7 @@ class Serve:
             self.log_path = log_path
             cmd = [sys.executable, "-m", "nemospec.cli", "serve", "--engine_dir", str(engine_dir),
                    "--http_port", str(self.ports[0]), "--grpc_port", str(self.ports[1]),
-                   "--metrics_port", str(self.ports[2]), "--health_port", str(self.ports[3]), "--openai_port", "0", *extra]
+                   "--metrics_port", str(self.ports[2]), "--health_port", str(self.ports[3]), "--openai_port", "0", "--backend", "torch", *extra]
             with open(log_path, "w") as log:
                 self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
             if self.wait_ready(300) or attempt == 2:

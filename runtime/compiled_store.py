@@ -1,0 +1,138 @@
+"""Compiled steps kept on disk whole (dynamo's trace, the AOT graph and inductor's code), so that a
+later process loads a step in about a second instead of tracing it again: inductor's own cache
+skips only code generation, and re-tracing a step took 3-24 s here (a server's whole warm-up
+125-160 s with a warm inductor cache).
+
+A step's file is named by a digest of everything its graph depends on: nemospec's and torch's code,
+the CPU's instruction set, the torch thread count, the compile options, the step's key and the
+shapes of its inputs (dims marked dynamic left out), and the modules it runs, weights included
+(weights are graph inputs, but a digest over their bytes keeps a graph from ever meeting a model it
+was not traced for). A file that fails to load is ignored and the step compiles as before.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+_CODE_DIRS = ("builder", "runtime", "plugins")
+_code_digest: list[str] = []
+
+
+def code_digest() -> str:
+    """nemospec's sources (Python and the C++ kernel), torch, Python and the CPU capability."""
+    if not _code_digest:
+        h = hashlib.sha256()
+        for d in _CODE_DIRS:
+            for p in sorted((ROOT / d).rglob("*")):
+                if p.suffix in (".py", ".cpp") and "__pycache__" not in p.parts:
+                    h.update(str(p.relative_to(ROOT)).encode())
+                    h.update(p.read_bytes())
+        h.update(f"{torch.__version__} {sys.version} {torch.backends.cpu.get_cpu_capability()} "
+                 f"{os.environ.get('NEMOSPEC_SMALL_LINEAR', '1')}".encode())
+        _code_digest.append(h.hexdigest())
+    return _code_digest[0]
+
+
+def _walk(obj, h, seen: set, depth: int = 0) -> None:
+    """Feeds ``h`` with every tensor (dtype, shape, bytes) and plain value reachable from ``obj``
+    through attributes, lists, tuples and dicts, in a fixed order."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach()
+        h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+        if t.device.type == "cpu" and t.numel():
+            h.update(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() if t.dtype != torch.bool
+                     else t.contiguous().numpy().tobytes())
+        return
+    if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
+        h.update(repr(obj).encode())
+        return
+    if id(obj) in seen or depth > 12:
+        h.update(b"<seen>")
+        return
+    seen.add(id(obj))
+    if isinstance(obj, (list, tuple)):
+        h.update(f"[{len(obj)}".encode())
+        for item in obj:
+            _walk(item, h, seen, depth + 1)
+    elif isinstance(obj, dict):
+        h.update(f"{{{len(obj)}".encode())
+        for k in sorted(obj, key=repr):
+            h.update(repr(k).encode())
+            _walk(obj[k], h, seen, depth + 1)
+    elif hasattr(obj, "__dict__") and not callable(obj):
+        h.update(type(obj).__qualname__.encode())
+        for k in sorted(vars(obj)):
+            h.update(k.encode())
+            _walk(vars(obj)[k], h, seen, depth + 1)
+    else:
+        h.update(type(obj).__qualname__.encode())
+
+
+_PLAIN = (bool, int, float, str, type(None), torch.Tensor)
+
+
+def fingerprint(objs) -> str:
+    """A digest of the modules a step runs (its leading arguments and closure cells: a model module,
+    or a runtime wrapper such as a draft stepper, whose ``module`` and plain attributes count, not
+    its state of graphs and call counts)."""
+    h = hashlib.sha256()
+    for obj in objs:
+        if hasattr(obj, "module") and not isinstance(obj, torch.Tensor):
+            h.update(type(obj).__qualname__.encode())
+            _walk({k: v for k, v in vars(obj).items() if isinstance(v, _PLAIN)}, h, set())
+            obj = obj.module
+        _walk(obj, h, set())
+    return h.hexdigest()
+
+
+def _signature(x) -> str:
+    if isinstance(x, torch.Tensor):
+        dynamic = getattr(x, "_dynamo_weak_dynamic_indices", set()) | getattr(x, "_dynamo_dynamic_indices", set())
+        return f"T{x.dtype}{tuple(-1 if i in dynamic else d for i, d in enumerate(x.shape))}"
+    if isinstance(x, dict):
+        return "{" + ",".join(f"{k!r}:{_signature(v)}" for k, v in sorted(x.items(), key=lambda kv: repr(kv[0]))) + "}"
+    if isinstance(x, (list, tuple)):
+        return "[" + ",".join(_signature(v) for v in x) + "]"
+    return repr(x)
+
+
+def step_path(directory: Path, what: str, key, options: dict, lead_digest: str, args, kwargs) -> Path:
+    """The file of one step's graph."""
+    h = hashlib.sha256()
+    for part in (code_digest(), what, repr(key), repr(sorted(options.items(), key=lambda kv: kv[0])), lead_digest,
+                 _signature(args), _signature(kwargs), str(torch.get_num_threads())):
+        h.update(part.encode())
+        h.update(b"\0")
+    return Path(directory) / "steps" / f"{h.hexdigest()}.bin"
+
+
+def load(path: Path):
+    """The step saved at ``path``, guards off, or None (absent or unreadable: it compiles)."""
+    if not path.is_file():
+        return None
+    try:
+        with open(path, "rb") as f:
+            fn = torch.compiler.load_compiled_function(f)
+        fn.disable_guard_check()
+        return fn
+    except Exception as e:  # another torch, a truncated file: compile instead
+        warnings.warn(f"{path}: compiled step not loaded ({type(e).__name__}: {str(e)[:120]}); compiling it",
+                      stacklevel=3)
+        return None
+
+
+def save(captured, path: Path) -> None:
+    """Writes a freshly compiled step (atomically); a step that cannot be saved stays in memory only."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        captured.save_compiled_function(str(tmp))
+        os.replace(tmp, path)
+    except Exception as e:
+        warnings.warn(f"{path}: compiled step not saved ({type(e).__name__}: {str(e)[:120]})", stacklevel=3)
