@@ -181,9 +181,15 @@ class _Steps:
         return self.graphs.keys()
 
     def _saved_path(self, key, args, kwargs):
-        if self._lead_digest is None:
-            self._lead_digest = compiled_store.fingerprint(self.lead + self._captured)
-        return compiled_store.step_path(cache_dir(), self.what, key, self.identity, self._lead_digest, args, kwargs)
+        """Where this step is saved (``runtime.compiled_store``); None when it cannot be named (then it
+        compiles in memory only)."""
+        try:
+            if self._lead_digest is None:
+                self._lead_digest = compiled_store.fingerprint(self.lead + self._captured)
+            return compiled_store.step_path(cache_dir(), self.what, key, self.identity, self._lead_digest, args, kwargs)
+        except Exception as e:
+            warnings.warn(f"{self.what}: compiled step not saved ({type(e).__name__}: {str(e)[:120]})", stacklevel=3)
+            return None
 
     def __call__(self, key, label: str, min_calls: int, *args, **kwargs):
         graph = self.graphs.get(key)

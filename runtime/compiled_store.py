@@ -45,9 +45,9 @@ def _walk(obj, h, seen: set, depth: int = 0) -> None:
     if isinstance(obj, torch.Tensor):
         t = obj.detach()
         h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
-        if t.device.type == "cpu" and t.numel():
-            h.update(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() if t.dtype != torch.bool
-                     else t.contiguous().numpy().tobytes())
+        if t.device.type != "meta" and t.numel():
+            t = t.cpu().contiguous().view(-1)
+            h.update((t if t.dtype == torch.bool else t.view(torch.uint8)).numpy().tobytes())
         return
     if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
         h.update(repr(obj).encode())
