@@ -175,6 +175,7 @@ def target_component(module: NemotronH, options: BuildOptions, verify=False) -> 
     return Component("verify" if verify else "target", module, _chunk_inputs(module), call, profiles)
 
 
+TREE_STEP_KINDS = ("draft_target", "eagle", "eagle3", "mtp")   # drafts with a tree step (block drafts: none)
 TREE_INPUTS = {"parents": {"shape": ["batch", "tokens"], "dtype": "int32"},
                "ancestors": {"shape": ["batch", "tokens", "tokens"], "dtype": "bool"}}
 
@@ -199,7 +200,7 @@ def draft_tree_component(module, options: BuildOptions) -> Component:
     kind = getattr(module, "kind", "draft_target")
     if kind == "draft_target":
         return tree_verify_component(module, options, "draft_tree")
-    if kind not in ("eagle", "eagle3", "mtp"):
+    if kind not in TREE_STEP_KINDS:
         raise ValueError(f"draft kind {kind}: a block draft grows its tree from its one block forward (no tree step)")
     dtype = DTYPE_NAMES[module.dtype]
     extra = {"hidden": {"shape": ["batch", "tokens", module.hidden_size], "dtype": dtype},
@@ -291,9 +292,6 @@ def draft_components(module, options: BuildOptions, tree: bool = False) -> list[
     if tree and getattr(module, "kind", "draft_target") in TREE_STEP_KINDS:
         out.append(draft_tree_component(module, options))
     return out
-
-
-TREE_STEP_KINDS = ("draft_target", "eagle", "eagle3", "mtp")
 
 
 def record(component: Component, native_plugins: bool = False, refit=None, refit_method: str = "refit"):

@@ -15,6 +15,7 @@ import hashlib
 import os
 import sys
 import warnings
+import weakref
 from pathlib import Path
 
 import torch
@@ -77,6 +78,24 @@ def _walk(obj, h, seen: set, depth: int = 0) -> None:
 _PLAIN = (bool, int, float, str, type(None), torch.Tensor)
 
 
+_module_digests: dict = {}   # id(module) -> (weak ref, digest): a model's weights never change once built
+
+
+def _module_digest(module) -> str:
+    """One module's digest, computed once per process while it lives (a target's five step kinds
+    share it)."""
+    hit = _module_digests.get(id(module))
+    if hit is not None and hit[0]() is module:
+        return hit[1]
+    h = hashlib.sha256()
+    _walk(module, h, set())
+    try:
+        _module_digests[id(module)] = (weakref.ref(module), h.hexdigest())
+    except TypeError:   # not weakly referable: not kept
+        pass
+    return h.hexdigest()
+
+
 def fingerprint(objs) -> str:
     """A digest of the modules a step runs (its leading arguments and closure cells: a model module,
     or a runtime wrapper such as a draft stepper, whose ``module`` and plain attributes count, not
@@ -86,8 +105,11 @@ def fingerprint(objs) -> str:
         if hasattr(obj, "module") and not isinstance(obj, torch.Tensor):
             h.update(type(obj).__qualname__.encode())
             _walk({k: v for k, v in vars(obj).items() if isinstance(v, _PLAIN)}, h, set())
-            obj = obj.module
-        _walk(obj, h, set())
+            h.update(_module_digest(obj.module).encode())
+        elif hasattr(obj, "__dict__") and not callable(obj):   # a model module
+            h.update(_module_digest(obj).encode())
+        else:
+            _walk(obj, h, set())
     return h.hexdigest()
 
 
