@@ -6,7 +6,10 @@ a feature draft's proposal row (T=1) and catch-up chunk (up to K+1 rows, padded 
 step, once it has run a couple of times, is compiled whole (``fullgraph``: the torch backend drops
 its data-dependent branches under compilation, see ``builder.backends.torch_backend``) by inductor
 with its C++ wrapper, captured once per shape key with ``aot_compile`` and called directly from
-then on (``_Steps``). Long or one-off chunks (prefill) stay eager.
+then on (``_Steps``). Long chunks and chunks of other lengths (a prompt's prefill, a draft's prompt
+context) always run eagerly: a prompt length recurs only when the same prompts are run again and
+again, and compiling one then stalled that run for seconds (11 s for an eagle3 draft's 11-row prompt,
+mid-benchmark).
 
 Shapes: the chunk length T is static (one graph per T); the batch dimension is static at 1 (the
 latency case) and dynamic for 2 and more (one graph for every larger batch, measured as fast as
@@ -43,7 +46,6 @@ from runtime.small_linear import install as install_small_linear
 HEADROOM = 16          # extra KV slots per sequence: the longest compiled chunk
 MAX_TOKENS = 16        # chunks longer than this always run eagerly (prefill)
 STEP_CALLS = 2         # decode, verify, rollback and draft rows compile on their 2nd call
-OTHER_CALLS = 16       # any other short chunk shape compiles once it has run this often
 FEATURE_DRAFTS = ("eagle", "eagle3", "mtp")
 BLOCK_DRAFTS = ("dflash", "dspark")      # context rows padded to K+1 by the proposer: one graph per step
 # Inductor turns a one-row attention (q [.., 1, D] x keys [.., D, S]) into a pointwise product and a
@@ -251,8 +253,9 @@ def _batch_label(batch: int) -> str:
 class CompiledRunner(TorchRunner):
     """A NemotronH (target, or a draft_target draft) with its short steps compiled.
 
-    Same interface and outputs as ``TorchRunner``; ``forward`` chunks of at most ``MAX_TOKENS``
-    tokens and ``rollback`` run compiled once they recur, longer chunks eagerly. A verify chunk
+    Same interface and outputs as ``TorchRunner``; decode, verify (at most ``MAX_TOKENS`` tokens),
+    ``rollback`` and warmed chunk lengths (``warm``) run compiled from their second call, a prompt's
+    prefill eagerly. A verify chunk
     of T tokens is padded to the next of ``verify_buckets`` (2, 3, 5, 9 and K+1): a draft length
     that changes per step (adaptive K) then reuses a few graphs. Padded rows are right padding
     past ``lengths`` (as in a ragged batch): their logits and features are cut off, and the
@@ -297,8 +300,8 @@ class CompiledRunner(TorchRunner):
             label, calls = f"decode step ({_batch_label(batch)})", STEP_CALLS
         elif tokens in self.step_chunks:  # a draft_target draft's queued rows (``warm``)
             label, calls = f"{tokens}-token chunk ({_batch_label(batch)})", STEP_CALLS
-        else:
-            label, calls = f"{tokens}-token chunk ({_batch_label(batch)})", OTHER_CALLS
+        else:   # a prompt's prefill
+            return self.module.forward(input_ids, positions, lengths, logit_index, state, verify)
         args = [_prepare(a, batch, {}) for a in (input_ids, positions, lengths, logit_index)]
         return self._forward(key, label, calls, *args, _prepare(state, batch, self.capacity_dims), verify=verify)
 
@@ -390,6 +393,11 @@ class CompiledDraft(EagerDraft):
                  weight_dtype: str = "auto"):
         super().__init__(module, target_vocab, device)
         self.pad_to = max_draft_len + 1
+        # a chain's catch-up chunk (the rows the last verify accepted, 1..K+1) padded to the next of
+        # these: a 5-row draft chunk computes 5 rows however few are real, and in an eagle3 run on the
+        # embedded model 45% of steps accept 0 or 1 drafts (1 or 2 rows)
+        self.catch_up_rows = sorted({r for r in (1, 2, 3) if r < self.pad_to} | {self.pad_to})
+        self._feature = None       # (width, dtype) of the target features a chain was fed (``warm_chain``)
         self.capacity_dims = {"past." + k: v for k, v in _dims(module.state_spec).items()}
         steps = functools.partial(_Steps, options=DRAFT_OPTIONS, bf16_weights=weight_dtype == "bfloat16")
         self._steps = steps(self.components["draft"].call, f"{self.kind} draft")
@@ -413,30 +421,49 @@ class CompiledDraft(EagerDraft):
 
     @torch.no_grad()
     def chain(self, ids, features, positions, lengths, state, k: int):
-        """The whole greedy proposal (``EagerDraft.chain``) as one graph per k: the catch-up chunk
-        padded to K+1 rows, as ``run`` pads it."""
-        return self._catch_up_graph(self._chains, self._chain, k, f"chain ({k} tokens",
+        """The whole greedy proposal (``EagerDraft.chain``) as one graph per k and catch-up bucket:
+        the catch-up chunk padded to the next of ``catch_up_rows``."""
+        if features is not None:
+            self._feature = (features.shape[-1], features.dtype)
+        return self._catch_up_graph(self._chains, self._chain, k, f"chain ({k} tokens", self.catch_up_rows,
                                     ids, features, positions, lengths, state)
 
     @torch.no_grad()
     def tree_chain(self, ids, features, positions, lengths, state, shape):
         """The whole greedy tree (``EagerDraft.tree_chain``) as one graph per tree shape, the
-        catch-up chunk padded as ``chain`` pads it."""
+        catch-up chunk padded to K+1 rows, as ``run`` pads it."""
         return self._catch_up_graph(self._trees, self._tree_chain, shape, f"tree ({shape.max_nodes} nodes",
-                                    ids, features, positions, lengths, state)
+                                    (self.pad_to,), ids, features, positions, lengths, state)
 
-    def _catch_up_graph(self, steps, fn, last, label, ids, features, positions, lengths, state):
-        """``fn(ids, features, positions, lengths, state, last)`` as one graph per ``last``, its
-        catch-up chunk padded to K+1 rows (a longer one runs eagerly)."""
+    def _catch_up_graph(self, steps, fn, last, label, buckets, ids, features, positions, lengths, state):
+        """``fn(ids, features, positions, lengths, state, last)`` as one graph per ``last`` and
+        bucket, its catch-up chunk padded to the next of ``buckets`` (a longer one runs eagerly)."""
         batch, rows = ids.shape
         if self.kind not in FEATURE_DRAFTS or rows > self.pad_to:
             return fn(ids, features, positions, lengths, state, last)
-        if rows < self.pad_to:
-            feeds = _pad_rows({"ids": ids, "features": features, "positions": positions}, batch, rows, self.pad_to)
+        pad = next(r for r in buckets if r >= rows)
+        if rows < pad:
+            feeds = _pad_rows({"ids": ids, "features": features, "positions": positions}, batch, rows, pad)
             ids, features, positions = feeds["ids"], feeds["features"], feeds["positions"]
-        return steps((batch == 1, last), f"{self.kind} draft {label}, {_batch_label(batch)})", STEP_CALLS,
-                     *(_prepare(t, batch, {}) for t in (ids, features, positions, lengths)),
+        return steps((batch == 1, last, pad), f"{self.kind} draft {label}, {pad}-row catch-up, {_batch_label(batch)})",
+                     STEP_CALLS, *(_prepare(t, batch, {}) for t in (ids, features, positions, lengths)),
                      _prepare(state, batch, self._state_dims()), last)
+
+    def warm_chain(self, k: int, batch: int = 1) -> None:
+        """Runs the chain of ``k`` proposals on a scratch state for every catch-up bucket until each
+        graph is compiled (or loaded): which buckets a short warm-up run meets depends on what it
+        accepted, and a bucket first met mid-run would stall it for a compile."""
+        if self.kind not in FEATURE_DRAFTS or self._feature is None:
+            return
+        width, dtype = self._feature
+        for rows in self.catch_up_rows:
+            state = self.new_state(batch, 2 * MAX_TOKENS)
+            ids = torch.zeros(batch, rows, dtype=torch.int32, device=self.device)
+            features = torch.zeros(batch, rows, width, dtype=dtype, device=self.device)
+            positions = torch.arange(rows, dtype=torch.int32, device=self.device).expand(batch, -1)
+            lengths = torch.full((batch,), rows, dtype=torch.int32, device=self.device)
+            for _ in range(STEP_CALLS):
+                self.chain(ids, features, positions, lengths, state, k)
 
     @torch.no_grad()
     def run(self, name: str, feeds: dict) -> dict:
@@ -445,17 +472,15 @@ class CompiledDraft(EagerDraft):
         if name != "draft" or self.kind not in FEATURE_DRAFTS:
             return super().run(name, feeds)
         batch, rows = feeds["input_ids"].shape
-        if rows > MAX_TOKENS:
+        if rows > self.pad_to:   # a prompt's context
             return self.components[name].call(feeds)
-        pad = self.pad_to if self.kind in FEATURE_DRAFTS and 1 < rows < self.pad_to else rows
+        pad = self.pad_to if 1 < rows < self.pad_to else rows
         if pad > rows:
             feeds = _pad_rows(feeds, batch, rows, pad)
         shapes = tuple((k, tuple(v.shape[1:])) for k, v in feeds.items()
                        if isinstance(v, torch.Tensor) and k not in self.capacity_dims)
-        key = (batch == 1, shapes)
-        steady = self.kind in FEATURE_DRAFTS and pad in (1, self.pad_to)
-        out = self._steps(key, f"{self.kind} draft step ({pad} rows, {_batch_label(batch)})",
-                          STEP_CALLS if steady else OTHER_CALLS, _prepare(feeds, batch, self.capacity_dims))
+        out = self._steps((batch == 1, shapes), f"{self.kind} draft step ({pad} rows, {_batch_label(batch)})",
+                          STEP_CALLS, _prepare(feeds, batch, self.capacity_dims))
         if pad > rows and "hidden_out" in out:
             out = dict(out, hidden_out=out["hidden_out"][:, :rows])
         return out
@@ -477,10 +502,11 @@ class CompiledDraft(EagerDraft):
         if self.kind not in BLOCK_DRAFTS or feeds["aux"].shape[1] > MAX_TOKENS:
             return fn(feeds, state, anchor, *rest)
         batch = feeds["input_ids"].shape[0]
+        if feeds["aux"].shape[1] != self.pad_to:   # a prompt's context
+            return fn(feeds, state, anchor, *rest)
         shapes = tuple((k, tuple(v.shape[1:])) for k, v in feeds.items() if isinstance(v, torch.Tensor))
-        steady = feeds["aux"].shape[1] == self.pad_to
         return steps((batch == 1, shapes, *rest), f"{self.kind} draft {label} ({feeds['aux'].shape[1]} context rows, "
-                     f"{_batch_label(batch)})", STEP_CALLS if steady else OTHER_CALLS,
+                     f"{_batch_label(batch)})", STEP_CALLS,
                      _prepare(feeds, batch, {}), _prepare(state, batch, self._state_dims()),
                      _prepare(anchor, batch, {}), *rest)
 
@@ -491,13 +517,12 @@ class CompiledDraft(EagerDraft):
         """A block draft's step: compiled once its shapes recur (the proposer pads the context rows
         to ``pad_to``, so a steady step has one shape); a prompt's context stays eager."""
         batch = feeds["input_ids"].shape[0]
-        if feeds["aux"].shape[1] > MAX_TOKENS:
+        if feeds["aux"].shape[1] != self.pad_to:   # a prompt's context
             return self.components["draft"].call(feeds)
         shapes = tuple((k, tuple(v.shape[1:])) for k, v in feeds.items()
                        if isinstance(v, torch.Tensor) and k not in self.capacity_dims)
-        steady = feeds["aux"].shape[1] == self.pad_to
         return self._steps((batch == 1, shapes), f"{self.kind} draft step ({feeds['aux'].shape[1]} context rows, "
-                           f"{_batch_label(batch)})", STEP_CALLS if steady else OTHER_CALLS,
+                           f"{_batch_label(batch)})", STEP_CALLS,
                            _prepare(feeds, batch, self.capacity_dims))
 
 
@@ -531,6 +556,8 @@ def warm_up(loaded, prompts, draft_len: int = 0, tree=None, **generate_args) -> 
         proposer = loaded.proposer()
         speculative_generate(loaded.runner, proposer, prompts, steps * (draft_len + 1), draft_len, tree=tree,
                              **generate_args)
+        if isinstance(getattr(proposer, "draft", None), CompiledDraft) and tree is None:
+            proposer.draft.warm_chain(draft_len, len(prompts))
         draft = getattr(proposer, "runner", None)          # a draft_target draft: a NemotronH of its own
         if isinstance(draft, CompiledRunner):              # [last draft, bonus], queued after a full accept;
             for tokens in range(2, 2 + (tree.depth if tree is not None else 1)):   # after a tree: 1..depth+1 rows

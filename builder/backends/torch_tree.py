@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from builder.backends.torch_backend import gqa_mix, gqa_scores
+
 
 def tree_conv1d(x, conv_state, weight, bias, parents):
     batch, seq, _ = x.shape
@@ -51,12 +53,6 @@ def tree_attention(q, k_cache, v_cache, positions, ancestors, scale):
 
 
 def masked_attention(q, k_cache, v_cache, visible, scale):
-    batch, seq, q_heads, dim = q.shape
-    kv_heads = k_cache.shape[2]
-    group = q_heads // kv_heads
-    qg = q.reshape(batch, seq, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
-    scores = torch.matmul(qg, k_cache.permute(0, 2, 3, 1)[:, :, None]) * scale
+    scores = gqa_scores(q, k_cache, scale)
     scores = scores.masked_fill(~visible.to(torch.bool)[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    out = torch.matmul(probs, v_cache.permute(0, 2, 1, 3)[:, :, None])
-    return out.permute(0, 3, 1, 2, 4).reshape(batch, seq, q_heads, dim)
+    return gqa_mix(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v_cache)
