@@ -6,7 +6,7 @@ Compiling is the cost here (a cold inductor cache: tens of seconds per graph), s
 pair of loaded models serves every test and the prompts keep to few shapes: prefill chunks are
 eager; decode compiles for batch 2+, verify and rollback for K+1 = 5 (batch 2+, and batch 1 when a
 ragged batch's last sequence runs alone; K=3 pads its verify to 5) and K+1 = 2 (batch 1), the draft
-for 1 and 5 rows; trees build their fused draft tree and greedy tree verify per tree shape.
+for 1 and 5 rows, its chain for catch-up chunks of 1, 2, 3 and 5 rows; trees build their fused draft tree and greedy tree verify per tree shape.
 """
 import io
 import json
@@ -156,6 +156,23 @@ def test_eagle3_tree_greedy_ids_equal_eager(models, monkeypatch):
     before = _graphs()
     again = speculative_generate(compiled.runner, compiled.proposer(), prompts, NEW + 7, 3, tree=shape)
     assert again.output_ids == generate(eager.runner, prompts, NEW + 7).output_ids and _graphs() == before
+
+
+def test_warm_up_compiles_every_catch_up_bucket_and_nothing_compiles_after(models):
+    """A chain pads its catch-up chunk (1..K+1 accepted rows) to 1, 2, 3 or K+1 rows, one graph each:
+    warm_up compiles all four whatever its own steps accepted, so a later run compiles nothing mid-run,
+    and its greedy ids still equal eager target-only."""
+    from runtime.compiled import warm_up
+    eager, compiled = models
+    prompts = RAGGED[:1]
+    warm_up(compiled, prompts, 4)
+    draft = compiled.proposer().draft
+    assert draft.catch_up_rows == [1, 2, 3, 5]
+    assert {(True, 4, rows) for rows in draft.catch_up_rows} <= set(draft._chains.ready), draft._chains.ready
+    before = _compiled_keys(compiled)[0]
+    got = speculative_generate(compiled.runner, compiled.proposer(), prompts, 2 * NEW, 4)
+    assert got.output_ids == generate(eager.runner, prompts, 2 * NEW).output_ids
+    assert _compiled_keys(compiled)[0] == before, "compiled mid-run"
 
 
 def test_no_graph_beyond_the_step_shapes(models):
