@@ -236,27 +236,28 @@ class SpeculativeGroup(PlainGroup):
         n = len(self.seqs)
         params = [s.params for s in self.seqs]
         drafts, q, conf = self.proposer.propose(k, params, self.policy.confidence_threshold)
-        proposed = self.policy.confident_lengths(conf) if conf is not None else torch.full((n,), drafts.shape[1])
-        proposed = torch.where(torch.tensor([s.acceptance.speculating for s in self.seqs]), proposed, 0)
-        proposed = torch.minimum(proposed, torch.tensor([k if s.max_draft is None else s.max_draft for s in self.seqs]))
-        k = int(proposed.max())
+        # per sequence, how many drafts it verifies: its confident prefix, 0 once its acceptance
+        # fell under the floor, at most its own K (Python ints: a handful per step)
+        width = drafts.shape[1]
+        confident = self.policy.confident_lengths(conf).tolist() if conf is not None else [width] * n
+        proposed = [min(c if s.acceptance.speculating else 0, k if s.max_draft is None else s.max_draft)
+                    for c, s in zip(confident, self.seqs)]
+        k = max(proposed)
+        drafted = drafts.tolist()
         drafts, q = drafts[:, :k], None if q is None else q[:, :k]
         draft = watch.lap()
-        rows = torch.arange(k + 1, dtype=torch.int32, device=dev)
-        last = torch.tensor([s.last for s in self.seqs], dtype=torch.int32, device=dev)
-        ids = torch.cat([last[:, None], drafts.to(device=dev, dtype=torch.int32)], 1)
-        pos = torch.tensor([s.position for s in self.seqs], dtype=torch.int32, device=dev)[:, None] + rows
+        ids = torch.tensor([[s.last] + d[:k] for s, d in zip(self.seqs, drafted)], dtype=torch.int32, device=dev)
+        pos = torch.tensor([range(s.position, s.position + k + 1) for s in self.seqs], dtype=torch.int32, device=dev)
+        rows = torch.tensor([range(k + 1)] * n, dtype=torch.int32, device=dev)
         lengths = torch.full((n,), k + 1, dtype=torch.int32, device=dev)
         watch.lap()
-        limit = None if bool((proposed == k).all()) else proposed
+        limit = None if all(p == k for p in proposed) else torch.tensor(proposed)
         if limit is None and hasattr(self.target, "verify_greedy") and all(p.plain_greedy for p in params):
             # plain greedy rows: verify, accept and roll back in one call (accept time is in verify)
-            m, nxt, logits, self.state, features = self.target.verify_greedy(ids, pos, lengths, rows.expand(n, -1),
-                                                                             self.state)
+            m, nxt, logits, self.state, features = self.target.verify_greedy(ids, pos, lengths, rows, self.state)
             verify, accept = watch.lap(), 0.0
         else:
-            logits, new_state, features = self.target.forward(ids, pos, lengths, rows.expand(n, -1), self.state,
-                                                              verify=True)
+            logits, new_state, features = self.target.forward(ids, pos, lengths, rows, self.state, verify=True)
             verify = watch.lap()
             logits = shape(logits, self.seqs, drafts)
             m, nxt = acceptance.accept(drafts.to(logits.device), q, logits, params, limit)
@@ -270,8 +271,7 @@ class SpeculativeGroup(PlainGroup):
         self.draft_lens[k] += 1
         out, tokens = [], 0
         want_logprobs = any(p.logprobs for p in params)
-        for b, (s, d, kept, t, made) in enumerate(zip(self.seqs, drafts.tolist(), m.tolist(), nxt.tolist(),
-                                                      proposed.tolist())):
+        for b, (s, d, kept, t, made) in enumerate(zip(self.seqs, drafted, m.tolist(), nxt.tolist(), proposed)):
             gained = d[:kept] + [t]                                      # one host copy of each tensor
             lp = _logprobs(logits[b:b + 1, :kept + 1], torch.tensor([gained]), [s])[0] if want_logprobs else None
             tokens += len(gained)
@@ -286,7 +286,7 @@ class SpeculativeGroup(PlainGroup):
             if self.trace is not None:
                 self._trace(s, made, d[:made], kept, t, out[-1], draft, verify)
             s.position, s.last = s.position + len(gained), t
-        self.costs.add(watch.total(), tokens=tokens, rows=n, proposals=int(proposed.sum()), draft=draft,
+        self.costs.add(watch.total(), tokens=tokens, rows=n, proposals=sum(proposed), draft=draft,
                        verify=verify, accept=accept)
         return out
 

@@ -428,6 +428,13 @@ class CompiledDraft(EagerDraft):
         return self._catch_up_graph(self._chains, self._chain, k, f"chain ({k} tokens", self.catch_up_rows,
                                     ids, features, positions, lengths, state)
 
+    def catch_up_width(self, rows: int, tree: bool = False) -> int:
+        """The bucket a catch-up chunk of ``rows`` rows runs as (the proposer builds it that wide,
+        rather than this draft padding it again): the next of ``catch_up_rows`` (a tree's: K+1)."""
+        if self.kind not in FEATURE_DRAFTS or rows > self.pad_to:
+            return rows
+        return next(r for r in ((self.pad_to,) if tree else self.catch_up_rows) if r >= rows)
+
     @torch.no_grad()
     def tree_chain(self, ids, features, positions, lengths, state, shape):
         """The whole greedy tree (``EagerDraft.tree_chain``) as one graph per tree shape, the

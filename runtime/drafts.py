@@ -80,6 +80,11 @@ class EagerDraft:
         out = run("draft", feeds)
         return self.to_target_vocab(out["logits"]), out["hidden_out"], _present(out)
 
+    def catch_up_width(self, rows: int, tree: bool = False) -> int:
+        """How many rows a catch-up chunk of ``rows`` queued rows runs as (``chain``, ``tree_chain``
+        with ``tree``): as many here; a compiled draft pads to its graphs' buckets."""
+        return rows
+
     @torch.inference_mode()
     def chain(self, ids, features, positions, lengths, state, k: int):
         return self._chain(ids, features, positions, lengths, state, k)

@@ -262,11 +262,15 @@ class FeatureDraftProposer(_PerSequence):
         return (all(p.argmax for p in params)
                 and all(0 < len(t) <= self.prefill_chunk for t in self.pending))
 
-    def _queued_chunk(self):
-        """The queued rows as one catch-up chunk: (ids, target features, positions, lengths)."""
+    def _queued_chunk(self, tree: bool = False):
+        """The queued rows as one catch-up chunk: (ids, target features, positions, lengths), as
+        wide as the draft runs it (``catch_up_width``: a compiled draft's bucket), padded rows past
+        each sequence's own."""
         dev = self.draft.device
-        ids, positions, lengths = chunk_inputs(self.pending, self.position, dev)
-        return ids, _padded(self.pending_features, ids.shape[1], dev), positions, lengths
+        rows = max(len(t) for t in self.pending)
+        width = self.draft.catch_up_width(rows, tree)
+        ids, positions, lengths = chunk_inputs(self.pending, self.position, dev, width)
+        return ids, _padded(self.pending_features, width, dev), positions, lengths
 
     def _queued_consumed(self):
         self.position = [s + len(t) for s, t in zip(self.position, self.pending)]
@@ -311,7 +315,7 @@ class FeatureDraftProposer(_PerSequence):
             raise ValueError(f"tree: draft cache of {room} slots cannot hold {shape.draft_rows} tree rows "
                              f"past position {after}")
         if hasattr(self.draft, "tree_chain") and self._fusable(params):
-            ids, feats, positions, lengths = self._queued_chunk()
+            ids, feats, positions, lengths = self._queued_chunk(tree=True)
             tokens, parents, depth, self.logits, self.hidden, self.state = self.draft.tree_chain(
                 ids, feats, positions, lengths, self.state, shape)
             self._queued_consumed()
@@ -330,7 +334,7 @@ class FeatureDraftProposer(_PerSequence):
         feats = verify_features[self.draft.feature]
         for b, (d, m, t) in enumerate(zip(drafts.tolist(), accepted.tolist(), next_tokens.tolist())):
             self.pending[b] = self.pending[b] + d[:m] + [t]
-            new = feats[b, :m + 1]
+            new = feats.select(0, b).narrow(0, 0, m + 1)
             self.pending_features[b] = new if self.pending_features[b] is None else torch.cat([self.pending_features[b], new])
 
 

@@ -13,16 +13,15 @@ def allocate(spec: dict, device="cpu") -> dict[str, torch.Tensor]:
     return {name: torch.zeros(shape, dtype=dtype, device=device) for name, (shape, dtype) in spec.items()}
 
 
-def chunk_inputs(chunks: list[list[int]], past_lengths: list[int], device="cpu"):
-    """Right-padded ``input_ids``, ``positions`` and ``lengths`` for one chunk per sequence."""
-    width = max(len(c) for c in chunks)
-    ids = torch.zeros(len(chunks), width, dtype=torch.int32)
-    for b, c in enumerate(chunks):
-        ids[b, :len(c)] = torch.tensor(c, dtype=torch.int32)
-    past = torch.tensor(past_lengths, dtype=torch.int32)
-    positions = past[:, None] + torch.arange(width, dtype=torch.int32)[None, :]
-    lengths = torch.tensor([len(c) for c in chunks], dtype=torch.int32)
-    return ids.to(device), positions.to(device), lengths.to(device)
+def chunk_inputs(chunks: list[list[int]], past_lengths: list[int], device="cpu", width: int | None = None):
+    """Right-padded ``input_ids``, ``positions`` and ``lengths`` for one chunk per sequence, ``width``
+    rows wide (default: the longest chunk); padded rows hold token 0 at the positions after the
+    chunk's. One tensor built per input from Python lists: this runs every speculative step."""
+    width = max(len(c) for c in chunks) if width is None else width
+    ids = torch.tensor([list(c) + [0] * (width - len(c)) for c in chunks], dtype=torch.int32, device=device)
+    positions = torch.tensor([range(p, p + width) for p in past_lengths], dtype=torch.int32, device=device)
+    lengths = torch.tensor([len(c) for c in chunks], dtype=torch.int32, device=device)
+    return ids, positions, lengths
 
 
 def keep_rows(state: dict, new_state: dict, rows: list[int], batch: int) -> dict:
