@@ -40,7 +40,7 @@ from builder.backends import torch_backend
 from runtime.acceptance import greedy
 from runtime.drafts import EagerDraft
 from runtime.runner import TorchRunner, verify_greedy, verify_tree_greedy
-from runtime import compiled_store
+from runtime import compiled_store, direct_call
 from runtime.small_linear import install as install_small_linear
 
 HEADROOM = 16          # extra KV slots per sequence: the longest compiled chunk
@@ -173,6 +173,8 @@ class _Steps:
         # whose weights dynamo then bakes into the graph as constants)
         self._captured = tuple(c.cell_contents for c in (func.__closure__ or ()))
         self.graphs: dict = {}
+        self.direct: dict = {}     # key -> DirectCall
+        self.plans: dict = {}      # key -> the recorded plans of its first calls
         self.calls: Counter = Counter()
         self.broken = False
         self.compile_seconds: dict = {}
@@ -196,7 +198,20 @@ class _Steps:
     def __call__(self, key, label: str, min_calls: int, *args, **kwargs):
         graph = self.graphs.get(key)
         if graph is not None:
-            return graph(*args, **self.keywords, **kwargs)
+            direct = self.direct.get(key)
+            if direct is not None:
+                try:
+                    return direct(args, {**self.keywords, **kwargs})
+                except LookupError:    # laid out otherwise than recorded: the ordinary call
+                    return graph(*args, **self.keywords, **kwargs)
+            plans = self.plans.get(key)
+            if plans is None or len(plans) >= 2:
+                return graph(*args, **self.keywords, **kwargs)
+            out, plan = direct_call.record(graph, args, {**self.keywords, **kwargs})
+            plans.append(plan)
+            if len(plans) == 2 and direct_call.same_plan(*plans):
+                self.direct[key] = direct_call.DirectCall(*plan)
+            return out
         self.calls[key] += 1
         if self.broken or self.calls[key] < min_calls or not _COMPILING["on"]:
             return self.fn(*args, **kwargs)
@@ -209,7 +224,7 @@ class _Steps:
             seconds = time.perf_counter() - start
             print(f"loaded {label} ({seconds:.1f} s)", file=sys.stderr, flush=True)
             self.compile_seconds[label] = seconds   # what this process paid for the step
-            self.graphs[key] = graph
+            self._add(key, graph)
             return out
         print(f"compiling {label} ...", end="", file=sys.stderr, flush=True)
         try:
@@ -232,8 +247,15 @@ class _Steps:
         seconds = time.perf_counter() - start
         print(f" {seconds:.1f} s", file=sys.stderr, flush=True)
         self.compile_seconds[label] = seconds
-        self.graphs[key] = graph
+        self._add(key, graph)
         return out
+
+    def _add(self, key, graph):
+        """A graph for ``key``; its next two calls are recorded for a direct call
+        (``runtime.direct_call``) unless guards are checked or direct calls are off."""
+        self.graphs[key] = graph
+        if not self.check_guards and direct_call.enabled():
+            self.plans[key] = []
 
 
 _COMPILING = {"on": True}

@@ -175,6 +175,23 @@ def test_warm_up_compiles_every_catch_up_bucket_and_nothing_compiles_after(model
     assert _compiled_keys(compiled)[0] == before, "compiled mid-run"
 
 
+def test_the_runtime_steps_run_as_direct_calls(models):
+    """The steps a speculative and a target-only run repeat (decode, greedy verify, the draft chain)
+    are explained by their recordings and called directly (runtime.direct_call); the greedy ids of
+    the tests above went through those calls. New capacities (other max_new_tokens) keep them."""
+    eager, compiled = models
+    for new in (NEW, 2 * NEW + 3):
+        assert (speculative_generate(compiled.runner, compiled.proposer(), RAGGED[:1], new, 4).output_ids
+                == generate(eager.runner, RAGGED[:1], new).output_ids)
+        assert generate(compiled.runner, RAGGED[:1], new).output_ids == generate(eager.runner, RAGGED[:1], new).output_ids
+    draft = compiled.proposer().draft
+    for steps in (compiled.runner._forward, compiled.runner._verify_greedy, draft._chains):
+        recorded = {k for k, plans in steps.plans.items() if len(plans) == 2}
+        assert recorded and recorded == set(steps.direct), (steps.what, steps.plans.keys(), steps.direct.keys())
+    assert (True, 1, 1, False) in compiled.runner._forward.direct, "the batch-1 decode"
+    assert (True, 5) in compiled.runner._verify_greedy.direct, "the batch-1 greedy verify at K = 4"
+
+
 def test_no_graph_beyond_the_step_shapes(models):
     """Every graph dynamo built is one the runner meant to compile (no silent recompiles on strides,
     tensor kinds or capacity), and a new capacity (another max_new_tokens) builds none."""
