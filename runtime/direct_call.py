@@ -66,17 +66,6 @@ def _leaves(spec, value, out: list) -> None:
         raise LookupError("a non-tensor argument changed")
 
 
-def _build(spec, tensors):
-    """The inverse of ``_leaves``: a value laid out as ``spec`` from an iterator of tensors."""
-    if spec == "T":
-        return next(tensors)
-    if spec[0] == "D":
-        return {k: _build(s, tensors) for k, s in spec[1]}
-    if spec[0] == "S":
-        return tuple(_build(s, tensors) for s in spec[1])
-    return spec[1]
-
-
 def _constants(spec) -> set:
     """The non-tensor values in a layout."""
     if spec == "T":
@@ -231,7 +220,7 @@ def record(call, args, kwargs):
         return result, None
     try:
         inputs, results, result_spec = _plan(inner_inputs, list(inner_outputs), result, leaves)
-    except (Unexplained, LookupError):
+    except (Unexplained, LookupError, TypeError):   # TypeError: an unhashable non-tensor result
         return result, None
     return result, (graph, arg_spec, inputs, results, result_spec)
 
