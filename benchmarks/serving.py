@@ -64,11 +64,24 @@ def build_engine(root: Path, mode: str) -> Path:
     return root / "engine"
 
 
-def offline(engine_dir, prompt, new_tokens):
+def served_backend(serve_args: list[str]) -> str:
+    """The backend `nemospec serve` runs with these flags (its `auto` is the compiled path on a CPU):
+    offline generation runs on the same one, so the served / offline ratio compares like with like."""
+    from runtime.loading import resolve_backend
+    backend = "auto"
+    for i, arg in enumerate(serve_args):
+        if arg == "--backend" and i + 1 < len(serve_args):
+            backend = serve_args[i + 1]
+        elif arg.startswith("--backend="):
+            backend = arg.split("=", 1)[1]
+    return resolve_backend(backend)
+
+
+def offline(engine_dir, prompt, new_tokens, backend="auto"):
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
         code = cli.main(["generate", "--engine_dir", str(engine_dir), "--prompt", prompt, "--max_new_tokens",
-                         str(new_tokens), "--ignore_eos", "--json"])
+                         str(new_tokens), "--ignore_eos", "--json", "--backend", backend])
     if code:
         raise SystemExit(f"nemospec generate failed with code {code}")
     return json.loads(out.getvalue().strip().splitlines()[-1])
@@ -223,7 +236,8 @@ def metrics_text(url):
 
 def run(args, engine_dir, streams):
     prompt = PROMPTS[0]
-    reference = offline(engine_dir, prompt, args.new_tokens)            # warm-up and the expected ids
+    backend = served_backend(args.serve_args.split())
+    reference = offline(engine_dir, prompt, args.new_tokens, backend)   # warm-up and the expected ids
     report = {"engine_dir": engine_dir.name, "new_tokens": args.new_tokens, "runs": args.runs, "threads": args.threads}
     with nemospec_serve(engine_dir, args.serve_args.split()) as endpoints:
         grpc_url, openai_url = endpoints["grpc"], endpoints["openai"]
@@ -234,7 +248,7 @@ def run(args, engine_dir, streams):
             raise SystemExit("served output differs from offline generation")
         offline_runs, single_runs = [], []
         for _ in range(args.runs):
-            offline_runs.append(offline(engine_dir, prompt, args.new_tokens)["tokens_per_second"])
+            offline_runs.append(offline(engine_dir, prompt, args.new_tokens, backend)["tokens_per_second"])
             single_runs.append(args.new_tokens / stream(grpc_url, prompt, args.new_tokens)[1])
         offline_tps, single = statistics.median(offline_runs), statistics.median(single_runs)
         clients = Clients()            # one gRPC client / one HTTP connection per stream slot, both sides

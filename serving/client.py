@@ -1,8 +1,8 @@
 """A gRPC streaming client for the served ensemble (the demo, `nemospec bench`, benchmarks).
 
 Speaks the TensorRT-LLM backend tensor names (``text_input``, ``max_tokens``, ``stream``,
-``end_id``) and reads ``text_output``, ``output_ids`` and ``mean_accepted_tokens`` from each
-streamed response; ``speculative=False`` is the per-request parameter that runs target-only.
+``end_id``) and reads ``text_output`` and ``output_ids`` from each streamed response and
+``mean_accepted_tokens`` from the final one; ``speculative=False`` is the per-request parameter that runs target-only.
 """
 from __future__ import annotations
 
@@ -69,7 +69,9 @@ def stream_generate(url: str, prompt: str, max_tokens: int, *, speculative: bool
                 chunk = text.reshape(-1)[0].decode()
                 out.text += chunk
                 out.ids += result.as_numpy("output_ids").reshape(-1).tolist()
-                out.mean_accepted_tokens = float(result.as_numpy("mean_accepted_tokens").reshape(-1)[0])
+                mean = result.as_numpy("mean_accepted_tokens")   # in the final response (or with return_perf_metrics)
+                if mean is not None:
+                    out.mean_accepted_tokens = float(mean.reshape(-1)[0])
                 out.responses += 1
                 if on_text is not None and chunk:
                     on_text(chunk)

@@ -178,7 +178,8 @@ def grpc_stream(server, text, max_tokens, parameters=None, inputs=None, **fields
             if result.as_numpy("text_output") is not None:
                 chunks.append(result.as_numpy("text_output").reshape(-1)[0].decode())
                 ids += result.as_numpy("output_ids").reshape(-1).tolist()
-                mean = float(result.as_numpy("mean_accepted_tokens").reshape(-1)[0])
+                if result.as_numpy("mean_accepted_tokens") is not None:   # the final response's (or every
+                    mean = float(result.as_numpy("mean_accepted_tokens").reshape(-1)[0])  # with perf metrics)
             if response.parameters["triton_final_response"].bool_param:
                 return chunks, ids, mean, None
     finally:
@@ -329,6 +330,20 @@ def test_http_generate_stream_sse(server, engine_dir):
     events = [json.loads(line[len("data:"):]) for line in body.splitlines() if line.startswith("data:")]
     assert len(events) > 1
     assert "".join(e["text_output"] for e in events) == want["text"]
+    # as the TensorRT-LLM backend: perf metrics and log probs only when asked for (and in the final
+    # response), so a streamed step costs Triton 5 output tensors, not 22
+    perf = ("arrival_time_ns", "total_draft_tokens", "acceptance_histogram", "mean_accepted_tokens", "finish_reason",
+            "kv_cache_alloc_new_blocks", "cum_log_probs")
+    assert not any(name in e for e in events[:-1] for name in perf), events[0]
+    assert all(name in events[-1] for name in perf) and events[-1]["finish_reason"] == "length"
+    assert events[-1]["mean_accepted_tokens"] == pytest.approx(want["acceptance"]["mean_accepted_tokens"])
+    status, body = http_post(server, "/v2/models/ensemble/generate_stream",
+                             {"text_input": PROMPTS[0], "max_tokens": 24, "stream": True, "return_perf_metrics": True})
+    events = [json.loads(line[len("data:"):]) for line in body.splitlines() if line.startswith("data:")]
+    assert status == 200 and len(events) > 1
+    assert all("arrival_time_ns" in e and "total_draft_tokens" in e for e in events)
+    drafted = [e["total_draft_tokens"] for e in events]
+    assert drafted == sorted(drafted) and drafted[-1] > drafted[0], "the request's counts so far, per response"
 
 
 def test_speculative_false_gives_the_same_greedy_text(server, engine_dir):
