@@ -68,13 +68,10 @@ def served_backend(serve_args: list[str]) -> str:
     """The backend `nemospec serve` runs with these flags (its `auto` is the compiled path on a CPU):
     offline generation runs on the same one, so the served / offline ratio compares like with like."""
     from runtime.loading import resolve_backend
-    backend = "auto"
-    for i, arg in enumerate(serve_args):
-        if arg == "--backend" and i + 1 < len(serve_args):
-            backend = serve_args[i + 1]
-        elif arg.startswith("--backend="):
-            backend = arg.split("=", 1)[1]
-    return resolve_backend(backend)
+    from serving.command import add_serve_args
+    parser = argparse.ArgumentParser(add_help=False)
+    add_serve_args(parser)
+    return resolve_backend(parser.parse_known_args(["--engine_dir", "-", *serve_args])[0].backend)
 
 
 def offline(engine_dir, prompt, new_tokens, backend="auto"):

@@ -178,8 +178,8 @@ def grpc_stream(server, text, max_tokens, parameters=None, inputs=None, **fields
             if result.as_numpy("text_output") is not None:
                 chunks.append(result.as_numpy("text_output").reshape(-1)[0].decode())
                 ids += result.as_numpy("output_ids").reshape(-1).tolist()
-                if result.as_numpy("mean_accepted_tokens") is not None:   # the final response's (or every
-                    mean = float(result.as_numpy("mean_accepted_tokens").reshape(-1)[0])  # with perf metrics)
+                got = result.as_numpy("mean_accepted_tokens")   # the final response's (every one's with perf metrics)
+                mean = mean if got is None else float(got.reshape(-1)[0])
             if response.parameters["triton_final_response"].bool_param:
                 return chunks, ids, mean, None
     finally:

@@ -407,11 +407,13 @@ class TritonPythonModel:
             self.m["itl"].observe(entry.itl_ns / 1e9 / entry.itl_tokens)
             entry.itl_ns = entry.itl_tokens = 0
 
+    def _live_entries(self):
+        with self.lock:
+            return list(self.live.values())
+
     def _sweep(self):
         now = time.monotonic()
-        with self.lock:
-            entries = list(self.live.values())
-        for entry in entries:
+        for entry in self._live_entries():
             if not entry.done and now - entry.checked >= SWEEP_SECONDS and self._cancelled(entry, now):
                 self._cancel(entry)
 
@@ -436,9 +438,7 @@ class TritonPythonModel:
                 if now - last_metrics >= METRICS_SECONDS:  # no round trips when nothing changed
                     last_metrics = now
                     self._refresh_metrics()
-                    with self.lock:
-                        entries = list(self.live.values())
-                    for entry in entries:
+                    for entry in self._live_entries():
                         self._flush_itl(entry)
                 if now - last_sweep >= SWEEP_SECONDS:
                     last_sweep = now
