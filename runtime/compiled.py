@@ -48,6 +48,7 @@ MAX_TOKENS = 16        # chunks longer than this always run eagerly (prefill)
 STEP_CALLS = 2         # decode, verify, rollback and draft rows compile on their 2nd call
 FEATURE_DRAFTS = ("eagle", "eagle3", "mtp")
 BLOCK_DRAFTS = ("dflash", "dspark")      # context rows padded to K+1 by the proposer: one graph per step
+PARALLEL_DRAFTS = ("peagle",)             # catch-up rows and placeholders right-padded to 2K: one graph per K
 # Inductor turns a one-row attention (q [.., 1, D] x keys [.., D, S]) into a pointwise product and a
 # sum, and by default recomputes q's rotary embedding (pow, cos, sin) inside it for every key slot.
 # Storing such intermediates instead: embedded eagle3 draft step 0.50 -> 0.35 ms (the target's decode
@@ -407,14 +408,16 @@ class CompiledDraft(EagerDraft):
     and write only KV slots that later rows overwrite before anything reads them; so one graph serves
     every catch-up. One-row steps (proposals, a catch-up of one row) have their own graph. Block drafts
     (dflash, dspark) get one graph per step too: their proposer pads the context rows verified since
-    the last step (1..K+1) to K+1 (``pad_to``), rows whose slots the block itself overwrites. P-EAGLE
-    runs eagerly (its verified rows and placeholders share one chunk whose width changes every step;
-    compiling each width cost far more than it saved: 17 tokens/s against 480 target-only)."""
+    the last step (1..K+1) to K+1 (``pad_to``), rows whose slots the block itself overwrites. P-EAGLE's
+    chunk (the 1..K+1 rows verified since the last step, then K-1 placeholders) is right-padded to 2K
+    rows, as a ragged batch pads a shorter sequence: one graph per K (compiling each width instead
+    cost far more than it saved: 17 tokens/s against 480 target-only)."""
 
     def __init__(self, module, target_vocab: int, device="cpu", max_draft_len: int = 4,
                  weight_dtype: str = "auto"):
         super().__init__(module, target_vocab, device)
         self.pad_to = max_draft_len + 1
+        self.parallel_width = 2 * max_draft_len   # P-EAGLE: K+1 verified rows at most, K-1 placeholders
         # a chain's catch-up chunk (the rows the last verify accepted, 1..K+1) padded to the next of
         # these: a 5-row draft chunk computes 5 rows however few are real, and in an eagle3 run on the
         # embedded model 45% of steps accept 0 or 1 drafts (1 or 2 rows)
@@ -498,6 +501,8 @@ class CompiledDraft(EagerDraft):
     def run(self, name: str, feeds: dict) -> dict:
         if name == "draft" and self.kind in BLOCK_DRAFTS:
             return self._run_block(feeds)
+        if name == "draft" and self.kind in PARALLEL_DRAFTS:
+            return self._run_parallel(feeds)
         if name != "draft" or self.kind not in FEATURE_DRAFTS:
             return super().run(name, feeds)
         batch, rows = feeds["input_ids"].shape
@@ -553,6 +558,22 @@ class CompiledDraft(EagerDraft):
         return self._steps((batch == 1, shapes), f"{self.kind} draft step ({feeds['aux'].shape[1]} context rows, "
                            f"{_batch_label(batch)})", STEP_CALLS,
                            _prepare(feeds, batch, self.capacity_dims))
+
+
+    def _run_parallel(self, feeds: dict) -> dict:
+        """A P-EAGLE step right-padded to 2K rows (K+1 catch-up rows at most, K-1 placeholders): the
+        padded rows lie past ``lengths`` at positions past the last placeholder, which no valid row
+        sees and the next step's rows overwrite before any reads them. A prompt's rows stay eager."""
+        batch, rows = feeds["input_ids"].shape
+        width = self.parallel_width
+        if rows > width or width > min(MAX_TOKENS, HEADROOM):
+            return self.components["draft"].call(feeds)
+        if rows < width:
+            feeds = _pad_rows(feeds, batch, rows, width)
+        shapes = tuple((k, tuple(v.shape[1:])) for k, v in feeds.items()
+                       if isinstance(v, torch.Tensor) and k not in self.capacity_dims)
+        return self._steps((batch == 1, shapes), f"{self.kind} draft step ({width} rows, {_batch_label(batch)})",
+                           STEP_CALLS, _prepare(feeds, batch, self.capacity_dims))
 
 
 def _pad_rows(feeds: dict, batch: int, rows: int, pad: int) -> dict:

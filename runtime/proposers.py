@@ -458,7 +458,7 @@ class ParallelDraftProposer(_AuxProposer):
             placeholders = k if last else 1
             ids, aux, is_mask, pos, lengths, index = m.step_inputs(
                 [r[:n] for r, n in zip(self.rows, take)], [f[:n] for f, n in zip(self.feats, take)],
-                self.start_pos, placeholders)
+                self.start_pos, placeholders, getattr(self.draft, "parallel_width", 0) if last else 0)
             if not last:  # an early chunk of a long prompt: its logits are not used
                 index = torch.zeros_like(index[:, :1])
             feeds = {"input_ids": ids.to(dev), "aux": aux.to(dev), "is_mask": is_mask.to(dev), "positions": pos.to(dev),
@@ -472,6 +472,8 @@ class ParallelDraftProposer(_AuxProposer):
 
     def propose(self, k, params, stop_below=0.0):
         logits = self._logits(k)
+        if not stop_below and all(p.argmax for p in params):   # every row's argmax at once
+            return logits.argmax(-1), None, None
         chain = _Chain(params, self.draft.target_vocab, stop_below)
         for j in range(k):
             chain.draw(logits[:, j])

@@ -62,14 +62,15 @@ class PEagleDraft(Eagle3Draft):
     def target_layer_ids(self) -> tuple[int, ...]:
         return self.aux_layer_ids
 
-    def step_inputs(self, tokens, features, starts, num_draft_tokens: int):
+    def step_inputs(self, tokens, features, starts, num_draft_tokens: int, width: int = 0):
         """Chunk tensors of one step (torch): per sequence b the catch-up rows ``tokens[b]`` (ids of
         x_{p+1}) with ``features[b]`` [n_b, k*Ht] (g_p) at positions starts[b] + 0.., then K-1
-        placeholders. Returns (input_ids, aux, is_mask, positions, lengths, logit_index)."""
+        placeholders, right-padded to ``width`` rows at least (positions continue past a sequence's
+        last row). Returns (input_ids, aux, is_mask, positions, lengths, logit_index)."""
         k = int(num_draft_tokens)
         batch = len(tokens)
         rows = [len(t) + k - 1 for t in tokens]
-        width = max(rows)
+        width = max(rows + [width])
         ids = torch.zeros(batch, width, dtype=torch.int32)
         aux = torch.zeros(batch, width, self.aux_width, dtype=self.dtype)
         is_mask = torch.zeros(batch, width, dtype=torch.int32)
