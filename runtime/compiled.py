@@ -42,6 +42,7 @@ from runtime.drafts import EagerDraft
 from runtime.runner import TorchRunner, verify_greedy, verify_tree_greedy
 from runtime import compiled_store, direct_call
 from runtime.small_linear import install as install_small_linear
+from runtime.state import keep_rows
 
 HEADROOM = 16          # extra KV slots per sequence: the longest compiled chunk
 MAX_TOKENS = 16        # chunks longer than this always run eagerly (prefill)
@@ -340,7 +341,6 @@ class CompiledRunner(TorchRunner):
         right-padded as a ragged batch pads a shorter sequence: a sequence with no rows left in a
         chunk runs one padding row there and keeps its state (``keep_rows``). Returns what
         ``forward`` does: the logits at ``logit_index``, the state, every real row's features."""
-        from runtime.state import keep_rows
         batch, tokens = input_ids.shape
         self.step_chunks.add(PROMPT_ROWS)
         width = -(-tokens // PROMPT_ROWS) * PROMPT_ROWS
@@ -591,7 +591,6 @@ class CompiledDraft(EagerDraft):
         return self._steps((batch == 1, shapes), f"{self.kind} draft step ({feeds['aux'].shape[1]} context rows, "
                            f"{_batch_label(batch)})", STEP_CALLS,
                            _prepare(feeds, batch, self.capacity_dims))
-
 
     def _run_parallel(self, feeds: dict) -> dict:
         """A P-EAGLE step right-padded to 2K rows (K+1 catch-up rows at most, K-1 placeholders): the
