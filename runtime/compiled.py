@@ -42,13 +42,12 @@ from runtime.drafts import EagerDraft
 from runtime.runner import TorchRunner, verify_greedy, verify_tree_greedy
 from runtime import compiled_store, direct_call
 from runtime.small_linear import install as install_small_linear
-from runtime.state import keep_rows
 
 HEADROOM = 16          # extra KV slots per sequence: the longest compiled chunk
 MAX_TOKENS = 16        # chunks longer than this always run eagerly (prefill)
 STEP_CALLS = 2         # decode, verify, rollback and draft rows compile on their 2nd call
-# A prompt chunk of up to PROMPT_COMPILED_MAX tokens runs as compiled chunks of PROMPT_ROWS rows (the
-# last right-padded): embedded target, 1 thread, eagerly ~4 ms + 0.1 ms a token (11 tokens 6.0 ms,
+# One sequence's prompt chunk of up to PROMPT_COMPILED_MAX tokens runs as compiled chunks of PROMPT_ROWS
+# rows (the last right-padded): embedded target, 1 thread, eagerly ~4 ms + 0.1 ms a token (11 tokens 6.0 ms,
 # 64: 10.2, 128: 17.3), compiled 2.2 ms per 16 rows (11 tokens: 2.2 ms); longer chunks stay eager.
 PROMPT_ROWS, PROMPT_COMPILED_MAX = 16, 64
 FEATURE_DRAFTS = ("eagle", "eagle3", "mtp")
@@ -316,8 +315,8 @@ class CompiledRunner(TorchRunner):
             return self._forward(key, f"tree verify ({tokens} rows, {_batch_label(batch)})", STEP_CALLS, *args,
                                  _prepare(state, batch, self.capacity_dims), verify=verify,
                                  tree=tuple(_prepare(t, batch, {}) for t in tree))
-        if (not verify and 1 < tokens <= PROMPT_COMPILED_MAX and tokens not in self.step_chunks
-                and logit_index.shape[1] == 1):
+        if (not verify and batch == 1 and 1 < tokens <= PROMPT_COMPILED_MAX and tokens not in self.step_chunks
+                and logit_index.shape[1] == 1 and int(lengths[0]) == tokens):
             return self._prompt_chunks(input_ids, positions, lengths, logit_index, state)
         if tokens > MAX_TOKENS:
             return self.module.forward(input_ids, positions, lengths, logit_index, state, verify)
@@ -337,28 +336,26 @@ class CompiledRunner(TorchRunner):
         return self._forward(key, label, calls, *args, _prepare(state, batch, self.capacity_dims), verify=verify)
 
     def _prompt_chunks(self, input_ids, positions, lengths, logit_index, state):
-        """A short prompt chunk (one logit row per sequence) as compiled chunks of PROMPT_ROWS rows,
-        right-padded as a ragged batch pads a shorter sequence: a sequence with no rows left in a
-        chunk runs one padding row there and keeps its state (``keep_rows``). Returns what
-        ``forward`` does: the logits at ``logit_index``, the state, every real row's features."""
-        batch, tokens = input_ids.shape
+        """One sequence's short prompt chunk as compiled chunks of PROMPT_ROWS rows, the last
+        right-padded past ``lengths`` (as a ragged batch pads a shorter sequence). Batch 1 only:
+        a server admits a request at a time, and each batch-2+ graph is ~40 s more to compile once.
+        Returns what ``forward`` does: the last row's logits, the state, every real row's features."""
+        tokens = input_ids.shape[1]
         self.step_chunks.add(PROMPT_ROWS)
         width = -(-tokens // PROMPT_ROWS) * PROMPT_ROWS
-        rows = _pad_rows({"input_ids": input_ids, "positions": positions}, batch, tokens, width)
-        index = logit_index.long()[:, 0]
+        rows = _pad_rows({"input_ids": input_ids, "positions": positions}, 1, tokens, width)
+        index = int(logit_index[0, 0])
         logits, features = None, []
         for start in range(0, width, PROMPT_ROWS):
-            real = (lengths.long() - start).clamp(0, PROMPT_ROWS)
-            out, new_state, feats = self.forward(
+            real = min(PROMPT_ROWS, tokens - start)
+            out, state, feats = self.forward(
                 rows["input_ids"][:, start:start + PROMPT_ROWS], rows["positions"][:, start:start + PROMPT_ROWS],
-                real.clamp_min(1).to(lengths.dtype), (index - start).clamp(0, PROMPT_ROWS - 1).to(logit_index.dtype)[:, None],
+                torch.full_like(lengths, real), torch.full_like(logit_index, min(max(index - start, 0), PROMPT_ROWS - 1)),
                 state)
-            state = keep_rows(state, new_state, [b for b in range(batch) if real[b] > 0], batch)
-            here = ((index >= start) & (index < start + PROMPT_ROWS)).view(-1, 1, 1)
-            logits = out if logits is None else torch.where(here, out, logits)
+            if start <= index < start + PROMPT_ROWS:
+                logits = out
             features.append(feats)
-        features = {k: torch.cat([f[k] for f in features], 1)[:, :tokens] if features[0][k].dim() > 1 else features[0][k]
-                    for k in features[0]}
+        features = {k: torch.cat([f[k] for f in features], 1)[:, :tokens] for k in features[0]}
         return logits, state, features
 
     @torch.no_grad()
