@@ -337,8 +337,9 @@ class CompiledRunner(TorchRunner):
 
     def _prompt_chunks(self, input_ids, positions, lengths, logit_index, state):
         """One sequence's short prompt chunk as compiled chunks of PROMPT_ROWS rows, the last
-        right-padded past ``lengths`` (as a ragged batch pads a shorter sequence). Batch 1 only:
-        a server admits a request at a time, and each batch-2+ graph is ~40 s more to compile once.
+        right-padded past ``lengths`` (as a ragged batch pads a shorter sequence). Batch 1 only: a
+        server admits the requests that arrived since its last step, one at a time unless they came
+        in a burst, and each batch-2+ graph is ~40 s more to compile once.
         Returns what ``forward`` does: the last row's logits, the state, every real row's features."""
         tokens = input_ids.shape[1]
         self.step_chunks.add(PROMPT_ROWS)
