@@ -227,6 +227,16 @@ class SpeculativeGroup(PlainGroup):
         return self._decode_step(watch, lambda tokens, features: self.proposer.accept(
             torch.zeros(n, dtype=torch.long), tokens, torch.zeros(n, 0, dtype=torch.long), features))
 
+    def _verify_width(self, k: int, width: int) -> int:
+        """Drafts verified by a step whose confident drafts were ``k`` of ``width``: ``k``, or where
+        the target runs compiled verify steps for some lengths only (``verify_buckets``, in tokens)
+        and k + 1 is not one, the longest shorter one; a length between two buckets would run the
+        unfused verify, which costs more than verifying the extra drafts would save."""
+        buckets = getattr(self.target, "verify_buckets", None)
+        if k >= width or not buckets or k + 1 in buckets:
+            return k
+        return max((b - 1 for b in buckets if b - 1 <= k), default=k)
+
     def step(self):
         watch = Stopwatch()
         k = self._draft_len()
@@ -242,7 +252,8 @@ class SpeculativeGroup(PlainGroup):
         confident = self.policy.confident_lengths(conf).tolist() if conf is not None else [width] * n
         proposed = [min(c if s.acceptance.speculating else 0, k if s.max_draft is None else s.max_draft)
                     for c, s in zip(confident, self.seqs)]
-        k = max(proposed)
+        k = self._verify_width(max(proposed), width)
+        proposed = [min(p, k) for p in proposed]
         drafted = drafts.tolist()
         drafts, q = drafts[:, :k], None if q is None else q[:, :k]
         draft = watch.lap()

@@ -416,6 +416,17 @@ class CompiledRunner(TorchRunner):
         for _ in range(STEP_CALLS):
             self.forward(ids, positions, lengths, (lengths - 1)[:, None], state)
 
+    def warm_verify(self, tokens: int, batch: int = 1) -> None:
+        """Runs the greedy verify of a ``tokens``-token chunk on a scratch state until its graph is
+        compiled (or loaded): the shorter verify lengths a confidence stop trims a step to, which a
+        short warm-up run may not meet twice."""
+        state = self.new_state(batch, 2 * MAX_TOKENS)
+        ids = torch.zeros(batch, tokens, dtype=torch.int32, device=self.device)
+        positions = torch.arange(tokens, dtype=torch.int32, device=self.device).expand(batch, -1)
+        lengths = torch.full((batch,), tokens, dtype=torch.int32, device=self.device)
+        for _ in range(STEP_CALLS):
+            self.verify_greedy(ids, positions, lengths, positions.contiguous(), state)
+
     @torch.no_grad()
     def rollback(self, state, verified, accepted_rows):
         if self._rollback is None:
@@ -638,6 +649,11 @@ def warm_up(loaded, prompts, draft_len: int = 0, tree=None, **generate_args) -> 
                              **generate_args)
         if isinstance(getattr(proposer, "draft", None), CompiledDraft) and tree is None:
             proposer.draft.warm_chain(draft_len, len(prompts))
+        policy = getattr(loaded, "draft_policy", None)
+        if tree is None and policy is not None and policy.confidence_threshold:   # steps trimmed to fewer drafts
+            for tokens in loaded.runner.verify_buckets:
+                if tokens <= draft_len:
+                    loaded.runner.warm_verify(tokens, len(prompts))
         draft = getattr(proposer, "runner", None)          # a draft_target draft: a NemotronH of its own
         if isinstance(draft, CompiledRunner):              # [last draft, bonus], queued after a full accept;
             for tokens in range(2, 2 + (tree.depth if tree is not None else 1)):   # after a tree: 1..depth+1 rows

@@ -4,8 +4,9 @@ Three controls, each exact whatever K it picks (acceptance only ever keeps verif
 
 * ``draft_len_schedule`` (TensorRT-LLM's name and meaning): {max batch size: K}; a step with batch
   size b drafts the K of the smallest key >= b, and 0 (target-only) past the largest key.
-* ``draft_confidence_threshold``: a sequence stops proposing at the first draft token whose draft
-  probability is under it (chain drafts stop running their draft; block drafts verify fewer rows).
+* ``draft_confidence_threshold``: a sequence verifies its drafts up to the first whose draft
+  probability is under it (greedy rows still draft K in one call and verify the confident prefix;
+  sampled chain drafts stop running their draft).
 * ``acceptance_rate_threshold`` over ``acceptance_rate_window_size`` speculative steps (TensorRT-LLM's
   names): once a sequence's rolling accepted / drafted ratio falls under it, that sequence decodes
   target-only for the rest of the request.
@@ -95,8 +96,8 @@ class AcceptanceTracker:
 POLICY_FLAGS = {  # flag -> (type, build default, help)
     "draft_len_schedule": (str, "", "K by batch size, TensorRT-LLM style: 'max_batch:K,...' (e.g. 1:4,4:3,8:2,16:0; "
                                     "past the largest batch size 0 = target-only)"),
-    "draft_confidence_threshold": (float, 0.0, "stop drafting a sequence at the first draft token whose draft "
-                                                "probability is under this (0 = always draft K)"),
+    "draft_confidence_threshold": (float, 0.0, "verify a sequence's drafts only up to the first whose draft "
+                                                "probability is under this (0 = always verify K)"),
     "acceptance_rate_threshold": (float, 0.0, "turn speculation off for a request whose accepted/drafted ratio over "
                                                "the last --acceptance_rate_window_size steps falls under this (0 = never)"),
     "acceptance_rate_window_size": (int, 8, "speculative steps in the acceptance-rate window"),

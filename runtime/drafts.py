@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from builder.engine import BuildOptions, draft_components
+from runtime.sampling import top_probability
 from runtime.state import allocate
 from runtime.tree_draft import feature_expand, grow_greedy
 
@@ -100,20 +101,21 @@ class EagerDraft:
     def _chain(self, ids, features, positions, lengths, state, k: int):
         """A feature draft's whole greedy proposal in one call: the catch-up chunk yields the first
         token, then k-1 rows each fed the previous token and the draft's own hidden. Returns (tokens
-        [B, k], the catch-up's last-row logits [B, V] and hidden [B, H], the state after the last
-        row): what ``k`` calls of ``step`` with argmax in between give, without a host round trip
-        per token."""
+        [B, k], their draft probabilities [B, k], the catch-up's last-row logits [B, V] and hidden
+        [B, H], the state after the last row): what ``k`` calls of ``step`` with argmax in between
+        give, without a host round trip per token."""
         first_logits, hidden, position, state = self._catch_up(ids, features, positions, lengths, state)
-        first_hidden, token = hidden, first_logits.argmax(-1)
-        tokens = [token]
+        first_hidden, logits = hidden, first_logits
+        tokens, confidences = [logits.argmax(-1)], [top_probability(logits)]
         one = torch.ones_like(lengths)
         zero = torch.zeros_like(one)[:, None]
         for i in range(1, k):
-            logits, out, state = self._step(self._call, token.to(torch.int32)[:, None], None, hidden[:, None],
+            logits, out, state = self._step(self._call, tokens[-1].to(torch.int32)[:, None], None, hidden[:, None],
                                             position + (i - 1), one, zero, state)
-            hidden, token = out[:, 0], logits[:, 0].argmax(-1)
-            tokens.append(token)
-        return torch.stack(tokens, 1), first_logits, first_hidden, state
+            hidden, logits = out[:, 0], logits[:, 0]
+            tokens.append(logits.argmax(-1))
+            confidences.append(top_probability(logits))
+        return torch.stack(tokens, 1), torch.stack(confidences, 1), first_logits, first_hidden, state
 
     @torch.inference_mode()
     def tree_chain(self, ids, features, positions, lengths, state, shape):
@@ -166,14 +168,16 @@ class EagerDraft:
     def _block_chain(self, feeds: dict, state: dict, anchor):
         """A block draft's greedy proposal in one call: the block's forward, then each draft row's
         argmax over the target vocabulary, after DSpark's Markov bias for the previous row's token
-        (``anchor`` [B] target ids before the first row). Returns (target ids [B, K], new state)."""
+        (``anchor`` [B] target ids before the first row). Returns ((target ids [B, K], their draft
+        probabilities [B, K]), new state)."""
         out = self._block_forward(feeds, state)
-        base, prev, tokens = out["logits"], anchor.long()[:, None], []
+        base, prev, tokens, confidences = out["logits"], anchor.long()[:, None], [], []
         for j in range(base.shape[1]):
-            token = self.block_row(base, j, prev, self._call)[:, 0].argmax(-1)
-            tokens.append(token)
-            prev = token[:, None]
-        return torch.stack(tokens, 1), _present(out)
+            row = self.block_row(base, j, prev, self._call)[:, 0]
+            tokens.append(row.argmax(-1))
+            confidences.append(top_probability(row))
+            prev = tokens[-1][:, None]
+        return (torch.stack(tokens, 1), torch.stack(confidences, 1)), _present(out)
 
     @torch.inference_mode()
     def block_tree(self, feeds: dict, state: dict, anchor, shape):

@@ -25,7 +25,7 @@ import torch
 
 from runtime.prefill import prefill
 from runtime.rollback import select_snapshots
-from runtime.sampling import draw
+from runtime.sampling import draw, top_probability
 from runtime.state import chunk_inputs, keep_rows
 from runtime.tree import ancestors
 from runtime.tree_draft import DraftTree, TreeShape, feature_expand, grow, model_expand
@@ -249,12 +249,23 @@ class FeatureDraftProposer(_PerSequence):
         self.position = [0] * len(prompts)
         self.pending = [p[1:] + [t] for p, t in zip(prompts, first_tokens)]
         self.pending_features = list(features[self.draft.feature])
-        self._catch_up()
+        if hasattr(self.draft, "chain") and all(len(t) > 1 for t in self.pending):
+            # the last row stays queued: the first proposal's catch-up, so it can run as one chain call
+            last = [t[-1:] for t in self.pending]
+            last_features = [f[-1:] for f in self.pending_features]
+            self.pending = [t[:-1] for t in self.pending]
+            self.pending_features = [f[:-1] for f in self.pending_features]
+            self._catch_up()
+            self.pending, self.pending_features = last, last_features
+        else:
+            self._catch_up()
 
-    def _fused(self, k, params, stop_below) -> bool:
-        """Whether this proposal can run as one ``draft.chain`` call: k > 1, no confidence stop, and
-        what ``_fusable`` asks."""
-        return k > 1 and not stop_below and hasattr(self.draft, "chain") and self._fusable(params)
+    def _fused(self, k, params) -> bool:
+        """Whether this proposal can run as one ``draft.chain`` call: k > 1 and what ``_fusable``
+        asks. A confidence stop then trims the k drafts afterwards (``DraftPolicy.confident_lengths``)
+        rather than stopping the draft: a proposal costs less inside the one call than a call of its
+        own."""
+        return k > 1 and hasattr(self.draft, "chain") and self._fusable(params)
 
     def _fusable(self, params) -> bool:
         """Greedy rows with nothing banned, every sequence with 1..prefill_chunk queued rows: the
@@ -277,15 +288,16 @@ class FeatureDraftProposer(_PerSequence):
         self.pending = [[] for _ in self.pending]
         self.pending_features = [None] * len(self.pending)
 
-    def _propose_chain(self, k):
+    def _propose_chain(self, k, stop_below):
         ids, feats, positions, lengths = self._queued_chunk()
-        tokens, self.logits, self.hidden, self.state = self.draft.chain(ids, feats, positions, lengths, self.state, k)
+        tokens, conf, self.logits, self.hidden, self.state = self.draft.chain(ids, feats, positions, lengths,
+                                                                              self.state, k)
         self._queued_consumed()
-        return tokens, None, None
+        return tokens, None, conf.cpu() if stop_below else None
 
     def propose(self, k, params, stop_below=0.0):
-        if self._fused(k, params, stop_below):
-            return self._propose_chain(k)
+        if self._fused(k, params):
+            return self._propose_chain(k, stop_below)
         if any(self.pending):
             self._catch_up()
         dev = self.draft.device
@@ -401,9 +413,10 @@ class BlockDraftProposer(_AuxProposer):
                 return logits
 
     def propose(self, k, params, stop_below=0.0):
-        if not stop_below and hasattr(self.draft, "block_chain") and all(p.argmax for p in params):
+        if hasattr(self.draft, "block_chain") and all(p.argmax for p in params):
             anchor = torch.tensor(self.anchor, dtype=torch.long, device=self.draft.device)
-            return self._run(k, lambda feeds, state: self.draft.block_chain(feeds, state, anchor)), None, None
+            tokens, conf = self._run(k, lambda feeds, state: self.draft.block_chain(feeds, state, anchor))
+            return tokens, None, conf.cpu() if stop_below else None
         base = self._run(k)                                          # [B, k, Vd]
         chain = _Chain(params, self.draft.target_vocab, stop_below)
         prev = torch.tensor(self.anchor, dtype=torch.long)[:, None]
@@ -472,8 +485,8 @@ class ParallelDraftProposer(_AuxProposer):
 
     def propose(self, k, params, stop_below=0.0):
         logits = self._logits(k)
-        if not stop_below and all(p.argmax for p in params):   # every row's argmax at once
-            return logits.argmax(-1), None, None
+        if all(p.argmax for p in params):   # every row's argmax (and its probability) at once
+            return logits.argmax(-1), None, top_probability(logits).cpu() if stop_below else None
         chain = _Chain(params, self.draft.target_vocab, stop_below)
         for j in range(k):
             chain.draw(logits[:, j])

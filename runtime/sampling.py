@@ -38,6 +38,11 @@ class SamplingParams:
         return self.argmax and not self.uses_history
 
 
+def top_probability(logits: torch.Tensor) -> torch.Tensor:
+    """The probability of each row's argmax token [...] (a greedy draft's confidence in its token)."""
+    return torch.softmax(logits.float(), -1).amax(-1)
+
+
 def probabilities(logits: torch.Tensor, temperature: float, top_p: float, top_k: int = 0) -> torch.Tensor:
     """The distribution sampling draws from: softmax(logits / T) restricted to the top-k tokens, then
     to the top-p nucleus."""

@@ -15,6 +15,7 @@ from contextlib import redirect_stderr, redirect_stdout
 
 import pytest
 import torch
+from tokenizers import Tokenizer
 
 from builder import embedded
 from nemospec import cli
@@ -101,6 +102,42 @@ def test_draft_chain_proposes_what_step_by_step_proposes(models, monkeypatch):
     assert fused_out == out and fused_steps == steps and any(len(p) == 4 for _, _, p in steps)
     got, _ = _proposals(compiled, RAGGED, 4, True, monkeypatch)
     assert got == out and compiled.proposer().draft._chains.ready
+
+
+def test_confidence_stop_trims_the_one_call_chain_to_a_compiled_verify(models, monkeypatch):
+    """A confidence threshold on greedy rows: the draft proposes K in its one chain call and the step
+    verifies the confident prefix, as the step-by-step draft that stops at the first unconfident token
+    proposes (same trace, eager); compiled, a prefix of 3 is cut to 2 (verify lengths 2, 3 and 5 are
+    graphs, 4 is not; later steps start elsewhere), no step runs the unfused verify, and the ids equal
+    target-only greedy."""
+    from runtime import compiled as compiled_module
+    from runtime import proposers
+    from runtime.draft_policy import DraftPolicy
+    eager, compiled = models
+    policy = DraftPolicy(4, confidence_threshold=0.6)
+    prompts = [Tokenizer.from_file(str(embedded.target_dir() / "tokenizer.json")).encode("def fibonacci(n):").ids]
+    want = generate(eager.runner, prompts, 2 * NEW).output_ids
+
+    def run(loaded, fused):
+        if not fused:
+            monkeypatch.setattr(proposers.FeatureDraftProposer, "_fused", lambda *a: False)
+        chains, steps = [], []
+        chain = type(loaded.proposer().draft).chain
+        monkeypatch.setattr(type(loaded.proposer().draft), "chain", lambda *a: chains.append(1) or chain(*a))
+        got = speculative_generate(loaded.runner, loaded.proposer(), prompts, 2 * NEW, 4, policy=policy,
+                                   trace=steps.append)
+        monkeypatch.undo()
+        assert got.output_ids == want
+        return [len(s["proposed"]) for s in steps], len(chains)
+
+    step_by_step, no_chain = run(eager, False)
+    fused, chains = run(eager, True)
+    assert fused == step_by_step and no_chain == 0 and chains == len(fused)   # every step one chain call
+    assert 3 in fused and 4 in fused, fused          # a prompt where the trim cuts and where it does not
+    monkeypatch.setattr(compiled_module.CompiledRunner, "rollback", lambda *a: pytest.fail("unfused verify"))
+    lengths, _ = run(compiled, True)
+    cut = fused.index(3) + 1                      # the steps agree until the cut (then positions differ)
+    assert lengths[:cut] == [2 if n == 3 else n for n in fused[:cut]] and set(lengths) <= {1, 2, 4}, lengths
 
 
 def _tree_steps(loaded, prompts, shape):
