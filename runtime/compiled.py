@@ -409,10 +409,7 @@ class CompiledRunner(TorchRunner):
         queued only after a fully accepted step, or the 1..depth+1 rows it queues after tree steps
         (which would otherwise compile as other short chunks, on their 16th call, mid-run)."""
         self.step_chunks.add(tokens)
-        state = self.new_state(batch, 2 * MAX_TOKENS)
-        ids = torch.zeros(batch, tokens, dtype=torch.int32, device=self.device)
-        positions = torch.arange(tokens, dtype=torch.int32, device=self.device).expand(batch, -1)
-        lengths = torch.full((batch,), tokens, dtype=torch.int32, device=self.device)
+        state, ids, positions, lengths = self._scratch_chunk(tokens, batch)
         for _ in range(STEP_CALLS):
             self.forward(ids, positions, lengths, (lengths - 1)[:, None], state)
 
@@ -420,12 +417,16 @@ class CompiledRunner(TorchRunner):
         """Runs the greedy verify of a ``tokens``-token chunk on a scratch state until its graph is
         compiled (or loaded): the shorter verify lengths a confidence stop trims a step to, which a
         short warm-up run may not meet twice."""
-        state = self.new_state(batch, 2 * MAX_TOKENS)
+        state, ids, positions, lengths = self._scratch_chunk(tokens, batch)
+        for _ in range(STEP_CALLS):
+            self.verify_greedy(ids, positions, lengths, positions.contiguous(), state)
+
+    def _scratch_chunk(self, tokens: int, batch: int):
+        """A scratch state and a ``tokens``-token chunk of zeros at positions 0.. for each sequence."""
         ids = torch.zeros(batch, tokens, dtype=torch.int32, device=self.device)
         positions = torch.arange(tokens, dtype=torch.int32, device=self.device).expand(batch, -1)
         lengths = torch.full((batch,), tokens, dtype=torch.int32, device=self.device)
-        for _ in range(STEP_CALLS):
-            self.verify_greedy(ids, positions, lengths, positions.contiguous(), state)
+        return self.new_state(batch, 2 * MAX_TOKENS), ids, positions, lengths
 
     @torch.no_grad()
     def rollback(self, state, verified, accepted_rows):

@@ -249,16 +249,15 @@ class FeatureDraftProposer(_PerSequence):
         self.position = [0] * len(prompts)
         self.pending = [p[1:] + [t] for p, t in zip(prompts, first_tokens)]
         self.pending_features = list(features[self.draft.feature])
-        if hasattr(self.draft, "chain") and all(len(t) > 1 for t in self.pending):
-            # the last row stays queued: the first proposal's catch-up, so it can run as one chain call
-            last = [t[-1:] for t in self.pending]
-            last_features = [f[-1:] for f in self.pending_features]
+        # the last row stays queued: the first proposal's catch-up, so it can run as one chain call
+        hold = hasattr(self.draft, "chain") and all(len(t) > 1 for t in self.pending)
+        if hold:
+            last = [t[-1:] for t in self.pending], [f[-1:] for f in self.pending_features]
             self.pending = [t[:-1] for t in self.pending]
             self.pending_features = [f[:-1] for f in self.pending_features]
-            self._catch_up()
-            self.pending, self.pending_features = last, last_features
-        else:
-            self._catch_up()
+        self._catch_up()
+        if hold:
+            self.pending, self.pending_features = last
 
     def _fused(self, k, params) -> bool:
         """Whether this proposal can run as one ``draft.chain`` call: k > 1 and what ``_fusable``
