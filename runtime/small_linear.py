@@ -13,7 +13,10 @@ within a byte budget, 4 GiB by default); ``nemospec::small_linear_packing``,
 ``small_linear_pack_budget`` and ``small_linear_packed_bytes`` switch, bound and report it.
 ``nemospec::small_linear_bf16w`` multiplies by the weight rounded to bf16 (a packed bf16 copy made at
 its first use): the compiled path's draft weights when the build asks for them
-(``--draft_weight_dtype bfloat16``), half the bytes per proposal.
+(``--draft_weight_dtype bfloat16``), half the bytes per proposal. Given bf16 x and w (a bf16 model)
+``small_linear`` multiplies them with AVX512-BF16 dot products (fp32 sums, bf16 result) where the CPU
+has them: twice the multiply-adds per instruction of fp32, and a row's result independent of the
+call's row count, so a bf16 verify agrees with bf16 decoding.
 """
 from __future__ import annotations
 
@@ -99,5 +102,6 @@ def install(cache: Path) -> bool:
     from builder.backends import torch_backend
     if not load(Path(cache)):
         return False
-    torch_backend.use_small_linear(torch.ops.nemospec.small_linear, torch.ops.nemospec.small_linear_bf16w)
+    torch_backend.use_small_linear(torch.ops.nemospec.small_linear, torch.ops.nemospec.small_linear_bf16w,
+                                   bf16=torch.ops.nemospec.small_linear_bf16_supported())
     return True

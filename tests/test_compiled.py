@@ -453,6 +453,42 @@ def test_bf16_draft_weights_keep_the_target_output(models, monkeypatch):
         assert traced, "no draft product went through the bf16-weights kernel"
 
 
+def test_bf16_model_products_run_as_bf16_dot_products():
+    """A bf16 model on the compiled path: its few-row products run in the small-row kernel with bf16 x
+    and w (AVX512-BF16 dot products, where the CPU has them; each weight packed as bf16 pairs at its
+    first use, so the kernel's packed bytes grow by at least the LM head's), and its decode logits stay within
+    the bf16 rounding of the LM head (``lm_head_bound``) of the eager bf16 path's; a broken product
+    moves them by whole units."""
+    from builder.backends import torch_backend
+    from tests.tolerances import lm_head_bound
+    target = embedded.target_dir()
+    eager = open_checkpoint(target, dtype="bfloat16", backend="torch")
+    loaded = open_checkpoint(target, dtype="bfloat16", backend="compiled")
+    bf16_kernel = torch_backend.small_linear_kernels()[2]
+    packed_before = torch.ops.nemospec.small_linear_packed_bytes() if bf16_kernel else 0
+    prompt = torch.tensor([[(i * 37) % 2000 + 3 for i in range(70)]], dtype=torch.int32)  # > 64: eager prefill
+    one = torch.ones(1, dtype=torch.int32)
+    logits = {}
+    for name, runner in (("eager", eager.runner), ("compiled", loaded.runner)):
+        state = runner.new_state(1, 96)
+        _, state, _ = runner.forward(prompt, torch.arange(70, dtype=torch.int32)[None], torch.tensor([70], dtype=torch.int32),
+                                     torch.tensor([[69]], dtype=torch.int32), state)
+        rows = []
+        for i in range(3):   # compiled from the 2nd call on
+            out, state, _ = runner.forward(prompt[:, i:i + 1], torch.tensor([[70 + i]], dtype=torch.int32), one,
+                                           torch.zeros(1, 1, dtype=torch.int32), state)
+            rows.append(out[0, -1])
+        logits[name] = torch.stack(rows)
+    assert loaded.runner._forward.ready, "the decode step ran compiled"
+    module = eager.runner.module
+    bound = lm_head_bound(module.norm_f.float(), module.lm_head.float(), torch.bfloat16)
+    assert_within(logits["compiled"], logits["eager"], bound, "bf16 compiled decode logits vs eager")
+    if bf16_kernel:
+        head_bytes = module.lm_head.numel() * 2
+        assert torch.ops.nemospec.small_linear_packed_bytes() - packed_before >= head_bytes, \
+            "the bf16 products did not run in the small-row kernel"
+
+
 def _toy(x, w, scale):
     return torch.tanh(x @ w) * scale
 

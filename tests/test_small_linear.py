@@ -6,7 +6,7 @@ import torch
 
 from builder.backends import torch_backend
 from runtime import compiled, small_linear
-from tests.tolerances import assert_within, matmul_bound
+from tests.tolerances import assert_within, matmul_bound, unit_roundoff
 
 @pytest.fixture(scope="module")
 def op():
@@ -29,7 +29,7 @@ def kernel():
 
 def test_unsupported_cpu_keeps_torch_gemm(monkeypatch, tmp_path):
     """Without AVX-512F (or with NEMOSPEC_SMALL_LINEAR=0) nothing is built or installed."""
-    previous = torch_backend._small_linear, torch_backend._small_linear_bf16w
+    previous = torch_backend.small_linear_kernels()
     try:
         torch_backend.use_small_linear(None)
         monkeypatch.setattr(small_linear, "supported", lambda: False)
@@ -175,6 +175,69 @@ def test_bf16_weights_form_multiplies_by_the_rounded_weight(op, rows, n, k):
     assert ((got.double() - exact).abs() > matmul_bound(x, w.T) / 2).any(), "the weights were not rounded"
 
 
+@pytest.fixture(scope="module")
+def bf16_op(op):
+    """The kernel's bf16 form; skips, with the reason, on a CPU without AVX512-BF16 (there a bf16
+    model's compiled products stay torch's: ``use_small_linear(bf16=False)``)."""
+    if not torch.ops.nemospec.small_linear_bf16_supported():
+        pytest.skip("bf16 products need AVX512-BF16")
+    return op
+
+
+def _bf16_product_bound(x, w, want):
+    """fp32 sums of exact bf16 products (two orders) plus the result's rounding to bf16 (half a bf16
+    ulp of the exact value, taken as one for the sum's own error)."""
+    return matmul_bound(x.float(), w.float().T) / 2 + want.abs() * unit_roundoff(torch.bfloat16) * 2
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9, 16])
+@pytest.mark.parametrize("n, k", [(838, 192), (5, 100), (1, 16), (7, 7), (2048, 192), (192, 768), (80, 41)])
+def test_bf16_products_match_the_float64_oracle(bf16_op, rows, n, k):
+    """bf16 x and w (a bf16 model): AVX512-BF16 dot products summed in fp32, rounded to bf16 once;
+    odd K (a zero-padded last pair) included."""
+    g = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x, w = torch.randn(rows, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16()
+    want = x.double() @ w.double().T
+    for call in ("first use (packs)", "packed (cached)"):
+        got = bf16_op(x, w)
+        assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+        assert_within(got, want, _bf16_product_bound(x, w, want), f"bf16 small_linear {rows}x{k} @ {n}x{k}, {call}")
+
+
+def test_bf16_rows_do_not_depend_on_the_row_count(bf16_op):
+    """Each row of a bf16 product is summed in one fixed order whatever the call's row count, so a
+    verify's rows are bit for bit a decode's (the row tiles of 1..6 and a second pass of 6)."""
+    g = torch.Generator().manual_seed(11)
+    x, w = torch.randn(1, 9, 192, generator=g).bfloat16(), torch.randn(838, 192, generator=g).bfloat16()
+    whole = bf16_op(x, w)
+    for rows in (1, 2, 3, 5):
+        parts = torch.cat([bf16_op(x[:, i:i + rows], w) for i in range(0, 9 - rows + 1, rows)], 1)
+        assert torch.equal(parts, whole[:, :parts.shape[1]]), f"{rows}-row calls differ from one 9-row call"
+
+
+def test_bf16_products_are_routed_in_compiled_graphs(bf16_op):
+    """A bf16 ``linear`` traced by dynamo calls the kernel (its fake returns bf16) and computes the
+    product; where the CPU lacks AVX512-BF16 (``bf16=False``) it keeps torch's."""
+    traced = []
+    x, w = torch.randn(1, 5, 96).bfloat16(), torch.randn(40, 96).bfloat16()
+    previous = torch_backend.small_linear_kernels()
+    try:
+        torch_backend.use_small_linear(lambda a, b: (traced.append(a.dtype), bf16_op(a, b))[1], bf16=True)
+        torch._dynamo.reset()
+        got = torch.compile(lambda a, b: torch_backend.linear(a, b), fullgraph=True)(x, w)
+        assert traced == [torch.bfloat16] and got.dtype == torch.bfloat16
+        want = x.double() @ w.double().T
+        assert_within(got, want, _bf16_product_bound(x[0], w, want[0]))
+        traced.clear()
+        torch_backend.use_small_linear(lambda a, b: (traced.append(a.dtype), bf16_op(a, b))[1], bf16=False)
+        torch._dynamo.reset()
+        torch.compile(lambda a, b: torch_backend.linear(a, b), fullgraph=True)(x, w)
+        assert traced == [], "without bf16 support a bf16 product keeps torch's linear"
+    finally:
+        torch_backend.use_small_linear(*previous)
+        torch._dynamo.reset()
+
+
 def test_leading_dims_and_strided_inputs(op):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 3, 40, generator=g)[:, :, :33]     # [B, T, K] with a row stride past K
@@ -185,8 +248,10 @@ def test_leading_dims_and_strided_inputs(op):
 
 
 def test_bad_input_is_one_clear_error(op):
-    with pytest.raises(RuntimeError, match="fp32"):
+    with pytest.raises(RuntimeError, match="fp32 or both bf16"):
         op(torch.ones(1, 4, dtype=torch.float64), torch.ones(3, 4, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="fp32 or both bf16"):
+        op(torch.ones(1, 4), torch.ones(3, 4, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="has 5 features, w expects 4"):
         op(torch.ones(1, 5), torch.ones(3, 4))
 
@@ -201,7 +266,7 @@ def test_routed_only_inside_compiled_graphs(kernel):
         return kernel(x, w)
 
     x, w = torch.randn(1, 5, 192), torch.randn(64, 192)
-    previous = torch_backend._small_linear, torch_backend._small_linear_bf16w
+    previous = torch_backend.small_linear_kernels()
     try:
         torch_backend.use_small_linear(counting)
         torch_backend.linear(x, w)
@@ -231,7 +296,7 @@ def test_bf16_weights_are_routed_only_where_asked(op):
         return lambda x, w: (traced.append(name), kernel(x, w))[1]
 
     x, w = torch.randn(1, 3, 96), torch.randn(40, 96)
-    previous = torch_backend._small_linear, torch_backend._small_linear_bf16w
+    previous = torch_backend.small_linear_kernels()
     try:
         torch_backend.use_small_linear(counting("fp32", op), counting("bf16w", torch.ops.nemospec.small_linear_bf16w))
         for asked, want in ((True, "bf16w"), (False, "fp32")):
@@ -249,7 +314,7 @@ def test_bf16_weights_are_routed_only_where_asked(op):
 def test_compiled_path_installs_it(op):
     """Every compiled step (``runtime.compiled._Steps``) configures inductor through ``_configure``,
     which hands the kernel to the torch backend."""
-    previous = torch_backend._small_linear, torch_backend._small_linear_bf16w
+    previous = torch_backend.small_linear_kernels()
     try:
         torch_backend.use_small_linear(None)
         compiled._configure()
@@ -269,7 +334,7 @@ def test_dynamic_batch_graphs_keep_torch_gemm_without_a_guard(kernel):
         return kernel(x, w)
 
     w = torch.randn(64, 192)
-    previous = torch_backend._small_linear, torch_backend._small_linear_bf16w
+    previous = torch_backend.small_linear_kernels()
     try:
         torch_backend.use_small_linear(counting)
         torch._dynamo.reset()

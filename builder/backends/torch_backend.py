@@ -26,15 +26,23 @@ SMALL_LINEAR_ROWS = 48
 EXPERT_LOOP_MAX = 16     # a batch-1 dense MoE runs one small-row product per expert up to this many
 _small_linear = None
 _small_linear_bf16w = None
+_small_linear_dtypes = (torch.float32,)
 _bf16_weights = False
 
 
-def use_small_linear(kernel, bf16_weights_kernel=None) -> None:
+def use_small_linear(kernel, bf16_weights_kernel=None, bf16: bool = False) -> None:
     """Sets the kernel (x [..., K], w [N, K] -> x @ w^T) that compiled graphs use for fp32
     products of few rows (``runtime.small_linear``), and its form with w rounded to bf16 (for
-    graphs traced under ``bf16_weights``); ``None`` restores torch's own."""
-    global _small_linear, _small_linear_bf16w
+    graphs traced under ``bf16_weights``); ``bf16``: the kernel also multiplies bf16 x by bf16 w
+    (a bf16 model; AVX512-BF16 dot products, fp32 sums). ``None`` restores torch's own."""
+    global _small_linear, _small_linear_bf16w, _small_linear_dtypes
     _small_linear, _small_linear_bf16w = kernel, bf16_weights_kernel
+    _small_linear_dtypes = (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
+
+
+def small_linear_kernels() -> tuple:
+    """What ``use_small_linear`` was given, as its arguments (to restore it)."""
+    return _small_linear, _small_linear_bf16w, torch.bfloat16 in _small_linear_dtypes
 
 
 @contextlib.contextmanager
@@ -58,10 +66,11 @@ def _few_rows(shape) -> bool:
 
 
 def linear(x, weight, bias=None):
-    if (_small_linear is not None and torch.compiler.is_compiling() and x.dtype == torch.float32
-            and weight.dtype == torch.float32 and weight.dim() == 2 and not getattr(weight, "is_nvfp4", False)
+    if (_small_linear is not None and torch.compiler.is_compiling() and x.dtype in _small_linear_dtypes
+            and weight.dtype == x.dtype and weight.dim() == 2 and not getattr(weight, "is_nvfp4", False)
             and x.device.type == "cpu" and _few_rows(x.shape)):
-        y = (_small_linear_bf16w if _bf16_weights and _small_linear_bf16w is not None else _small_linear)(x, weight)
+        fp32 = x.dtype == torch.float32
+        y = (_small_linear_bf16w if fp32 and _bf16_weights and _small_linear_bf16w is not None else _small_linear)(x, weight)
         return y if bias is None else y + bias
     return tf.linear(x, weight, bias)
 

@@ -19,6 +19,12 @@
 // A weight whose every value is already a bf16 number (a bf16 checkpoint run in fp32, as the embedded
 // drafts are) is packed as bf16 by small_linear too: the same values and the same sums in the same
 // order, so the same products, from half the bytes.
+// bf16 x and w (a bf16 model on the compiled path): w packed once, at its first use, as bf16 pairs
+// [N/16][K/2][16][2], and each pair of x broadcast into VDPBF16PS (AVX512-BF16): 32 multiply-adds per
+// instruction where an fp32 FMA does 16, each exact product added in fp32 in a fixed order (odd, then
+// even element of a pair, pairs in k order), so a row's result does not depend on how many rows the
+// call has (a verify's rows equal a decode's); the fp32 sums are rounded to bf16 at the end, as
+// torch's bf16 linear does.
 // Work is split across threads in blocks of w rows (at::parallel_for), so a product stays on one
 // thread until it is large.
 #include <ATen/core/Tensor.h>
@@ -156,6 +162,64 @@ void packed_rows(const float* x, int64_t M, int64_t K, const W* p, int64_t b0, i
   }
 }
 
+// bf16 x rows (as pairs: one uint32 holds x[2j] and x[2j+1]) times C packed pair blocks, fp32 sums
+// rounded to bf16 when stored.
+template <int M, int C>
+__attribute__((noinline, target("avx512f,avx512bw,avx512vl,avx512bf16")))
+void tile_dot(const uint32_t* x, int64_t K2, const uint32_t* p, int64_t b0, int64_t N, uint16_t* y) {
+  __m512 acc[M][C];
+  for (int m = 0; m < M; ++m)
+    for (int c = 0; c < C; ++c) acc[m][c] = _mm512_setzero_ps();
+  const uint32_t* pb[C];
+  for (int c = 0; c < C; ++c) pb[c] = p + (b0 + c) * K2 * kLanes;
+  for (int64_t k = 0; k < K2; ++k) {
+    __m512bh wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = (__m512bh)_mm512_loadu_si512(pb[c] + k * kLanes);
+    for (int m = 0; m < M; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[m * K2 + k]));
+      for (int c = 0; c < C; ++c) acc[m][c] = _mm512_dpbf16_ps(acc[m][c], wv[c], xv);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int c = 0; c < C; ++c) {
+      const int64_t n = (b0 + c) * kLanes;
+      const __m256i out = (__m256i)_mm512_cvtneps_pbh(acc[m][c]);
+      const __mmask16 mask = n + kLanes <= N ? static_cast<__mmask16>(0xFFFF)
+                                             : static_cast<__mmask16>((1u << (N - n)) - 1);
+      _mm256_mask_storeu_epi16(y + m * N + n, mask, out);
+    }
+}
+
+template <int M, int C>
+inline void tiles_dot(const uint32_t* x, int64_t K2, const uint32_t* p, int64_t b0, int64_t b1, int64_t N, uint16_t* y) {
+  int64_t b = b0;
+  for (; b + C <= b1; b += C) tile_dot<M, C>(x, K2, p, b, N, y);
+  if constexpr (C > 1) {
+    constexpr int half = (C + 1) / 2;
+    if (b1 - b >= half) {
+      tile_dot<M, half>(x, K2, p, b, N, y);
+      b += half;
+    }
+    tiles_dot<M, C / 2>(x, K2, p, b, b1, N, y);
+  }
+}
+
+void packed_rows_dot(const uint32_t* x, int64_t M, int64_t K2, const uint32_t* p, int64_t b0, int64_t b1, int64_t N,
+                     uint16_t* y) {
+  for (; M > 0; M -= 6, x += 6 * K2, y += 6 * N) {
+    switch (std::min<int64_t>(M, 6)) {
+      case 1: tiles_dot<1, 8>(x, K2, p, b0, b1, N, y); break;
+      case 2: tiles_dot<2, 6>(x, K2, p, b0, b1, N, y); break;
+      case 3: tiles_dot<3, 6>(x, K2, p, b0, b1, N, y); break;
+      case 4: tiles_dot<4, 4>(x, K2, p, b0, b1, N, y); break;
+      case 5: tiles_dot<5, 4>(x, K2, p, b0, b1, N, y); break;
+      default: tiles_dot<6, 3>(x, K2, p, b0, b1, N, y); break;
+    }
+  }
+}
+
+bool has_bf16_dot() { return __builtin_cpu_supports("avx512bf16"); }
+
 // Whether every value of w is a bf16 number (the low 16 bits of each fp32 zero): then its bf16 copy
 // holds exactly the values of w.
 bool bf16_exact(const at::Tensor& w) {
@@ -165,6 +229,21 @@ bool bf16_exact(const at::Tensor& w) {
   for (int64_t n = 0; n < N; ++n)
     for (int64_t k = 0; k < K; ++k) low |= src[n * s0 + k * s1] & 0xFFFFu;
   return low == 0;
+}
+
+enum class Layout : int { kFloat = 0, kBf16 = 1, kBf16Pairs = 2 };
+
+// bf16 w [N, K] as pairs [N/16][ceil(K/2)][16][2] (an odd K's last pair padded with zero).
+at::Tensor pack_pairs(const at::Tensor& w) {
+  const int64_t N = w.size(0), K = w.size(1), K2 = (K + 1) / 2, blocks = (N + kLanes - 1) / kLanes;
+  at::Tensor out = at::zeros({blocks, K2, kLanes, 2}, w.options());
+  const auto* src = reinterpret_cast<const uint16_t*>(w.const_data_ptr());
+  auto* dst = reinterpret_cast<uint16_t*>(out.mutable_data_ptr());
+  const int64_t s0 = w.stride(0), s1 = w.stride(1);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < K; ++k)
+      dst[(((n / kLanes) * K2 + k / 2) * kLanes + n % kLanes) * 2 + k % 2] = src[n * s0 + k * s1];
+  return out;
 }
 
 // w [N, K] as [N/16][K][16], in fp32 or rounded to bf16 (to nearest, ties to even).
@@ -189,15 +268,15 @@ at::Tensor pack(const at::Tensor& w, bool bf16) {
 struct PackKey {
   const c10::StorageImpl* storage;
   int64_t offset, n, k, s0, s1;
-  bool bf16;
+  Layout layout;
   bool operator==(const PackKey& o) const {
     return storage == o.storage && offset == o.offset && n == o.n && k == o.k && s0 == o.s0 && s1 == o.s1 &&
-           bf16 == o.bf16;
+           layout == o.layout;
   }
 };
 struct PackKeyHash {
   size_t operator()(const PackKey& key) const {
-    size_t h = std::hash<const void*>()(key.storage) ^ static_cast<size_t>(key.bf16);
+    size_t h = std::hash<const void*>()(key.storage) ^ static_cast<size_t>(key.layout);
     for (int64_t v : {key.offset, key.n, key.k, key.s0, key.s1}) h = h * 1000003u ^ std::hash<int64_t>()(v);
     return h;
   }
@@ -218,13 +297,15 @@ int64_t packed_bytes = 0;  // under cache_mutex
 int64_t bytes_of(const at::Tensor& t) { return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0; }
 std::unordered_map<PackKey, PackEntry, PackKeyHash> cache;
 
-// w's packed copy, or an undefined tensor: use the row-major kernel this time. A bf16 copy is made
-// at the first use (its products must not change after the first call).
-at::Tensor packed_weight(const at::Tensor& w, bool bf16) {
-  if (!bf16 && (!packing.load(std::memory_order_relaxed) || w.is_inference())) return {};
+// w's packed copy, or an undefined tensor: use the row-major kernel this time. A bf16 copy (of an fp32
+// w rounded, or of a bf16 w as pairs) is made at the first use (its products must not change after the
+// first call) whatever the budget.
+at::Tensor packed_weight(const at::Tensor& w, Layout layout) {
+  const bool first_use = layout != Layout::kFloat;
+  if (!first_use && (!packing.load(std::memory_order_relaxed) || w.is_inference())) return {};
   const uint32_t version = w.is_inference() ? 0 : w.unsafeGetTensorImpl()->version_counter().current_version();
   const PackKey key{w.storage().unsafeGetStorageImpl(), w.storage_offset(), w.size(0), w.size(1), w.stride(0), w.stride(1),
-                    bf16};
+                    layout};
   std::lock_guard<std::mutex> lock(cache_mutex);
   auto it = cache.find(key);
   if (it == cache.end()) {
@@ -235,32 +316,61 @@ at::Tensor packed_weight(const at::Tensor& w, bool bf16) {
     }
     it = cache.emplace(key, PackEntry{c10::weak_intrusive_ptr<c10::StorageImpl>(w.storage().getWeakStorageImpl()),
                                       version, {}}).first;
-    if (!bf16) return {};
+    if (!first_use) return {};
   }
   PackEntry& entry = it->second;
   if (entry.version != version) {  // written in place since: pack at its next use
     entry.version = version;
     packed_bytes -= bytes_of(entry.packed);
     entry.packed = at::Tensor();
-    if (!bf16) return {};
+    if (!first_use) return {};
   }
   if (!entry.packed.defined()) {
-    const bool as_bf16 = bf16 || bf16_exact(w);  // exact: the fp32 product from the bf16 copy
-    const int64_t size = (w.size(0) + kLanes - 1) / kLanes * kLanes * w.size(1) * (as_bf16 ? 2 : 4);
-    if (!bf16 && packed_bytes + size > budget.load(std::memory_order_relaxed)) return {};
-    entry.packed = pack(w, as_bf16);
-    packed_bytes += size;
+    if (layout == Layout::kBf16Pairs) {
+      entry.packed = pack_pairs(w);
+    } else {
+      const bool as_bf16 = layout == Layout::kBf16 || bf16_exact(w);  // exact: the fp32 product from the bf16 copy
+      const int64_t size = (w.size(0) + kLanes - 1) / kLanes * kLanes * w.size(1) * (as_bf16 ? 2 : 4);
+      if (!first_use && packed_bytes + size > budget.load(std::memory_order_relaxed)) return {};
+      entry.packed = pack(w, as_bf16);
+    }
+    packed_bytes += bytes_of(entry.packed);
   }
   return entry.packed;
+}
+
+// bf16 x [..., K] and bf16 w [N, K]: VDPBF16PS over pairs, fp32 sums, a bf16 result.
+at::Tensor product_bf16(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(has_bf16_dot(), "nemospec::small_linear: bf16 products need AVX512-BF16, which this CPU lacks");
+  const int64_t K = w.size(1), N = w.size(0), K2 = (K + 1) / 2;
+  at::Tensor xc = x.contiguous();
+  const int64_t M = K ? xc.numel() / K : 0;
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = N;
+  at::Tensor y = at::empty(sizes, x.options());
+  if (K == 0) return y.zero_();
+  if (M == 0 || N == 0) return y;
+  if (K % 2) xc = at::constant_pad_nd(xc.reshape({M, K}), {0, 1});  // whole pairs per row
+  const at::Tensor packed = packed_weight(w, Layout::kBf16Pairs);
+  const auto* xp = reinterpret_cast<const uint32_t*>(xc.const_data_ptr());
+  const auto* pp = reinterpret_cast<const uint32_t*>(packed.const_data_ptr());
+  auto* yp = reinterpret_cast<uint16_t*>(y.mutable_data_ptr());
+  const int64_t grain = std::max<int64_t>(8, (1 << 20) / std::max<int64_t>(1, K * M * kLanes));
+  at::parallel_for(0, (N + kLanes - 1) / kLanes, grain, [&](int64_t b0, int64_t b1) {
+    packed_rows_dot(xp, M, K2, pp, b0, b1, N, yp);
+  });
+  return y;
 }
 
 // bf16_weights: the product of x and w rounded to bf16 (a draft's weights on the compiled path: half
 // the bytes to stream), from a bf16 packed copy made at w's first use, whatever the budget.
 at::Tensor product(const at::Tensor& x, const at::Tensor& w, bool bf16_weights) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && w.dim() == 2,
-              "nemospec::small_linear: expected fp32 x [..., K] and fp32 w [N, K]");
+  TORCH_CHECK(w.dim() == 2 && x.scalar_type() == w.scalar_type() &&
+                  (x.scalar_type() == at::kFloat || (x.scalar_type() == at::kBFloat16 && !bf16_weights)),
+              "nemospec::small_linear: expected x [..., K] and w [N, K], both fp32 or both bf16");
   TORCH_CHECK(x.size(-1) == w.size(1), "nemospec::small_linear: x has ", x.size(-1), " features, w expects ",
               w.size(1));
+  if (x.scalar_type() == at::kBFloat16) return product_bf16(x, w);
   const at::Tensor xc = x.contiguous();
   const int64_t K = w.size(1), N = w.size(0), M = K ? xc.numel() / K : 0;
   std::vector<int64_t> sizes = x.sizes().vec();
@@ -270,7 +380,7 @@ at::Tensor product(const at::Tensor& x, const at::Tensor& w, bool bf16_weights) 
   float* yp = y.mutable_data_ptr<float>();
   if (K == 0) return y.zero_();
   if (M == 0 || N == 0) return y;
-  const at::Tensor packed = packed_weight(w, bf16_weights);
+  const at::Tensor packed = packed_weight(w, bf16_weights ? Layout::kBf16 : Layout::kFloat);
   if (packed.defined()) {
     // >= ~1M multiply-adds per task: a decode or verify product of the embedded model stays on one
     // thread (a fork and join cost more than it saves there); a full-width one is split
@@ -337,12 +447,16 @@ static int64_t small_linear_packed_bytes() {
   return packed_bytes;
 }
 
+// Whether this CPU runs the bf16 products (AVX512-BF16).
+static bool small_linear_bf16_supported() { return has_bf16_dot(); }
+
 TORCH_LIBRARY(nemospec, m) {
   m.def("small_linear(Tensor x, Tensor w) -> Tensor");
   m.def("small_linear_bf16w(Tensor x, Tensor w) -> Tensor");
   m.def("small_linear_packing(bool on) -> bool", &small_linear_packing);
   m.def("small_linear_pack_budget(int bytes) -> int", &small_linear_pack_budget);
   m.def("small_linear_packed_bytes() -> int", &small_linear_packed_bytes);
+  m.def("small_linear_bf16_supported() -> bool", &small_linear_bf16_supported);
 }
 TORCH_LIBRARY_IMPL(nemospec, CPU, m) {
   m.impl("small_linear", &small_linear);
