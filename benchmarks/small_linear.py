@@ -3,7 +3,9 @@
 Two measurements in one process, interleaved so machine noise hits both sides alike:
 1. products alone: every weight matrix of the embedded target (its real shapes, ~10 MB, cycled so
    each product reads its weights from beyond L2, as a model step does) at M = 1, 2, 3, 5, 9 rows;
-2. the embedded target's compiled steps (decode T=1, verify T=3 and T=5), compiled twice: with the
+2. bf16 products (a bf16 model): the same matrices in bf16, torch's bf16 linear (oneDNN) against the
+   kernel's AVX512-BF16 dot products, the fp32 packed products beside them;
+3. the embedded target's compiled steps (decode T=1, verify T=3 and T=5), compiled twice: with the
    kernel and with torch's GEMM (``use_small_linear(None)``), ms per step and verify / decode.
 The kernel runs both ways in each: with its packed weight copies (the default) and row-major
 (``nemospec::small_linear_packing(False)``), switched at run time in the same graphs. The products
@@ -63,6 +65,27 @@ def products(checkpoint, kernel, blocks: int) -> None:
         print(f"{rows:>5}{med['torch']:>11.3f}{med['row-major']:>11.3f}{med['packed']:>9.3f}"
               f"{med['torch'] / med['packed']:>13.2f}x{med['row-major'] / med['packed']:>17.2f}x")
     torch.ops.nemospec.small_linear_packing(True)
+
+
+def products_bf16(checkpoint, kernel, blocks: int) -> None:
+    if not torch.ops.nemospec.small_linear_bf16_supported():
+        print("bf16 products: this CPU has no AVX512-BF16 (a bf16 model keeps torch's GEMM)")
+        return
+    from builder.checkpoint import load_checkpoint
+    _, tensors = load_checkpoint(checkpoint)
+    weights = [tensors[n].float().contiguous() for n in tensors
+               if tensors[n].dim() == 2 and "embed" not in n and tensors[n].shape[0] > 4 and "mtp" not in n]
+    halves = [w.bfloat16() for w in weights]
+    print(f"bf16 products: the same {len(weights)} matrices in bf16, {sum(w.numel() for w in weights) * 2 / 1e6:.1f} MB")
+    print(f"{'rows':>5}{'torch bf16':>12}{'bf16 dot':>10}{'fp32 packed':>13}{'torch/dot':>11}{'fp32/dot':>10}")
+    for rows in (1, 2, 3, 5, 9):
+        xs = {k: torch.randn(rows, k) for k in {w.shape[1] for w in weights}}
+        xh = {k: v.bfloat16() for k, v in xs.items()}
+        med = _interleaved({"torch": lambda: [torch.nn.functional.linear(xh[w.shape[1]], w) for w in halves],
+                            "dot": lambda: [kernel(xh[w.shape[1]], w) for w in halves],
+                            "fp32": lambda: [kernel(xs[w.shape[1]], w) for w in weights]}, blocks, 20)
+        print(f"{rows:>5}{med['torch']:>12.3f}{med['dot']:>10.3f}{med['fp32']:>13.3f}"
+              f"{med['torch'] / med['dot']:>10.2f}x{med['fp32'] / med['dot']:>9.2f}x")
 
 
 def steps(loaded, kernel, blocks: int) -> None:
@@ -126,6 +149,7 @@ def main(argv=None) -> int:
     loaded = open_checkpoint(target, backend="torch")
     print(f"{args.threads} thread(s)")
     products(target, kernel, args.blocks)
+    products_bf16(target, kernel, args.blocks)
     steps(loaded, kernel, args.blocks)
     return 0
 
