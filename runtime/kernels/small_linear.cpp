@@ -220,6 +220,19 @@ void packed_rows_dot(const uint32_t* x, int64_t M, int64_t K2, const uint32_t* p
 
 bool has_bf16_dot() { return __builtin_cpu_supports("avx512bf16"); }
 
+// More than 6 rows take several passes over w: each pass runs over a chunk of column blocks of about
+// kChunkBytes (a multiple of 12 blocks, which every row tile's width divides) before the next chunk,
+// so the later passes read w from L2 instead of streaming it from memory again (a 9-row product of a
+// full-width 21504x4096 bf16 weight: 21.8 -> ~11 ms). Each output's sum is the same either way.
+constexpr int64_t kChunkBytes = 512 << 10;
+
+template <typename F>
+void in_chunks(int64_t M, int64_t block_bytes, int64_t b0, int64_t b1, F&& rows) {
+  if (M <= 6) return rows(b0, b1);
+  const int64_t chunk = std::max<int64_t>(12, kChunkBytes / std::max<int64_t>(1, block_bytes) / 12 * 12);
+  for (int64_t b = b0; b < b1; b += chunk) rows(b, std::min(b + chunk, b1));
+}
+
 // Whether every value of w is a bf16 number (the low 16 bits of each fp32 zero): then its bf16 copy
 // holds exactly the values of w.
 bool bf16_exact(const at::Tensor& w) {
@@ -357,7 +370,7 @@ at::Tensor product_bf16(const at::Tensor& x, const at::Tensor& w) {
   auto* yp = reinterpret_cast<uint16_t*>(y.mutable_data_ptr());
   const int64_t grain = std::max<int64_t>(8, (1 << 20) / std::max<int64_t>(1, K * M * kLanes));
   at::parallel_for(0, (N + kLanes - 1) / kLanes, grain, [&](int64_t b0, int64_t b1) {
-    packed_rows_dot(xp, M, K2, pp, b0, b1, N, yp);
+    in_chunks(M, K2 * kLanes * 4, b0, b1, [&](int64_t c0, int64_t c1) { packed_rows_dot(xp, M, K2, pp, c0, c1, N, yp); });
   });
   return y;
 }
@@ -386,10 +399,13 @@ at::Tensor product(const at::Tensor& x, const at::Tensor& w, bool bf16_weights) 
     // thread (a fork and join cost more than it saves there); a full-width one is split
     const int64_t grain = std::max<int64_t>(8, (1 << 20) / std::max<int64_t>(1, K * M * kLanes));
     at::parallel_for(0, (N + kLanes - 1) / kLanes, grain, [&](int64_t b0, int64_t b1) {
-      if (packed.scalar_type() == at::kBFloat16)
-        packed_rows(xp, M, K, reinterpret_cast<const uint16_t*>(packed.const_data_ptr()), b0, b1, N, yp);
-      else
-        packed_rows(xp, M, K, packed.const_data_ptr<float>(), b0, b1, N, yp);
+      const int64_t block_bytes = K * kLanes * static_cast<int64_t>(packed.element_size());
+      in_chunks(M, block_bytes, b0, b1, [&](int64_t c0, int64_t c1) {
+        if (packed.scalar_type() == at::kBFloat16)
+          packed_rows(xp, M, K, reinterpret_cast<const uint16_t*>(packed.const_data_ptr()), c0, c1, N, yp);
+        else
+          packed_rows(xp, M, K, packed.const_data_ptr<float>(), c0, c1, N, yp);
+      });
     });
     return y;
   }
