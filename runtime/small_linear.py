@@ -15,8 +15,9 @@ within a byte budget, 4 GiB by default); ``nemospec::small_linear_packing``,
 its first use): the compiled path's draft weights when the build asks for them
 (``--draft_weight_dtype bfloat16``), half the bytes per proposal. Given bf16 x and w (a bf16 model)
 ``small_linear`` multiplies them with AVX512-BF16 dot products (fp32 sums, bf16 result) where the CPU
-has them: twice the multiply-adds per instruction of fp32, and a row's result independent of the
-call's row count, so a bf16 verify agrees with bf16 decoding.
+has them: twice the multiply-adds per instruction of fp32, and each row's result independent of the
+call's row count (a bf16 verify's products are a bf16 decode's; the graphs' other fused ops may still
+round apart, see the README).
 """
 from __future__ import annotations
 
