@@ -72,6 +72,9 @@ class BuildOptions:
     # the compiled CPU path's draft: its products by weights rounded to bf16 (half the bytes per
     # proposal; the speculative output is the target's either way). auto: the model's dtype.
     draft_weight_dtype: str = "auto"
+    # the compiled CPU path's fp32 products (torch.set_float32_matmul_precision's names): highest as
+    # given; medium rounds x and w to bf16 and sums the exact products in fp32 (AVX512-BF16 dot products)
+    matmul_precision: str = "highest"
 
     def validate(self):
         for name in ("max_batch_size", "max_input_len", "max_seq_len"):
@@ -90,6 +93,7 @@ class BuildOptions:
             raise BuildError(f"--dtype: expected auto, float32, float16 or bfloat16, got {self.dtype}")
         if self.draft_weight_dtype not in ("auto", "float32", "bfloat16"):
             raise BuildError(f"--draft_weight_dtype: expected auto, float32 or bfloat16, got {self.draft_weight_dtype}")
+        check_matmul_precision(self.matmul_precision)
         mode = self.speculative_decoding_mode
         if mode is not None and mode not in MODES:
             raise BuildError(f"--speculative_decoding_mode: expected one of {', '.join(MODES)}, got {mode}")
@@ -102,6 +106,14 @@ class BuildOptions:
 
     def resolve_dtype(self, checkpoint_dtype: str) -> str:
         return checkpoint_dtype if self.dtype == "auto" else self.dtype
+
+
+MATMUL_PRECISIONS = ("highest", "medium")
+
+
+def check_matmul_precision(value: str) -> None:
+    if value not in MATMUL_PRECISIONS:
+        raise BuildError(f"--matmul_precision: expected {' or '.join(MATMUL_PRECISIONS)}, got {value}")
 
 
 # --- components: one network each -----------------------------------------------------------------

@@ -48,6 +48,8 @@ def add_bench_args(p) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--draft_weight_dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="engines built with this --draft_weight_dtype (the compiled path's draft weights)")
+    p.add_argument("--matmul_precision", default="highest", choices=["highest", "medium"],
+                   help="engines built with this --matmul_precision (the compiled path's fp32 products, both sides)")
     p.add_argument("--backend", default=None, choices=["torch", "compiled"],
                    help="offline runs: compiled (default; the fastest exact CPU path, for both sides of every "
                         "ratio) or torch (eager; the default with --quick, which must not wait for compiles)")
@@ -65,7 +67,8 @@ def _log(message: str) -> None:
     _err.print(message, markup=False)
 
 
-def build_mode_engines(checkpoint, mode: str, root: Path, k: int, draft_weight_dtype: str = "auto") -> tuple[Path, dict]:
+def build_mode_engines(checkpoint, mode: str, root: Path, k: int, draft_weight_dtype: str = "auto",
+                       matmul_precision: str = "highest") -> tuple[Path, dict]:
     from builder import embedded
     from builder.engine import BuildOptions, build
     from builder.embedded import resolve_sources
@@ -76,7 +79,8 @@ def build_mode_engines(checkpoint, mode: str, root: Path, k: int, draft_weight_d
         draft = embedded.draft_dir(base, quant)
     out = root / "engines" / mode
     options = BuildOptions(max_batch_size=4, max_input_len=256, max_seq_len=512, max_draft_len=k, dtype="auto",
-                           speculative_decoding_mode=base, draft_weight_dtype=draft_weight_dtype)
+                           speculative_decoding_mode=base, draft_weight_dtype=draft_weight_dtype,
+                           matmul_precision=matmul_precision)
     report = build(target, out, options, log=lambda m: None, draft_dir=draft,
                    draft_quantization=quant if draft is None or not (Path(draft) / "hf_quant_config.json").is_file()
                    else None)
@@ -283,10 +287,12 @@ def run_bench(args) -> dict:
                                 "python": platform.python_version(), "torch": torch.__version__,
                                 "cuda": torch.cuda.is_available()},
                     "model": portable_path(target_dir, root), "backend": backend,
-                    "draft_weight_dtype": getattr(args, "draft_weight_dtype", "auto"), "modes": {}}
+                    "draft_weight_dtype": getattr(args, "draft_weight_dtype", "auto"),
+                    "matmul_precision": getattr(args, "matmul_precision", "highest"), "modes": {}}
     for mode in modes:
         _log(f"bench: {mode}: building engines")
-        engine_dir, build = build_mode_engines(args.checkpoint_dir, mode, root, k, args.draft_weight_dtype)
+        engine_dir, build = build_mode_engines(args.checkpoint_dir, mode, root, k, args.draft_weight_dtype,
+                                               getattr(args, "matmul_precision", "highest"))
         engines = {n: {"bytes": e["engine_bytes"], "layers": e["layers"], "build_seconds": round(e["build_seconds"], 1)}
                    for n, e in build["engines"].items()}
         _log(f"bench: {mode}: generating ({len(prompts)} prompts x {new_tokens} tokens, with and without speculation)")

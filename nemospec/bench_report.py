@@ -58,9 +58,11 @@ def tree_table(report: dict) -> list[str]:
     return rows
 
 
-def _draft_weights(report: dict) -> str:
+def _precisions(report: dict) -> str:
     dtype = report.get("draft_weight_dtype", "auto")
-    return "" if dtype == "auto" else f", draft weights in {dtype}"
+    precision = report.get("matmul_precision", "highest")
+    return ("" if dtype == "auto" else f", draft weights in {dtype}") + (
+        "" if precision == "highest" else f", matmul precision {precision} (fp32 products from bf16-rounded inputs)")
 
 
 def markdown(report: dict) -> str:
@@ -69,7 +71,7 @@ def markdown(report: dict) -> str:
              f"Model: `{report['model']}`. Greedy code completion, {report['prompts']} prompts x "
              f"{report['max_new_tokens']} new tokens, batch 1, K = {k} draft tokens per step, median of "
              f"{report['runs']} run(s), {report.get('backend', 'torch')} backend on both sides"
-             f"{_draft_weights(report)}; CPU torch threads "
+             f"{_precisions(report)}; CPU torch threads "
              f"{report['machine']['cpu_threads']}, CUDA "
              f"{report['machine']['cuda']}. Speculative output equals target-only greedy output in every mode "
              "(checked).", ""]

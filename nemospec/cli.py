@@ -44,6 +44,10 @@ def _add_build_args(p):
     p.add_argument("--draft_weight_dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="the compiled CPU path's draft multiplies by its weights rounded to this (bfloat16: half "
                         "the bytes per proposal; the output is the target's either way). auto: the model's dtype")
+    p.add_argument("--matmul_precision", default="highest", choices=["highest", "medium"],
+                   help="the compiled CPU path's fp32 products (torch.set_float32_matmul_precision's names): "
+                        "medium rounds activations and weights to bf16 and sums the exact products in fp32 "
+                        "(AVX512-BF16 dot products: half the weight bytes, twice the multiply-adds per instruction)")
     add_policy_args(p, build=True)
     add_tree_args(p, build=True)
 
@@ -76,6 +80,9 @@ def _parser():
                         "the CPU (slow, a check)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="with --checkpoint_dir: the eager dtype")
+    g.add_argument("--matmul_precision", default=None, choices=["highest", "medium"],
+                   help="the compiled backend's fp32 products (default: the engine directory's build option, "
+                        "else highest); medium: from bf16-rounded activations and weights, fp32 sums")
     g.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     g.add_argument("--verify", action="store_true",
                    help="with --engine_dir: check every engine and weights file's sha256 against config.json "
@@ -122,7 +129,8 @@ def cmd_build(args):
                            args.speculative_decoding_mode, **{f: getattr(args, f) for f in POLICY_FLAGS},
                            **{f: getattr(args, f) for f in TREE_FLAGS}, tree_engines=args.tree_engines,
                            strip_plan=args.strip_plan, max_host_memory_gb=args.max_host_memory_gb,
-                           num_layers=args.num_layers, draft_weight_dtype=args.draft_weight_dtype)
+                           num_layers=args.num_layers, draft_weight_dtype=args.draft_weight_dtype,
+                           matmul_precision=args.matmul_precision)
     with err.status("building ...") as status:
         def log(message):
             status.update(message)
@@ -185,13 +193,14 @@ def cmd_generate(args):
         if backend in ("tensorrt", "interpreter"):
             raise NemospecError(f"--backend {backend} needs --engine_dir (build one with `nemospec build`)")
         loaded = open_checkpoint(args.checkpoint_dir, args.dtype, mode=args.speculative_decoding_mode,
-                                 draft_dir=args.draft_dir, max_draft_len=args.max_draft_len, backend=backend)
+                                 draft_dir=args.draft_dir, max_draft_len=args.max_draft_len, backend=backend,
+                                 matmul_precision=args.matmul_precision or "highest")
     else:
         from builder.integrity import verify_engine_dir
         notice = verify_engine_dir(args.engine_dir, hashes=args.verify)
         if notice:
             err.print(f"warning: {notice}", markup=False)
-        loaded = open_engine_dir(args.engine_dir, backend)
+        loaded = open_engine_dir(args.engine_dir, backend, matmul_precision=args.matmul_precision)
     tokenizer = None
     if loaded.tokenizer_path is not None:
         from tokenizers import Tokenizer

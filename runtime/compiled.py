@@ -160,9 +160,9 @@ class _Steps:
     ``NEMOSPEC_CHECK_GUARDS=1`` to run the steps through dynamo's frame evaluation instead, every
     guard checked on every call (a mismatch recompiles)."""
 
-    def __init__(self, fn, what: str, options: dict | None = None, bf16_weights: bool = False):
+    def __init__(self, fn, what: str, options: dict | None = None, product_form: str = "float32"):
         _configure()
-        self.fn, self.what, self.bf16_weights = fn, what, bf16_weights
+        self.fn, self.what, self.product_form = fn, what, product_form
         func, self.lead, self.keywords = _unbind(fn)
         self.check_guards = not _skip_guards()
         options = {"cpp_wrapper": True, **(options or {})}
@@ -170,7 +170,7 @@ class _Steps:
             options["guard_filter_fn"] = _no_guards
         self.compiler = torch.compile(_own_code(func), dynamic=False, fullgraph=True, options=options)
         # what names a saved step beside its key and inputs (runtime.compiled_store)
-        self.identity = dict(options, function=f"{func.__module__}.{func.__qualname__}", bf16_weights=bf16_weights,
+        self.identity = dict(options, function=f"{func.__module__}.{func.__qualname__}", product_form=product_form,
                              keywords=compiled_store.fingerprint([self.keywords]))
         self.identity.pop("guard_filter_fn", None)
         self._lead_digest = None
@@ -219,7 +219,8 @@ class _Steps:
             return out
         self.calls[key] += 1
         if self.broken or self.calls[key] < min_calls or not _COMPILING["on"]:
-            return self.fn(*args, **kwargs)
+            with torch_backend.product_form(self.product_form):   # eager, in the graphs' precision
+                return self.fn(*args, **kwargs)
         start = time.perf_counter()
         path = None if self.check_guards else self._saved_path(key, args, kwargs)
         saved = compiled_store.load(path) if path is not None else None
@@ -233,7 +234,7 @@ class _Steps:
             return out
         print(f"compiling {label} ...", end="", file=sys.stderr, flush=True)
         try:
-            with torch_backend.bf16_weights(self.bf16_weights):  # read while the graph is traced
+            with torch_backend.product_form(self.product_form):  # read while the graph is traced
                 if self.check_guards:   # dynamo's own frame evaluation: every guard on every call
                     graph = functools.partial(self.compiler, *self.lead)
                 else:
@@ -248,7 +249,8 @@ class _Steps:
             warnings.warn(f"{self.what}: torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
                           "running it eagerly", stacklevel=3)
             self.broken = True
-            return self.fn(*args, **kwargs)
+            with torch_backend.product_form(self.product_form):
+                return self.fn(*args, **kwargs)
         seconds = time.perf_counter() - start
         print(f" {seconds:.1f} s", file=sys.stderr, flush=True)
         self.compile_seconds[label] = seconds
@@ -273,6 +275,15 @@ def stop_compiling() -> None:
     _COMPILING["on"] = False
 
 
+def product_form(weight_dtype: str = "auto", matmul_precision: str = "highest") -> str:
+    """How a model's compiled few-row fp32 products multiply (``torch_backend.product_form``):
+    ``--matmul_precision medium`` rounds x and w to bf16 (dot products, fp32 sums), a draft's
+    ``--draft_weight_dtype bfloat16`` rounds w only; by default neither."""
+    if matmul_precision == "medium":
+        return "bf16"
+    return "bf16_weights" if weight_dtype == "bfloat16" else "float32"
+
+
 def _batch_label(batch: int) -> str:
     return "batch 1" if batch == 1 else "batch 2+"
 
@@ -290,13 +301,15 @@ class CompiledRunner(TorchRunner):
     ``no_grad``, not ``inference_mode``: graph guards tell inference tensors from the ordinary
     ones ``new_state`` allocates, and a mix would compile every step twice."""
 
-    def __init__(self, module, device="cpu", max_draft_len: int = 4, weight_dtype: str = "auto"):
+    def __init__(self, module, device="cpu", max_draft_len: int = 4, weight_dtype: str = "auto",
+                 matmul_precision: str = "highest"):
         super().__init__(module, device)
         self.verify_buckets = sorted(t for t in {2, 3, 5, 9, max_draft_len + 1} if 1 < t <= MAX_TOKENS)
         self.step_chunks = {2}     # chunk lengths compiled as steps (2nd call), not as other short chunks
         self.capacity_dims = _dims(module.state_spec)
-        # a draft_target draft's --draft_weight_dtype
-        steps = functools.partial(_Steps, bf16_weights=weight_dtype == "bfloat16")
+        # --matmul_precision, and a draft_target draft's --draft_weight_dtype
+        self.product_form = product_form(weight_dtype, matmul_precision)
+        steps = functools.partial(_Steps, product_form=self.product_form)
         self._forward = steps(module.forward, "target forward")
         self._rollback = steps(module.rollback, "target rollback") if hasattr(module, "rollback") else None
         self._tree_rollback = steps(module.tree_rollback, "target tree rollback")
@@ -319,7 +332,7 @@ class CompiledRunner(TorchRunner):
                 and logit_index.shape[1] == 1 and int(lengths[0]) == tokens):
             return self._prompt_chunks(input_ids, positions, lengths, logit_index, state)
         if tokens > MAX_TOKENS:
-            return self.module.forward(input_ids, positions, lengths, logit_index, state, verify)
+            return self._eager(input_ids, positions, lengths, logit_index, state, verify)
         pad = next((b for b in self.verify_buckets if b >= tokens), tokens) if verify else tokens
         if pad > tokens:
             return self._padded_verify(input_ids, positions, lengths, logit_index, state, pad)
@@ -331,9 +344,14 @@ class CompiledRunner(TorchRunner):
         elif tokens in self.step_chunks:  # a draft_target draft's queued rows (``warm``), prompt rows
             label, calls = f"{tokens}-token chunk ({_batch_label(batch)})", STEP_CALLS
         else:   # a prompt's prefill
-            return self.module.forward(input_ids, positions, lengths, logit_index, state, verify)
+            return self._eager(input_ids, positions, lengths, logit_index, state, verify)
         args = [_prepare(a, batch, {}) for a in (input_ids, positions, lengths, logit_index)]
         return self._forward(key, label, calls, *args, _prepare(state, batch, self.capacity_dims), verify=verify)
+
+    def _eager(self, *args):
+        """A chunk no graph serves (a long prompt's prefill), run eagerly in the steps' precision."""
+        with torch_backend.product_form(self.product_form):
+            return self.module.forward(*args)
 
     def _prompt_chunks(self, input_ids, positions, lengths, logit_index, state):
         """One sequence's short prompt chunk as compiled chunks of PROMPT_ROWS rows, the last
@@ -443,8 +461,9 @@ class CompiledRunner(TorchRunner):
 
 class CompiledDraft(EagerDraft):
     """``EagerDraft`` with the draft network's short chunks compiled; ``weight_dtype="bfloat16"``
-    multiplies by its weights rounded to bf16 in those graphs (``torch_backend.bf16_weights``):
-    half the bytes a proposal streams, the same speculative output (the target verifies).
+    multiplies by its weights rounded to bf16 in those graphs (``torch_backend.product_form``):
+    half the bytes a proposal streams, the same speculative output (the target verifies);
+    ``matmul_precision="medium"`` rounds the activations too (``product_form``).
 
     Feature drafts (eagle, eagle3, mtp) pad a catch-up chunk of 2..K rows to K+1 rows (``pad_to``):
     padded rows lie past ``lengths`` and past every valid position, so they change no valid output
@@ -457,7 +476,7 @@ class CompiledDraft(EagerDraft):
     cost far more than it saved: 17 tokens/s against 480 target-only)."""
 
     def __init__(self, module, target_vocab: int, device="cpu", max_draft_len: int = 4,
-                 weight_dtype: str = "auto"):
+                 weight_dtype: str = "auto", matmul_precision: str = "highest"):
         super().__init__(module, target_vocab, device)
         self.pad_to = max_draft_len + 1
         self.parallel_width = 2 * max_draft_len   # P-EAGLE: K+1 verified rows at most, K-1 placeholders
@@ -467,7 +486,7 @@ class CompiledDraft(EagerDraft):
         self.catch_up_rows = sorted({r for r in (1, 2, 3) if r < self.pad_to} | {self.pad_to})
         self._feature = None       # (width, dtype) of the target features a chain was fed (``warm_chain``)
         self.capacity_dims = {"past." + k: v for k, v in _dims(module.state_spec).items()}
-        steps = functools.partial(_Steps, options=DRAFT_OPTIONS, bf16_weights=weight_dtype == "bfloat16")
+        steps = functools.partial(_Steps, options=DRAFT_OPTIONS, product_form=product_form(weight_dtype, matmul_precision))
         self._steps = steps(self.components["draft"].call, f"{self.kind} draft")
         self._tree_steps = steps(self._tree_step, f"{self.kind} draft tree")
         self._chains = steps(self._chain if self.kind in FEATURE_DRAFTS else self._block_chain, f"{self.kind} draft chain")

@@ -11,8 +11,8 @@ from builder.safetensors_io import mmap_tensors as load_file  # memory-mapped: p
 from builder import quantization
 from builder.config import NemotronHConfig
 from builder.drafts import draft_from_engine_dir
-from builder.engine import (TORCH_DTYPES, BuildOptions, draft_component, draft_components, target_component,
-                            tree_verify_component)
+from builder.engine import (TORCH_DTYPES, BuildOptions, check_matmul_precision, draft_component, draft_components,
+                            target_component, tree_verify_component)
 from builder.errors import NemospecError
 from builder.models.nemotron_h import NemotronH
 from runtime.draft_policy import policy_from
@@ -87,16 +87,18 @@ def resolve_backend(backend: str, engine_dir: bool = True, tokens: int | None = 
 
 
 def _eager_proposer(draft, vocab_size: int, device, chunk: int, compiled: bool = False, max_draft_len: int = 4,
-                    weight_dtype: str = "auto"):
+                    weight_dtype: str = "auto", matmul_precision: str = "highest"):
     """The draft run eagerly, or with ``compiled`` through ``runtime.compiled`` (its short steps
-    compiled, its weights rounded to bf16 there with ``weight_dtype="bfloat16"``)."""
+    compiled, its weights rounded to bf16 there with ``weight_dtype="bfloat16"``, its products'
+    inputs with ``matmul_precision="medium"``)."""
     if compiled:
         from runtime.compiled import CompiledDraft, CompiledRunner
         draft = quantization.dequantized_module(draft)   # FP4 weights once, not per call: one graph per step
     if _draft_kind(draft) == "draft_target":
-        runner = CompiledRunner(draft, device, weight_dtype=weight_dtype) if compiled else TorchRunner(draft, device)
+        runner = (CompiledRunner(draft, device, weight_dtype=weight_dtype, matmul_precision=matmul_precision)
+                  if compiled else TorchRunner(draft, device))
         return lambda: ModelDraftProposer(runner, chunk)
-    stepper = (CompiledDraft(draft, vocab_size, device, max_draft_len, weight_dtype) if compiled
+    stepper = (CompiledDraft(draft, vocab_size, device, max_draft_len, weight_dtype, matmul_precision) if compiled
                else EagerDraft(draft, vocab_size, device))
     make = PROPOSERS.get(_draft_kind(draft), FeatureDraftProposer)
     return lambda: make(stepper, chunk)
@@ -104,11 +106,13 @@ def _eager_proposer(draft, vocab_size: int, device, chunk: int, compiled: bool =
 
 def open_checkpoint(checkpoint_dir, dtype="auto", device=None, mode=None, draft_dir=None, quantization=None,
                     max_draft_len: int = 4, prefill_chunk: int = 512, backend: str = "torch",
-                    draft_weight_dtype: str = "auto") -> Loaded:
+                    draft_weight_dtype: str = "auto", matmul_precision: str = "highest") -> Loaded:
     """Eager (torch) runner of a checkpoint, or with ``backend="compiled"`` (``auto`` on a machine
     without a GPU) the compiled CPU path; with ``mode`` also its draft, read from ``draft_dir``
     (speculative decoding without building engines). ``draft_weight_dtype="bfloat16"``: the compiled
-    path's draft multiplies by its weights rounded to bf16."""
+    path's draft multiplies by its weights rounded to bf16; ``matmul_precision="medium"``: the
+    compiled path's fp32 products round x and w to bf16 (``BuildOptions.matmul_precision``)."""
+    check_matmul_precision(matmul_precision)
     backend = resolve_backend(backend, engine_dir=False)
     if backend not in ("torch", "compiled"):
         raise NemospecError(f"--backend {backend} needs --engine_dir (build one with `nemospec build`)")
@@ -122,12 +126,12 @@ def open_checkpoint(checkpoint_dir, dtype="auto", device=None, mode=None, draft_
         draft = load_draft(mode, config, weights, draft_dir, torch_dtype, log=lambda m: None, quantization=quantization)
         spec = draft.meta
         proposer = _eager_proposer(draft.module, config.vocab_size, device, prefill_chunk, backend == "compiled",
-                                   max_draft_len, draft_weight_dtype)
+                                   max_draft_len, draft_weight_dtype, matmul_precision)
     module = NemotronH(config, weights, torch_dtype, **(draft.target_features if draft else {}))
     tok = Path(checkpoint_dir) / "tokenizer.json"
     if backend == "compiled":
         from runtime.compiled import CompiledRunner
-        runner = CompiledRunner(module, device, max_draft_len)
+        runner = CompiledRunner(module, device, max_draft_len, matmul_precision=matmul_precision)
     else:
         runner = TorchRunner(module, device)
     return Loaded(runner, config, tok if tok.is_file() else None,
@@ -145,7 +149,9 @@ def _check_verify_contract(meta: dict, meta_path: Path, config: NemotronHConfig)
                             "verify returned per-position states); rebuild the engine directory with `nemospec build`")
 
 
-def open_engine_dir(engine_dir, backend="auto", device=None) -> Loaded:
+def open_engine_dir(engine_dir, backend="auto", device=None, matmul_precision: str | None = None) -> Loaded:
+    """An engine directory's runner and proposer; ``matmul_precision`` overrides its build's (the
+    compiled backend's products)."""
     engine_dir = Path(engine_dir)
     meta_path = engine_dir / "config.json"
     if not meta_path.is_file():
@@ -157,6 +163,9 @@ def open_engine_dir(engine_dir, backend="auto", device=None) -> Loaded:
     config = NemotronHConfig.from_dict(meta["model"])
     _check_verify_contract(meta, meta_path, config)
     build, spec = meta["build"], meta.get("speculative")
+    if matmul_precision is not None:
+        check_matmul_precision(matmul_precision)
+        build = dict(build, matmul_precision=matmul_precision)
     dtype = TORCH_DTYPES[build["dtype"]]
     device = "cuda" if backend == "tensorrt" else _device(device) if backend in ("torch", "compiled") else "cpu"
     weights = load_file(str(engine_dir / "weights" / "target.safetensors"))
@@ -179,7 +188,8 @@ def open_engine_dir(engine_dir, backend="auto", device=None) -> Loaded:
         runner = TorchRunner(target, device)
     elif backend == "compiled":  # the engine directory's weights and module, compiled for the CPU
         from runtime.compiled import CompiledRunner
-        runner = CompiledRunner(target, device, build.get("max_draft_len", 0))
+        runner = CompiledRunner(target, device, build.get("max_draft_len", 0),
+                                matmul_precision=build.get("matmul_precision", "highest"))
     else:
         tree = "tree_verify" in engines   # built with --tree_engines
         runner = EngineRunner(config, dtype, device, executor(target_component(target, options)), engines["target"],
@@ -192,7 +202,8 @@ def open_engine_dir(engine_dir, backend="auto", device=None) -> Loaded:
         chunk = build["max_input_len"]
         if backend in ("torch", "compiled"):
             proposer = _eager_proposer(draft, config.vocab_size, device, chunk, backend == "compiled",
-                                       build.get("max_draft_len", 0), build.get("draft_weight_dtype", "auto"))
+                                       build.get("max_draft_len", 0), build.get("draft_weight_dtype", "auto"),
+                                       build.get("matmul_precision", "highest"))
         elif _draft_kind(draft) == "draft_target":
             draft_runner = EngineRunner(draft.cfg, dtype, device, executor(draft_component(draft, options)),
                                         engines["draft"], tree=executor(tree_verify_component(draft, options, "draft_tree"))

@@ -17,7 +17,9 @@ its first use): the compiled path's draft weights when the build asks for them
 ``small_linear`` multiplies them with AVX512-BF16 dot products (fp32 sums, bf16 result) where the CPU
 has them: twice the multiply-adds per instruction of fp32, and each row's result independent of the
 call's row count (a bf16 verify's products are a bf16 decode's; the graphs' other fused ops may still
-round apart, see the README).
+round apart, see the README). ``nemospec::small_linear_bf16`` is ``--matmul_precision medium``: fp32 x
+and w rounded to bf16 (w once, when packed) and multiplied by the same dot products, the fp32 sums
+returned (where the CPU lacks AVX512-BF16: x rounded, times the bf16 copy of w, in fp32 FMAs).
 """
 from __future__ import annotations
 
@@ -35,9 +37,10 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("kernels") / "small_linear.cpp"
+HEADERS = [SOURCE.with_name("bf16_dot.h")]
 FLAGS = ["-O3", "-mavx512f", "-mfma", "-std=c++17"]
 C_SHIMS = {name: f"AOTITorchError aoti_torch_cpu_{name}(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* ret0)"
-           for name in ("small_linear", "small_linear_bf16w")}
+           for name in ("small_linear", "small_linear_bf16w", "small_linear_bf16")}
 
 
 def _cpu_flags() -> set[str]:
@@ -56,7 +59,8 @@ def supported() -> bool:
 
 
 def _build_dir(cache: Path) -> Path:
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + torch.__version__.encode()).hexdigest()[:16]
+    code = b"".join(f.read_bytes() for f in [SOURCE, *HEADERS])
+    key = hashlib.sha256(code + " ".join(FLAGS).encode() + torch.__version__.encode()).hexdigest()[:16]
     path = cache / "kernels" / f"small_linear-{key}"
     path.mkdir(parents=True, exist_ok=True)
     return path
@@ -103,6 +107,7 @@ def install(cache: Path) -> bool:
     from builder.backends import torch_backend
     if not load(Path(cache)):
         return False
-    torch_backend.use_small_linear(torch.ops.nemospec.small_linear, torch.ops.nemospec.small_linear_bf16w,
-                                   bf16=torch.ops.nemospec.small_linear_bf16_supported())
+    ops = torch.ops.nemospec
+    torch_backend.use_small_linear(ops.small_linear, ops.small_linear_bf16w, bf16=ops.small_linear_bf16_supported(),
+                                   bf16_products_kernel=ops.small_linear_bf16)
     return True

@@ -439,7 +439,8 @@ def test_bf16_draft_weights_keep_the_target_output(models, monkeypatch):
     target, draft = embedded.target_dir(), embedded.draft_dir("eagle3")
     loaded = open_checkpoint(target, mode="eagle3", draft_dir=draft, backend="compiled", draft_weight_dtype="bfloat16")
     proposer = loaded.proposer()
-    assert proposer.draft._chains.bf16_weights and not loaded.runner._verify_greedy.bf16_weights
+    assert proposer.draft._chains.product_form == "bf16_weights"
+    assert loaded.runner._verify_greedy.product_form == "float32"
     traced = []
     if small_linear.supported():
         kernel = torch_backend._small_linear_bf16w

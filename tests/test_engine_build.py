@@ -49,7 +49,7 @@ def test_engine_directory_is_self_contained(engines, checkpoints):
                              "draft_confidence_threshold": 0.0, "acceptance_rate_threshold": 0.0,
                              "acceptance_rate_window_size": 8, "max_tree_nodes": 16, "tree_topk": 0, "tree_depth": 0, "tree_engines": False,
                              "strip_plan": False, "max_host_memory_gb": 0.0, "num_layers": 0,
-                             "draft_weight_dtype": "auto"}
+                             "draft_weight_dtype": "auto", "matmul_precision": "highest"}
     assert meta["tensorrt"]["flavour"] in ("tensorrt", "tensorrt_rtx") and meta["tensorrt"]["version"]
     target = meta["engines"]["target"]
     assert set(target["inputs"]) >= {"input_ids", "positions", "lengths", "logit_index"}

@@ -287,9 +287,10 @@ def test_routed_only_inside_compiled_graphs(kernel):
         torch._dynamo.reset()
 
 
-def test_bf16_weights_are_routed_only_where_asked(op):
-    """Inside ``torch_backend.bf16_weights()`` a traced graph calls the bf16-weights form; outside
-    it the fp32 one (a compiled draft asks for it, the target never does)."""
+def test_product_forms_are_routed_only_where_asked(op):
+    """Inside ``torch_backend.product_form(form)`` a traced graph calls that form's kernel: fp32 by
+    default (the target), bf16 weights for a draft's ``--draft_weight_dtype bfloat16``, bf16 x and w
+    for ``--matmul_precision medium``; an unknown form is one clear error."""
     traced = []
 
     def counting(name, kernel):
@@ -297,15 +298,20 @@ def test_bf16_weights_are_routed_only_where_asked(op):
 
     x, w = torch.randn(1, 3, 96), torch.randn(40, 96)
     previous = torch_backend.small_linear_kernels()
+    ops = torch.ops.nemospec
     try:
-        torch_backend.use_small_linear(counting("fp32", op), counting("bf16w", torch.ops.nemospec.small_linear_bf16w))
-        for asked, want in ((True, "bf16w"), (False, "fp32")):
+        torch_backend.use_small_linear(counting("float32", op), counting("bf16_weights", ops.small_linear_bf16w),
+                                       bf16_products_kernel=counting("bf16", ops.small_linear_bf16))
+        for form in torch_backend.PRODUCT_FORMS:
             traced.clear()
             torch._dynamo.reset()
             fn = torch.compile(lambda a, b: torch_backend.linear(a, b), fullgraph=True)
-            with torch_backend.bf16_weights(asked):
+            with torch_backend.product_form(form):
                 fn(x, w)
-            assert traced == [want], f"bf16_weights({asked}) traced {traced}"
+            assert traced == [form], f"product_form({form}) traced {traced}"
+        with pytest.raises(ValueError, match="product form: expected one of float32, bf16_weights, bf16, got fp8"):
+            with torch_backend.product_form("fp8"):
+                pass
     finally:
         torch_backend.use_small_linear(*previous)
         torch._dynamo.reset()

@@ -26,36 +26,43 @@ SMALL_LINEAR_ROWS = 48
 EXPERT_LOOP_MAX = 16     # a batch-1 dense MoE runs one small-row product per expert up to this many
 _small_linear = None
 _small_linear_bf16w = None
+_small_linear_bf16 = None
 _small_linear_dtypes = (torch.float32,)
-_bf16_weights = False
+PRODUCT_FORMS = ("float32", "bf16_weights", "bf16")
+_product_form = "float32"
 
 
-def use_small_linear(kernel, bf16_weights_kernel=None, bf16: bool = False) -> None:
+def use_small_linear(kernel, bf16_weights_kernel=None, bf16: bool = False, bf16_products_kernel=None) -> None:
     """Sets the kernel (x [..., K], w [N, K] -> x @ w^T) that compiled graphs use for fp32
-    products of few rows (``runtime.small_linear``), and its form with w rounded to bf16 (for
-    graphs traced under ``bf16_weights``); ``bf16``: the kernel also multiplies bf16 x by bf16 w
-    (a bf16 model; AVX512-BF16 dot products, fp32 sums). ``None`` restores torch's own."""
-    global _small_linear, _small_linear_bf16w, _small_linear_dtypes
-    _small_linear, _small_linear_bf16w = kernel, bf16_weights_kernel
+    products of few rows (``runtime.small_linear``), its form with w rounded to bf16 and its form
+    with x and w rounded to bf16 (for graphs traced under ``product_form``); ``bf16``: the kernel
+    also multiplies bf16 x by bf16 w (a bf16 model; AVX512-BF16 dot products, fp32 sums).
+    ``None`` restores torch's own."""
+    global _small_linear, _small_linear_bf16w, _small_linear_bf16, _small_linear_dtypes
+    _small_linear, _small_linear_bf16w, _small_linear_bf16 = kernel, bf16_weights_kernel, bf16_products_kernel
     _small_linear_dtypes = (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
 
 
 def small_linear_kernels() -> tuple:
     """What ``use_small_linear`` was given, as its arguments (to restore it)."""
-    return _small_linear, _small_linear_bf16w, torch.bfloat16 in _small_linear_dtypes
+    return _small_linear, _small_linear_bf16w, torch.bfloat16 in _small_linear_dtypes, _small_linear_bf16
 
 
 @contextlib.contextmanager
-def bf16_weights(on: bool = True):
-    """Graphs traced inside multiply their few-row fp32 products by bf16-rounded weights (the
-    compiled path's draft, ``--draft_weight_dtype bfloat16``): weights only, activations stay fp32.
-    Without the small-row kernel it changes nothing."""
-    global _bf16_weights
-    previous, _bf16_weights = _bf16_weights, on
+def product_form(form: str = "float32"):
+    """How fp32 ``linear`` products multiply inside: ``float32`` as given; ``bf16_weights`` by weights
+    rounded to bf16 (the compiled path's draft, ``--draft_weight_dtype bfloat16``; activations stay
+    fp32); ``bf16`` with x and w rounded to bf16, fp32 sums (``--matmul_precision medium``). Traced
+    few-row products run the small-row kernel's form; other products round their inputs and call
+    torch's linear (the same numbers, summed in another order)."""
+    global _product_form
+    if form not in PRODUCT_FORMS:
+        raise ValueError(f"product form: expected one of {', '.join(PRODUCT_FORMS)}, got {form}")
+    previous, _product_form = _product_form, form
     try:
         yield
     finally:
-        _bf16_weights = previous
+        _product_form = previous
 
 
 def _few_rows(shape) -> bool:
@@ -69,9 +76,16 @@ def linear(x, weight, bias=None):
     if (_small_linear is not None and torch.compiler.is_compiling() and x.dtype in _small_linear_dtypes
             and weight.dtype == x.dtype and weight.dim() == 2 and not getattr(weight, "is_nvfp4", False)
             and x.device.type == "cpu" and _few_rows(x.shape)):
-        fp32 = x.dtype == torch.float32
-        y = (_small_linear_bf16w if fp32 and _bf16_weights and _small_linear_bf16w is not None else _small_linear)(x, weight)
+        kernel = {"bf16_weights": _small_linear_bf16w, "bf16": _small_linear_bf16}.get(_product_form)
+        if x.dtype != torch.float32 or kernel is None:
+            kernel = _small_linear
+        y = kernel(x, weight)
         return y if bias is None else y + bias
+    if _product_form != "float32" and x.dtype == weight.dtype == torch.float32 and not getattr(weight, "is_nvfp4", False):
+        # the form's semantics where the kernel does not run (eager calls, batch 2+, no AVX-512):
+        # bf16 numbers multiplied and summed in fp32
+        weight = weight.bfloat16().float()
+        x = x.bfloat16().float() if _product_form == "bf16" else x
     return tf.linear(x, weight, bias)
 
 

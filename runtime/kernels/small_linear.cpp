@@ -25,6 +25,9 @@
 // even element of a pair, pairs in k order), so a row's result does not depend on how many rows the
 // call has (a verify's rows equal a decode's); the fp32 sums are rounded to bf16 at the end, as
 // torch's bf16 linear does.
+// small_linear_bf16 (--matmul_precision medium, torch's name for fp32 products computed from bf16
+// inputs) rounds fp32 x and w to bf16 and runs the same dot products, the fp32 sums kept as the
+// result: each row's result again independent of the call's row count.
 // Work is split across threads in blocks of w rows (at::parallel_for), so a product stays on one
 // thread until it is large.
 #include <ATen/core/Tensor.h>
@@ -147,6 +150,8 @@ inline void tiles(const float* x, int64_t K, const W* p, int64_t b0, int64_t b1,
   }
 }
 
+#include "bf16_dot.h"
+
 // Up to 6 rows per pass over w (24 sums at most, with room for the weight vectors in 32 registers).
 template <typename W>
 void packed_rows(const float* x, int64_t M, int64_t K, const W* p, int64_t b0, int64_t b1, int64_t N, float* y) {
@@ -162,63 +167,6 @@ void packed_rows(const float* x, int64_t M, int64_t K, const W* p, int64_t b0, i
   }
 }
 
-// bf16 x rows (as pairs: one uint32 holds x[2j] and x[2j+1]) times C packed pair blocks, fp32 sums
-// rounded to bf16 when stored.
-template <int M, int C>
-__attribute__((noinline, target("avx512f,avx512bw,avx512vl,avx512bf16")))
-void tile_dot(const uint32_t* x, int64_t K2, const uint32_t* p, int64_t b0, int64_t N, uint16_t* y) {
-  __m512 acc[M][C];
-  for (int m = 0; m < M; ++m)
-    for (int c = 0; c < C; ++c) acc[m][c] = _mm512_setzero_ps();
-  const uint32_t* pb[C];
-  for (int c = 0; c < C; ++c) pb[c] = p + (b0 + c) * K2 * kLanes;
-  for (int64_t k = 0; k < K2; ++k) {
-    __m512bh wv[C];
-    for (int c = 0; c < C; ++c) wv[c] = (__m512bh)_mm512_loadu_si512(pb[c] + k * kLanes);
-    for (int m = 0; m < M; ++m) {
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[m * K2 + k]));
-      for (int c = 0; c < C; ++c) acc[m][c] = _mm512_dpbf16_ps(acc[m][c], wv[c], xv);
-    }
-  }
-  for (int m = 0; m < M; ++m)
-    for (int c = 0; c < C; ++c) {
-      const int64_t n = (b0 + c) * kLanes;
-      const __m256i out = (__m256i)_mm512_cvtneps_pbh(acc[m][c]);
-      const __mmask16 mask = n + kLanes <= N ? static_cast<__mmask16>(0xFFFF)
-                                             : static_cast<__mmask16>((1u << (N - n)) - 1);
-      _mm256_mask_storeu_epi16(y + m * N + n, mask, out);
-    }
-}
-
-template <int M, int C>
-inline void tiles_dot(const uint32_t* x, int64_t K2, const uint32_t* p, int64_t b0, int64_t b1, int64_t N, uint16_t* y) {
-  int64_t b = b0;
-  for (; b + C <= b1; b += C) tile_dot<M, C>(x, K2, p, b, N, y);
-  if constexpr (C > 1) {
-    constexpr int half = (C + 1) / 2;
-    if (b1 - b >= half) {
-      tile_dot<M, half>(x, K2, p, b, N, y);
-      b += half;
-    }
-    tiles_dot<M, C / 2>(x, K2, p, b, b1, N, y);
-  }
-}
-
-void packed_rows_dot(const uint32_t* x, int64_t M, int64_t K2, const uint32_t* p, int64_t b0, int64_t b1, int64_t N,
-                     uint16_t* y) {
-  for (; M > 0; M -= 6, x += 6 * K2, y += 6 * N) {
-    switch (std::min<int64_t>(M, 6)) {
-      case 1: tiles_dot<1, 8>(x, K2, p, b0, b1, N, y); break;
-      case 2: tiles_dot<2, 6>(x, K2, p, b0, b1, N, y); break;
-      case 3: tiles_dot<3, 6>(x, K2, p, b0, b1, N, y); break;
-      case 4: tiles_dot<4, 4>(x, K2, p, b0, b1, N, y); break;
-      case 5: tiles_dot<5, 4>(x, K2, p, b0, b1, N, y); break;
-      default: tiles_dot<6, 3>(x, K2, p, b0, b1, N, y); break;
-    }
-  }
-}
-
-bool has_bf16_dot() { return __builtin_cpu_supports("avx512bf16"); }
 
 // More than 6 rows take several passes over w: each pass runs over a chunk of column blocks of about
 // kChunkBytes (a multiple of 12 blocks, which every row tile's width divides) before the next chunk,
@@ -247,16 +195,20 @@ bool bf16_exact(const at::Tensor& w) {
 
 enum class Layout : int { kFloat = 0, kBf16 = 1, kBf16Pairs = 2 };
 
-// bf16 w [N, K] as pairs [N/16][ceil(K/2)][16][2] (an odd K's last pair padded with zero).
+// w [N, K] as bf16 pairs [N/16][ceil(K/2)][16][2] (an odd K's last pair padded with zero): a bf16 w
+// copied, an fp32 w rounded to nearest, ties to even.
 at::Tensor pack_pairs(const at::Tensor& w) {
   const int64_t N = w.size(0), K = w.size(1), K2 = (K + 1) / 2, blocks = (N + kLanes - 1) / kLanes;
-  at::Tensor out = at::zeros({blocks, K2, kLanes, 2}, w.options());
-  const auto* src = reinterpret_cast<const uint16_t*>(w.const_data_ptr());
-  auto* dst = reinterpret_cast<uint16_t*>(out.mutable_data_ptr());
+  at::Tensor out = at::zeros({blocks, K2, kLanes, 2}, w.options().dtype(at::kBFloat16));
+  auto* dst = out.mutable_data_ptr<c10::BFloat16>();
   const int64_t s0 = w.stride(0), s1 = w.stride(1);
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t k = 0; k < K; ++k)
-      dst[(((n / kLanes) * K2 + k / 2) * kLanes + n % kLanes) * 2 + k % 2] = src[n * s0 + k * s1];
+  auto fill = [&](const auto* src) {
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t k = 0; k < K; ++k)
+        dst[(((n / kLanes) * K2 + k / 2) * kLanes + n % kLanes) * 2 + k % 2] = c10::BFloat16(src[n * s0 + k * s1]);
+  };
+  if (w.scalar_type() == at::kBFloat16) fill(w.const_data_ptr<c10::BFloat16>());
+  else fill(w.const_data_ptr<float>());
   return out;
 }
 
@@ -353,10 +305,13 @@ at::Tensor packed_weight(const at::Tensor& w, Layout layout) {
   return entry.packed;
 }
 
-// bf16 x [..., K] and bf16 w [N, K]: VDPBF16PS over pairs, fp32 sums, a bf16 result.
-at::Tensor product_bf16(const at::Tensor& x, const at::Tensor& w) {
+// x and w as bf16 pairs through VDPBF16PS, fp32 sums, a result of x's dtype: bf16 x and w (a bf16
+// model), or fp32 x and w rounded to bf16 (--matmul_precision medium: x rounded at each call, w once
+// when packed).
+at::Tensor product_dot(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(has_bf16_dot(), "nemospec::small_linear: bf16 products need AVX512-BF16, which this CPU lacks");
   const int64_t K = w.size(1), N = w.size(0), K2 = (K + 1) / 2;
+  const bool fp32 = x.scalar_type() == at::kFloat;
   at::Tensor xc = x.contiguous();
   const int64_t M = K ? xc.numel() / K : 0;
   std::vector<int64_t> sizes = x.sizes().vec();
@@ -364,27 +319,45 @@ at::Tensor product_bf16(const at::Tensor& x, const at::Tensor& w) {
   at::Tensor y = at::empty(sizes, x.options());
   if (K == 0) return y.zero_();
   if (M == 0 || N == 0) return y;
-  if (K % 2) xc = at::constant_pad_nd(xc.reshape({M, K}), {0, 1});  // whole pairs per row
+  thread_local std::vector<uint32_t> rounded;  // fp32 x as bf16 pairs
+  if (fp32) {
+    rounded.resize(M * K2);
+    to_pairs(xc.const_data_ptr<float>(), M, K, rounded.data());
+  } else if (K % 2) {
+    xc = at::constant_pad_nd(xc.reshape({M, K}), {0, 1});  // whole pairs per row
+  }
   const at::Tensor packed = packed_weight(w, Layout::kBf16Pairs);
-  const auto* xp = reinterpret_cast<const uint32_t*>(xc.const_data_ptr());
+  const auto* xp = fp32 ? rounded.data() : reinterpret_cast<const uint32_t*>(xc.const_data_ptr());
   const auto* pp = reinterpret_cast<const uint32_t*>(packed.const_data_ptr());
-  auto* yp = reinterpret_cast<uint16_t*>(y.mutable_data_ptr());
+  void* yp = y.mutable_data_ptr();
   const int64_t grain = std::max<int64_t>(8, (1 << 20) / std::max<int64_t>(1, K * M * kLanes));
   at::parallel_for(0, (N + kLanes - 1) / kLanes, grain, [&](int64_t b0, int64_t b1) {
-    in_chunks(M, K2 * kLanes * 4, b0, b1, [&](int64_t c0, int64_t c1) { packed_rows_dot(xp, M, K2, pp, c0, c1, N, yp); });
+    in_chunks(M, K2 * kLanes * 4, b0, b1, [&](int64_t c0, int64_t c1) {
+      if (fp32) packed_rows_dot(xp, M, K2, pp, c0, c1, N, static_cast<float*>(yp));
+      else packed_rows_dot(xp, M, K2, pp, c0, c1, N, static_cast<uint16_t*>(yp));
+    });
   });
   return y;
 }
 
-// bf16_weights: the product of x and w rounded to bf16 (a draft's weights on the compiled path: half
-// the bytes to stream), from a bf16 packed copy made at w's first use, whatever the budget.
-at::Tensor product(const at::Tensor& x, const at::Tensor& w, bool bf16_weights) {
+// How an fp32 product multiplies: as given; by w rounded to bf16 (a draft's weights on the compiled
+// path, --draft_weight_dtype bfloat16: half the bytes to stream; a bf16 packed copy made at w's first
+// use, whatever the budget); or x and w both rounded to bf16 (--matmul_precision medium: dot products
+// where the CPU has AVX512-BF16, else x rounded and multiplied by the bf16 copy of w in fp32).
+enum class Form { kFloat, kBf16Weights, kBf16Products };
+
+at::Tensor product(const at::Tensor& x, const at::Tensor& w, Form form) {
   TORCH_CHECK(w.dim() == 2 && x.scalar_type() == w.scalar_type() &&
-                  (x.scalar_type() == at::kFloat || (x.scalar_type() == at::kBFloat16 && !bf16_weights)),
+                  (x.scalar_type() == at::kFloat || (x.scalar_type() == at::kBFloat16 && form == Form::kFloat)),
               "nemospec::small_linear: expected x [..., K] and w [N, K], both fp32 or both bf16");
   TORCH_CHECK(x.size(-1) == w.size(1), "nemospec::small_linear: x has ", x.size(-1), " features, w expects ",
               w.size(1));
-  if (x.scalar_type() == at::kBFloat16) return product_bf16(x, w);
+  if (x.scalar_type() == at::kBFloat16) return product_dot(x, w);
+  if (form == Form::kBf16Products) {
+    if (has_bf16_dot()) return product_dot(x, w);
+    return product(x.to(at::kBFloat16).to(at::kFloat), w, Form::kBf16Weights);
+  }
+  const bool bf16_weights = form == Form::kBf16Weights;
   const at::Tensor xc = x.contiguous();
   const int64_t K = w.size(1), N = w.size(0), M = K ? xc.numel() / K : 0;
   std::vector<int64_t> sizes = x.sizes().vec();
@@ -429,27 +402,32 @@ at::Tensor product(const at::Tensor& x, const at::Tensor& w, bool bf16_weights) 
   return y;
 }
 
-at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w) { return product(x, w, false); }
-at::Tensor small_linear_bf16w(const at::Tensor& x, const at::Tensor& w) { return product(x, w, true); }
+at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w) { return product(x, w, Form::kFloat); }
+at::Tensor small_linear_bf16w(const at::Tensor& x, const at::Tensor& w) { return product(x, w, Form::kBf16Weights); }
+at::Tensor small_linear_bf16(const at::Tensor& x, const at::Tensor& w) { return product(x, w, Form::kBf16Products); }
 
 }  // namespace
 
 // The C entry point a compiled graph's C++ wrapper calls directly (inductor's custom_ops_to_c_shims),
 // instead of a boxed call through the dispatcher (~4 us a call, a kernel's worth at one row).
-extern "C" AOTITorchError aoti_torch_cpu_small_linear(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* ret0) {
+namespace {
+template <at::Tensor (*F)(const at::Tensor&, const at::Tensor&)>
+AOTITorchError shim(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* ret0) {
   AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
-    *ret0 = torch::aot_inductor::new_tensor_handle(
-        small_linear(*torch::aot_inductor::tensor_handle_to_tensor_pointer(x),
-                     *torch::aot_inductor::tensor_handle_to_tensor_pointer(w)));
+    *ret0 = torch::aot_inductor::new_tensor_handle(F(*torch::aot_inductor::tensor_handle_to_tensor_pointer(x),
+                                                     *torch::aot_inductor::tensor_handle_to_tensor_pointer(w)));
   });
 }
+}  // namespace
 
+extern "C" AOTITorchError aoti_torch_cpu_small_linear(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* ret0) {
+  return shim<small_linear>(x, w, ret0);
+}
 extern "C" AOTITorchError aoti_torch_cpu_small_linear_bf16w(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* ret0) {
-  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
-    *ret0 = torch::aot_inductor::new_tensor_handle(
-        small_linear_bf16w(*torch::aot_inductor::tensor_handle_to_tensor_pointer(x),
-                     *torch::aot_inductor::tensor_handle_to_tensor_pointer(w)));
-  });
+  return shim<small_linear_bf16w>(x, w, ret0);
+}
+extern "C" AOTITorchError aoti_torch_cpu_small_linear_bf16(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* ret0) {
+  return shim<small_linear_bf16>(x, w, ret0);
 }
 
 // Turns the packed layout on or off for every later product; returns whether it was on.
@@ -470,6 +448,7 @@ static bool small_linear_bf16_supported() { return has_bf16_dot(); }
 TORCH_LIBRARY(nemospec, m) {
   m.def("small_linear(Tensor x, Tensor w) -> Tensor");
   m.def("small_linear_bf16w(Tensor x, Tensor w) -> Tensor");
+  m.def("small_linear_bf16(Tensor x, Tensor w) -> Tensor");
   m.def("small_linear_packing(bool on) -> bool", &small_linear_packing);
   m.def("small_linear_pack_budget(int bytes) -> int", &small_linear_pack_budget);
   m.def("small_linear_packed_bytes() -> int", &small_linear_packed_bytes);
@@ -478,4 +457,5 @@ TORCH_LIBRARY(nemospec, m) {
 TORCH_LIBRARY_IMPL(nemospec, CPU, m) {
   m.impl("small_linear", &small_linear);
   m.impl("small_linear_bf16w", &small_linear_bf16w);
+  m.impl("small_linear_bf16", &small_linear_bf16);
 }
