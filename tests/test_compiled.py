@@ -429,12 +429,15 @@ def test_same_shape_models_keep_their_own_graphs(tmp_path, one_thread):
     assert all(r._forward.ready for r in runners)
 
 
-def test_bf16_draft_weights_keep_the_target_output(models, monkeypatch):
+def test_bf16_draft_weights_keep_the_target_output(models, monkeypatch, tmp_path):
     """``draft_weight_dtype="bfloat16"``: the compiled draft's graphs multiply by its weights rounded
     to bf16 (traced through the bf16-weights kernel; the target's graphs are not) and speculation
-    still emits the target's greedy output."""
+    still emits the target's greedy output. Its graphs are saved apart (``tmp_path``): they hold the
+    patched kernel that counts the calls."""
     from builder.backends import torch_backend
     from runtime import small_linear
+    monkeypatch.setenv("NEMOSPEC_COMPILE_CACHE", str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     eager, _ = models
     target, draft = embedded.target_dir(), embedded.draft_dir("eagle3")
     loaded = open_checkpoint(target, mode="eagle3", draft_dir=draft, backend="compiled", draft_weight_dtype="bfloat16")
@@ -607,3 +610,30 @@ def test_a_saved_step_of_a_closure_is_keyed_by_what_it_closes_over(tmp_path, mon
         assert f"{want} closure step" in capsys.readouterr().err
         bound = 2.0 * (matmul_bound(x, weights) + 4 * torch.finfo(torch.float32).eps)
         assert_within(out, _Scaled(weights).forward(x), bound, "closure step")
+
+
+def test_a_saved_step_that_cannot_run_here_is_compiled_again(tmp_path, monkeypatch, capsys):
+    """A step that loads but fails on its first call (saved by a process that had something this
+    one lacks, e.g. a test's patched kernel) is compiled afresh, with a warning naming the file."""
+    from runtime import compiled, compiled_store
+    monkeypatch.setenv("NEMOSPEC_COMPILE_CACHE", str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("NEMOSPEC_CHECK_GUARDS", "0")
+    g = torch.Generator().manual_seed(4)
+    w, x = torch.randn(8, 5, generator=g), torch.randn(3, 8, generator=g)
+
+    class Unrunnable:
+        def disable_guard_check(self):
+            pass
+
+        def __call__(self, *args, **kwargs):
+            raise AttributeError("'nemospec.kernel' has no attribute __closure__")
+
+    monkeypatch.setattr(compiled_store, "load", lambda path: Unrunnable())
+    steps = compiled._Steps(_Scaled(w).forward, "unrunnable")
+    with pytest.warns(UserWarning, match="saved step did not run .AttributeError"):
+        outs = [steps(("rows", 3), "unrunnable step", 2, x) for _ in range(3)]
+    assert "compiling unrunnable step" in capsys.readouterr().err and list(steps.ready) == [("rows", 3)]
+    bound = 2.0 * (matmul_bound(x, w) + 4 * torch.finfo(torch.float32).eps)
+    for out in outs:
+        assert_within(out, _Scaled(w).forward(x), bound, "compiled after the saved step failed")

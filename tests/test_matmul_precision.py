@@ -87,21 +87,18 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def test_medium_precision_speculation_is_exact(one_thread, monkeypatch):
+def test_medium_precision_speculation_is_exact(one_thread):
     """The embedded model at medium precision, compiled: target-only greedy ids equal the eager path's
     in the same precision (every product's inputs rounded to bf16; only the order of fp32 sums
-    differs), eagle3 speculation equals that target-only output, the target's and draft's graphs
-    traced the bf16-products kernel (where it runs here), and the eager reference is not the fp32 one
-    (the control: rounding happened). A prompt of 70 tokens is prefilled eagerly in both."""
+    differs), eagle3 speculation equals that target-only output, the target's and draft's steps
+    trace the bf16 form (routed to the kernel where it runs: test_small_linear), and the eager
+    reference is not the fp32 one (the control: rounding happened). A prompt of 70 tokens is
+    prefilled eagerly in both."""
     target, draft = embedded.target_dir(), embedded.draft_dir("eagle3")
     eager = open_checkpoint(target, backend="torch")
     loaded = open_checkpoint(target, mode="eagle3", draft_dir=draft, backend="compiled", matmul_precision="medium")
     proposer = loaded.proposer()
     assert loaded.runner.product_form == "bf16" and proposer.draft._chains.product_form == "bf16"
-    traced = []
-    if torch_backend._small_linear_bf16 is not None:
-        kernel = torch_backend._small_linear_bf16
-        monkeypatch.setattr(torch_backend, "_small_linear_bf16", lambda x, w: (traced.append(w.shape), kernel(x, w))[1])
     prompts = [[(i * 37) % 2000 + 3 for i in range(70)]]
     new = 16
     with torch_backend.product_form("bf16"):
@@ -113,8 +110,6 @@ def test_medium_precision_speculation_is_exact(one_thread, monkeypatch):
         assert got.output_ids == want, "medium speculation differs from target-only"
     assert got.extra["acceptance"]["mean_accepted_tokens"] > 1.0
     assert loaded.runner._forward.ready and proposer.draft._chains.ready, "the steps ran compiled"
-    if torch_backend._small_linear_bf16 is not None:
-        assert traced, "no product went through the bf16-products kernel"
     ids = torch.tensor(prompts, dtype=torch.int32)
     args = (ids, torch.arange(70, dtype=torch.int32)[None], torch.tensor([70], dtype=torch.int32),
             torch.tensor([[69]], dtype=torch.int32))
@@ -122,3 +117,30 @@ def test_medium_precision_speculation_is_exact(one_thread, monkeypatch):
     with torch_backend.product_form("bf16"):
         rounded = eager.runner.forward(*args, eager.runner.new_state(1, 96))[0]
     assert not torch.equal(fp32, rounded), "the medium form changed nothing"
+
+
+def test_without_dot_products_the_form_is_the_same_numbers(bf16_products):
+    """A CPU without AVX512-BF16 (``NEMOSPEC_BF16_DOT=0`` stands for one, in a fresh process) rounds x and
+    multiplies by the bf16 copy of w in fp32 FMAs: the same rounded inputs, summed in another order, so
+    within the oracle's fp32 bound; and bf16 models are left to torch there."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    code = (
+        "import torch; from pathlib import Path; from runtime import compiled, small_linear\n"
+        "from tests.tolerances import assert_within, matmul_bound\n"
+        "assert small_linear.load(compiled.cache_dir().parent)\n"
+        "assert not torch.ops.nemospec.small_linear_bf16_supported()\n"
+        "g = torch.Generator().manual_seed(14)\n"
+        "for rows, n, k in ((1, 838, 192), (5, 80, 41), (9, 7, 7)):\n"
+        "    x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)\n"
+        "    xr, wr = x.bfloat16().float(), w.bfloat16().float()\n"
+        "    for _ in range(2):\n"
+        "        assert_within(torch.ops.nemospec.small_linear_bf16(x, w), xr.double() @ wr.double().T,\n"
+        "                      matmul_bound(xr, wr.T) / 2, f'fallback {rows}x{k} @ {n}x{k}')\n"
+        "print('fallback ok')\n")
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, NEMOSPEC_BF16_DOT="0", PYTHONPATH=str(root))
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "fallback ok" in done.stdout, done.stderr[-2000:]

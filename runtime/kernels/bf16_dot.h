@@ -84,4 +84,12 @@ void to_pairs(const float* x, int64_t M, int64_t K, uint32_t* out) {
   }
 }
 
-bool has_bf16_dot() { return __builtin_cpu_supports("avx512bf16"); }
+// Whether the dot products run here: the CPU has AVX512-BF16 and NEMOSPEC_BF16_DOT is not 0 (the switch
+// lets a CPU that has them run, and test, what one without them runs).
+bool has_bf16_dot() {
+  static const bool on = [] {
+    const char* env = std::getenv("NEMOSPEC_BF16_DOT");
+    return __builtin_cpu_supports("avx512bf16") && !(env != nullptr && std::strcmp(env, "0") == 0);
+  }();
+  return on;
+}

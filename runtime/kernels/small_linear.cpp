@@ -39,6 +39,8 @@
 #include <immintrin.h>
 
 #include <atomic>
+#include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <unordered_map>
 
