@@ -72,13 +72,18 @@ def _few_rows(shape) -> bool:
     return len(shape) == 3 and shape[0] == 1 and shape[1] <= SMALL_LINEAR_ROWS
 
 
+def _kernel_for(x):
+    """The small-row kernel of x's dtype and the product form (None: this form has none installed)."""
+    if x.dtype != torch.float32:
+        return _small_linear
+    return {"float32": _small_linear, "bf16_weights": _small_linear_bf16w, "bf16": _small_linear_bf16}[_product_form]
+
+
 def linear(x, weight, bias=None):
-    if (_small_linear is not None and torch.compiler.is_compiling() and x.dtype in _small_linear_dtypes
+    kernel = _kernel_for(x) if _small_linear is not None else None
+    if (kernel is not None and torch.compiler.is_compiling() and x.dtype in _small_linear_dtypes
             and weight.dtype == x.dtype and weight.dim() == 2 and not getattr(weight, "is_nvfp4", False)
             and x.device.type == "cpu" and _few_rows(x.shape)):
-        kernel = {"bf16_weights": _small_linear_bf16w, "bf16": _small_linear_bf16}.get(_product_form)
-        if x.dtype != torch.float32 or kernel is None:
-            kernel = _small_linear
         y = kernel(x, weight)
         return y if bias is None else y + bias
     if _product_form != "float32" and x.dtype == weight.dtype == torch.float32 and not getattr(weight, "is_nvfp4", False):
