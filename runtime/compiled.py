@@ -476,7 +476,8 @@ class CompiledDraft(EagerDraft):
     Feature drafts (eagle, eagle3, mtp) pad a catch-up chunk of 2..K rows to K+1 rows (``pad_to``):
     padded rows lie past ``lengths`` and past every valid position, so they change no valid output
     and write only KV slots that later rows overwrite before anything reads them; so one graph serves
-    every catch-up. One-row steps (proposals, a catch-up of one row) have their own graph. Block drafts
+    every catch-up. One-row steps (proposals, a catch-up of one row) have their own graph; a short
+    prompt's context runs through the K+1-row step chunk by chunk (``_prompt_chunks``). Block drafts
     (dflash, dspark) get one graph per step too: their proposer pads the context rows verified since
     the last step (1..K+1) to K+1 (``pad_to``), rows whose slots the block itself overwrites. P-EAGLE's
     chunk (the 1..K+1 rows verified since the last step, then K-1 placeholders) is right-padded to 2K
