@@ -37,16 +37,7 @@ void tile_dot(const uint32_t* x, int64_t K2, const uint32_t* p, int64_t b0, int6
 
 template <int M, int C, typename Y>
 inline void tiles_dot(const uint32_t* x, int64_t K2, const uint32_t* p, int64_t b0, int64_t b1, int64_t N, Y* y) {
-  int64_t b = b0;
-  for (; b + C <= b1; b += C) tile_dot<M, C, Y>(x, K2, p, b, N, y);
-  if constexpr (C > 1) {
-    constexpr int half = (C + 1) / 2;
-    if (b1 - b >= half) {
-      tile_dot<M, half, Y>(x, K2, p, b, N, y);
-      b += half;
-    }
-    tiles_dot<M, C / 2, Y>(x, K2, p, b, b1, N, y);
-  }
+  over_tiles<C>(b0, b1, [&](auto width, int64_t b) { tile_dot<M, decltype(width)::value, Y>(x, K2, p, b, N, y); });
 }
 
 template <typename Y>

@@ -42,6 +42,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <type_traits>
 #include <unordered_map>
 
 namespace {
@@ -135,21 +136,28 @@ __attribute__((noinline)) void tile(const float* x, int64_t K, const W* p, int64
     }
 }
 
+// Column blocks [b0, b1) as tiles of C blocks, then the rest in one narrower tile per halving:
+// run(std::integral_constant<int, width>, first block) for each.
+template <int C, typename Run>
+inline void over_tiles(int64_t b0, int64_t b1, const Run& run) {
+  int64_t b = b0;
+  for (; b + C <= b1; b += C) run(std::integral_constant<int, C>{}, b);
+  if constexpr (C > 1) {
+    constexpr int half = (C + 1) / 2;
+    if (b1 - b >= half) {
+      run(std::integral_constant<int, half>{}, b);
+      b += half;
+    }
+    over_tiles<C / 2>(b, b1, run);
+  }
+}
+
 // Column blocks [b0, b1) for M rows, C blocks per tile, the rest in one narrower tile: a lone block
 // has one chain of dependent FMAs per row (latency-bound, 1/4 to 1/8 of the FMA rate at one row),
 // and 192-wide products (12 blocks: 8 + 4 at one row) are the embedded model's commonest.
 template <int M, int C, typename W>
 inline void tiles(const float* x, int64_t K, const W* p, int64_t b0, int64_t b1, int64_t N, float* y) {
-  int64_t b = b0;
-  for (; b + C <= b1; b += C) tile<M, C, W>(x, K, p, b, N, y);
-  if constexpr (C > 1) {
-    constexpr int half = (C + 1) / 2;
-    if (b1 - b >= half) {
-      tile<M, half, W>(x, K, p, b, N, y);
-      b += half;
-    }
-    tiles<M, C / 2, W>(x, K, p, b, b1, N, y);
-  }
+  over_tiles<C>(b0, b1, [&](auto width, int64_t b) { tile<M, decltype(width)::value, W>(x, K, p, b, N, y); });
 }
 
 #include "bf16_dot.h"
