@@ -22,6 +22,7 @@ from builder.models.eagle3 import Eagle3Draft
 from builder.models.peagle import PEagleDraft
 from builder.models.mtp import MTPDraft
 from builder.models.nemotron_h import NemotronH
+from builder import token_map as token_maps
 
 
 @dataclass
@@ -57,7 +58,12 @@ def _bind_quantized(stored: dict, dtype):
 
 
 def load_draft(mode, target_cfg: NemotronHConfig, target_weights: dict, draft_dir, dtype, log=print,
-               quantization=None) -> LoadedDraft:
+               quantization=None, token_map=None) -> LoadedDraft:
+    """``token_map``: a file of target token ids the draft's LM head is cut to (``builder.token_map``)."""
+    ids = None
+    if token_map is not None:
+        token_maps.check_mode(mode)
+        ids = token_maps.read_token_map(token_map, target_cfg.vocab_size)
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise DraftError(f"--quantization: expected one of {', '.join(QUANTIZATIONS)}, got {quantization}")
     if quantization is not None and mode in ("mtp", "draft_target"):
@@ -87,10 +93,14 @@ def load_draft(mode, target_cfg: NemotronHConfig, target_weights: dict, draft_di
                              f"pass --speculative_decoding_mode {cfg.kind}")
         cfg = validate_against_target(cfg, target_cfg)
         weights = convert_weights(weights, dtype)
+        if ids is not None:
+            cfg, weights = token_maps.prune_draft_head(mode, cfg, weights, target_weights, ids, str(token_map))
+            log(f"draft vocabulary cut to {cfg.draft_vocab_size} tokens by {token_map}")
         module = _feature_draft(cfg, weights, target_weights, dtype)
         features = {"capture_layers": module.aux_layer_ids} if mode == "eagle3" else {"final_hidden": True}
         return LoadedDraft(module, weights, features,
-                           {"mode": mode, "draft": cfg.to_dict(), "draft_sha256": draft_hash(directory)})
+                           {"mode": mode, "draft": cfg.to_dict(), "draft_sha256": draft_hash(directory),
+                            **_map_record(ids, token_map)})
     if mode in BLOCK_MODES:
         cfg, weights = load_block_draft_checkpoint(directory, keep_quantized=True)
         if cfg.kind != mode:
@@ -98,6 +108,9 @@ def load_draft(mode, target_cfg: NemotronHConfig, target_weights: dict, draft_di
                              f"pass --speculative_decoding_mode {cfg.kind}")
         cfg = validate_block_draft(cfg, target_cfg)
         stored = _to_storable(weights, dtype)
+        if ids is not None:
+            cfg, stored = token_maps.prune_draft_head(mode, cfg, stored, target_weights, ids, str(token_map))
+            log(f"draft vocabulary cut to {cfg.draft_vocab_size} tokens by {token_map}")
         if quantization == "nvfp4_w4a16":
             from builder.quantization import quantize_tensors
             stored = quantize_tensors(stored, quantizable(stored))
@@ -105,9 +118,16 @@ def load_draft(mode, target_cfg: NemotronHConfig, target_weights: dict, draft_di
         module = _block_draft(cfg, _bind_quantized(stored, dtype), target_weights, dtype)
         meta = {"mode": mode, "draft": cfg.to_dict(), "draft_sha256": checkpoint_hash(directory),
                 "quantization": quantization or ("nvfp4_w4a16" if any(n.endswith("weight_scale_2") for n in stored)
-                                                 else None), "kept_high_precision": kept}
+                                                 else None), "kept_high_precision": kept, **_map_record(ids, token_map)}
         return LoadedDraft(module, stored, {"capture_layers": module.target_layer_ids}, meta)
     raise DraftError(f"--speculative_decoding_mode: unknown mode {mode}")
+
+
+def _map_record(ids, token_map) -> dict:
+    """What the engine directory's config.json records of a token map (its weights are already cut)."""
+    if ids is None:
+        return {}
+    return {"token_map": {"file": Path(token_map).name, "tokens": ids.numel(), "sha256": token_maps.digest(ids)}}
 
 
 def _rtx_workaround(stored: dict, mode, dtype, log):

@@ -355,7 +355,7 @@ def _write_weights(path: Path, tensors: dict) -> None:
 
 
 def build(checkpoint_dir, output_dir, options: BuildOptions, log=print, draft_dir=None,
-          draft_quantization=None) -> dict:
+          draft_quantization=None, token_map=None) -> dict:
     """Builds ENGINE_DIR from a checkpoint (and a draft); returns the build report.
 
     Raises NemospecError subclasses for bad input, before anything is written. Tensors are read
@@ -386,6 +386,8 @@ def build(checkpoint_dir, output_dir, options: BuildOptions, log=print, draft_di
     weights = convert_weights(weights, dtype)
     if draft_quantization and not mode:
         raise BuildError("--quantization: quantizes the draft; it needs --speculative_decoding_mode")
+    if token_map and not mode:
+        raise BuildError("--speculative_token_map: cuts a draft's LM head; it needs --speculative_decoding_mode")
     # --strip_plan: refittable constants where TensorRT can build them, else weights as engine inputs
     method = ("refit" if strip_plan_supported()[0] else "inputs") if options.strip_plan else None
     draft_files = sorted(Path(draft_dir).glob("*.safetensors")) if mode and draft_dir else []
@@ -402,7 +404,8 @@ def build(checkpoint_dir, output_dir, options: BuildOptions, log=print, draft_di
         (tmp / "weights").mkdir()
         packed = quantized and options.strip_plan
         weights, mapped = write_target_weights(tmp, weights, dtype, packed)
-        draft = drafts.load_draft(mode, config, weights, draft_dir, dtype, log, draft_quantization) if mode else None
+        draft = drafts.load_draft(mode, config, weights, draft_dir, dtype, log, draft_quantization,
+                                  token_map) if mode else None
         files = [("weights/target.safetensors", mapped)]
         if draft and draft.weights is not None:
             _write_weights(tmp / "weights" / "draft.safetensors", draft.weights)

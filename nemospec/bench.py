@@ -50,6 +50,9 @@ def add_bench_args(p) -> None:
                    help="engines built with this --draft_weight_dtype (the compiled path's draft weights)")
     p.add_argument("--matmul_precision", default="highest", choices=["highest", "medium"],
                    help="engines built with this --matmul_precision (the compiled path's fp32 products, both sides)")
+    p.add_argument("--speculative_token_map", default=None, metavar="FILE",
+                   help="engines of the modes it applies to (eagle3, dflash, dspark, peagle) built with their draft's "
+                        "LM head cut to these target token ids (see `nemospec token_map`)")
     p.add_argument("--backend", default=None, choices=["torch", "compiled"],
                    help="offline runs: compiled (default; the fastest exact CPU path, for both sides of every "
                         "ratio) or torch (eager; the default with --quick, which must not wait for compiles)")
@@ -68,10 +71,11 @@ def _log(message: str) -> None:
 
 
 def build_mode_engines(checkpoint, mode: str, root: Path, k: int, draft_weight_dtype: str = "auto",
-                       matmul_precision: str = "highest") -> tuple[Path, dict]:
+                       matmul_precision: str = "highest", token_map=None) -> tuple[Path, dict]:
     from builder import embedded
     from builder.engine import BuildOptions, build
     from builder.embedded import resolve_sources
+    from builder.token_map import MODES as MAPPED_MODES
     quant = "nvfp4_w4a16" if mode.endswith("_nvfp4") else None
     base = mode.removesuffix("_nvfp4")
     target, draft = resolve_sources(checkpoint, base, None, quant)
@@ -83,7 +87,7 @@ def build_mode_engines(checkpoint, mode: str, root: Path, k: int, draft_weight_d
                            matmul_precision=matmul_precision)
     report = build(target, out, options, log=lambda m: None, draft_dir=draft,
                    draft_quantization=quant if draft is None or not (Path(draft) / "hf_quant_config.json").is_file()
-                   else None)
+                   else None, token_map=token_map if base in MAPPED_MODES else None)
     return out, report
 
 
@@ -288,11 +292,14 @@ def run_bench(args) -> dict:
                                 "cuda": torch.cuda.is_available()},
                     "model": portable_path(target_dir, root), "backend": backend,
                     "draft_weight_dtype": getattr(args, "draft_weight_dtype", "auto"),
-                    "matmul_precision": getattr(args, "matmul_precision", "highest"), "modes": {}}
+                    "matmul_precision": getattr(args, "matmul_precision", "highest"),
+                    "token_map": portable_path(args.speculative_token_map, root)
+                    if getattr(args, "speculative_token_map", None) else None, "modes": {}}
     for mode in modes:
         _log(f"bench: {mode}: building engines")
         engine_dir, build = build_mode_engines(args.checkpoint_dir, mode, root, k, args.draft_weight_dtype,
-                                               getattr(args, "matmul_precision", "highest"))
+                                               getattr(args, "matmul_precision", "highest"),
+                                               getattr(args, "speculative_token_map", None))
         engines = {n: {"bytes": e["engine_bytes"], "layers": e["layers"], "build_seconds": round(e["build_seconds"], 1)}
                    for n, e in build["engines"].items()}
         _log(f"bench: {mode}: generating ({len(prompts)} prompts x {new_tokens} tokens, with and without speculation)")

@@ -62,7 +62,8 @@ def _precisions(report: dict) -> str:
     dtype = report.get("draft_weight_dtype", "auto")
     precision = report.get("matmul_precision", "highest")
     return ("" if dtype == "auto" else f", draft weights in {dtype}") + (
-        "" if precision == "highest" else f", matmul precision {precision} (fp32 products from bf16-rounded inputs)")
+        "" if precision == "highest" else f", matmul precision {precision} (fp32 products from bf16-rounded inputs)") + (
+        f", draft LM heads cut by the token map `{report['token_map']}`" if report.get("token_map") else "")
 
 
 def markdown(report: dict) -> str:

@@ -17,6 +17,35 @@ from runtime.step_costs import cost_line
 err = Console(stderr=True, highlight=False)
 
 
+def add_token_map_arg(p):
+    p.add_argument("--speculative_token_map", default=None, metavar="FILE",
+                   help="cut the draft's LM head to these target token ids (FR-Spec; SGLang's flag): a .json list, "
+                        "whitespace-separated .txt or .pt tensor, e.g. from `nemospec token_map` (eagle3, dflash, "
+                        "dspark, peagle)")
+
+
+def _add_token_map_command(p):
+    p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the embedded model's)")
+    p.add_argument("--corpus", nargs="+", required=True, help="local text files or directories to count tokens in")
+    p.add_argument("--size", type=int, required=True, help="how many of the most frequent tokens to keep")
+    p.add_argument("--output", required=True, help="the token map to write (.json)")
+
+
+def cmd_token_map(args):
+    from pathlib import Path
+    from builder import embedded
+    from builder.token_map import rank_tokens
+    if args.size < 1:
+        raise NemospecError(f"--size: expected >= 1, got {args.size}")
+    tokenizer = Path(args.tokenizer) if args.tokenizer else embedded.target_dir() / "tokenizer.json"
+    if not tokenizer.is_file():
+        raise NemospecError(f"--tokenizer: {tokenizer}: no such file")
+    ids = rank_tokens(tokenizer, args.corpus, args.size)
+    Path(args.output).write_text(json.dumps(ids) + "\n")
+    err.print(f"wrote {len(ids)} token ids (most frequent first) to {args.output}", markup=False)
+    return 0
+
+
 def _add_build_args(p):
     p.add_argument("--checkpoint_dir", default=None,
                    help="Hugging Face NemotronH checkpoint (safetensors); default: the embedded trained model")
@@ -35,6 +64,7 @@ def _add_build_args(p):
                    help="quantize the draft's linear layers (ModelOpt NVFP4 W4A16) while building")
     p.add_argument("--draft_dir", default=None,
                    help="draft checkpoint (every mode but mtp); default with the embedded model: its trained draft")
+    add_token_map_arg(p)
     p.add_argument("--strip_plan", action="store_true",
                    help="weight-stripped refittable engines, refit at load from the directory's one copy of the "
                         "weights (needs a TensorRT that builds them: a GPU machine)")
@@ -98,9 +128,12 @@ def _parser():
     g.add_argument("--draft_dir", default=None, help="with a checkpoint: the draft (default with the embedded model: "
                                                      "its trained draft)")
     g.add_argument("--max_draft_len", type=int, default=4, help="with a checkpoint: K")
+    add_token_map_arg(g)
     from serving.command import add_serve_args
     add_serve_args(sub.add_parser("serve", help="serve an engine directory with Triton Inference Server"))
     _add_quantize_args(sub.add_parser("quantize", help="write an NVFP4 (ModelOpt W4A16) checkpoint"))
+    _add_token_map_command(sub.add_parser("token_map", help="rank a tokenizer's tokens by frequency in local text "
+                                                            "(a --speculative_token_map file)"))
     from nemospec.bench import add_bench_args
     add_bench_args(sub.add_parser("bench", help="perf report: acceptance, tokens/s, peers, serving, build"))
     return parser
@@ -136,7 +169,7 @@ def cmd_build(args):
             status.update(message)
             err.print(message)
         report = build(args.checkpoint_dir, args.output_dir, options, log, draft_dir=args.draft_dir,
-                       draft_quantization=args.quantization)
+                       draft_quantization=args.quantization, token_map=args.speculative_token_map)
     from rich.table import Table
     table = Table(title=f"built {args.output_dir}")
     table.add_column("engine")
@@ -183,9 +216,9 @@ def cmd_generate(args):
     if args.engine_dir is None:
         args.checkpoint_dir, args.draft_dir = resolve_sources(args.checkpoint_dir, args.speculative_decoding_mode,
                                                               args.draft_dir)
-    elif args.speculative_decoding_mode or args.draft_dir:
-        raise NemospecError("--speculative_decoding_mode/--draft_dir: an engine directory already holds its draft; "
-                            "these go with --checkpoint_dir")
+    elif args.speculative_decoding_mode or args.draft_dir or args.speculative_token_map:
+        raise NemospecError("--speculative_decoding_mode/--draft_dir/--speculative_token_map: an engine directory "
+                            "already holds its draft; these go with --checkpoint_dir")
     from runtime.loading import resolve_backend
     backend = resolve_backend(args.backend, engine_dir=args.checkpoint_dir is None,
                               tokens=args.max_new_tokens * len(args.prompt or args.input_ids or [None]))
@@ -194,7 +227,8 @@ def cmd_generate(args):
             raise NemospecError(f"--backend {backend} needs --engine_dir (build one with `nemospec build`)")
         loaded = open_checkpoint(args.checkpoint_dir, args.dtype, mode=args.speculative_decoding_mode,
                                  draft_dir=args.draft_dir, max_draft_len=args.max_draft_len, backend=backend,
-                                 matmul_precision=args.matmul_precision or "highest")
+                                 matmul_precision=args.matmul_precision or "highest",
+                                 token_map=args.speculative_token_map)
     else:
         from builder.integrity import verify_engine_dir
         notice = verify_engine_dir(args.engine_dir, hashes=args.verify)
@@ -328,7 +362,7 @@ def main(argv=None):
     args = _parser().parse_args(argv)
     try:
         return {"build": cmd_build, "generate": cmd_generate, "serve": cmd_serve,
-                "quantize": cmd_quantize, "bench": cmd_bench}[args.command](args)
+                "quantize": cmd_quantize, "bench": cmd_bench, "token_map": cmd_token_map}[args.command](args)
     except NemospecError as e:
         err.print(f"error: {e}", markup=False)
         return 2

@@ -106,12 +106,13 @@ def _eager_proposer(draft, vocab_size: int, device, chunk: int, compiled: bool =
 
 def open_checkpoint(checkpoint_dir, dtype="auto", device=None, mode=None, draft_dir=None, quantization=None,
                     max_draft_len: int = 4, prefill_chunk: int = 512, backend: str = "torch",
-                    draft_weight_dtype: str = "auto", matmul_precision: str = "highest") -> Loaded:
+                    draft_weight_dtype: str = "auto", matmul_precision: str = "highest", token_map=None) -> Loaded:
     """Eager (torch) runner of a checkpoint, or with ``backend="compiled"`` (``auto`` on a machine
     without a GPU) the compiled CPU path; with ``mode`` also its draft, read from ``draft_dir``
     (speculative decoding without building engines). ``draft_weight_dtype="bfloat16"``: the compiled
     path's draft multiplies by its weights rounded to bf16; ``matmul_precision="medium"``: the
-    compiled path's fp32 products round x and w to bf16 (``BuildOptions.matmul_precision``)."""
+    compiled path's fp32 products round x and w to bf16 (``BuildOptions.matmul_precision``);
+    ``token_map``: the draft's LM head cut to those target tokens (``builder.token_map``)."""
     check_matmul_precision(matmul_precision)
     backend = resolve_backend(backend, engine_dir=False)
     if backend not in ("torch", "compiled"):
@@ -123,7 +124,8 @@ def open_checkpoint(checkpoint_dir, dtype="auto", device=None, mode=None, draft_
     device = _device(device)
     draft = spec = proposer = None
     if mode is not None:
-        draft = load_draft(mode, config, weights, draft_dir, torch_dtype, log=lambda m: None, quantization=quantization)
+        draft = load_draft(mode, config, weights, draft_dir, torch_dtype, log=lambda m: None, quantization=quantization,
+                           token_map=token_map)
         spec = draft.meta
         proposer = _eager_proposer(draft.module, config.vocab_size, device, prefill_chunk, backend == "compiled",
                                    max_draft_len, draft_weight_dtype, matmul_precision)
