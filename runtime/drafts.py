@@ -74,12 +74,14 @@ class EagerDraft:
     def step(self, ids, target_features, own_hidden, positions, lengths, logit_index, state):
         return self._step(self.run, ids, target_features, own_hidden, positions, lengths, logit_index, state)
 
-    def _step(self, run, ids, target_features, own_hidden, positions, lengths, logit_index, state):
+    def _step(self, run, ids, target_features, own_hidden, positions, lengths, logit_index, state, target_vocab=True):
+        """(logits over the target vocabulary, or the draft's own with ``target_vocab=False``, hidden_out,
+        new state) of one draft chunk."""
         feeds = {"input_ids": ids, "positions": positions, "lengths": lengths, "logit_index": logit_index}
         feeds.update(self.row_inputs(ids, target_features, own_hidden))
         feeds.update({"past." + k: v for k, v in state.items()})
         out = run("draft", feeds)
-        return self.to_target_vocab(out["logits"]), out["hidden_out"], _present(out)
+        return (self.to_target_vocab(out["logits"]) if target_vocab else out["logits"]), out["hidden_out"], _present(out)
 
     def catch_up_width(self, rows: int, tree: bool = False) -> int:
         """How many rows a catch-up chunk of ``rows`` queued rows runs as (``chain``, ``tree_chain``
@@ -109,11 +111,12 @@ class EagerDraft:
         tokens, confidences = [logits.argmax(-1)], [top_probability(logits)]
         one = torch.ones_like(lengths)
         zero = torch.zeros_like(one)[:, None]
-        for i in range(1, k):
+        for i in range(1, k):   # argmax over the draft's own vocabulary, then its target ids (a cut head's
+            # rows only, not a target-wide scatter of -inf per token)
             logits, out, state = self._step(self._call, tokens[-1].to(torch.int32)[:, None], None, hidden[:, None],
-                                            position + (i - 1), one, zero, state)
+                                            position + (i - 1), one, zero, state, target_vocab=False)
             hidden, logits = out[:, 0], logits[:, 0]
-            tokens.append(logits.argmax(-1))
+            tokens.append(self.to_target_ids(logits.argmax(-1)))
             confidences.append(top_probability(logits))
         return torch.stack(tokens, 1), torch.stack(confidences, 1), first_logits, first_hidden, state
 
@@ -148,9 +151,10 @@ class EagerDraft:
         out = self._call("draft_tree", {**feeds, **{"past." + k: v for k, v in state.items()}})
         return self.to_target_vocab(out["logits"]), out["hidden_out"], _present(out)
 
-    def block_row(self, base, j: int, prev, call=None):
-        """Block row j's logits over the target vocabulary [B, F, V] after each of the previous
-        tokens ``prev`` [B, F] (DSpark's Markov bias; DFlash rows do not depend on them)."""
+    def block_row(self, base, j: int, prev, call=None, target_vocab=True):
+        """Block row j's logits over the target vocabulary [B, F, V] (the draft's own with
+        ``target_vocab=False``) after each of the previous tokens ``prev`` [B, F] (DSpark's Markov
+        bias; DFlash rows do not depend on them)."""
         batch, width = prev.shape
         row = base[:, j:j + 1]
         if getattr(self.module, "has_markov", False):
@@ -159,7 +163,7 @@ class EagerDraft:
             row = (call or self.run)("markov", feeds)["markov_logits"].reshape(batch, width, -1)
         else:
             row = row.expand(-1, width, -1)
-        return self.to_target_vocab(row)
+        return self.to_target_vocab(row) if target_vocab else row
 
     @torch.inference_mode()
     def block_chain(self, feeds: dict, state: dict, anchor):
@@ -167,14 +171,14 @@ class EagerDraft:
 
     def _block_chain(self, feeds: dict, state: dict, anchor):
         """A block draft's greedy proposal in one call: the block's forward, then each draft row's
-        argmax over the target vocabulary, after DSpark's Markov bias for the previous row's token
+        argmax (over the draft's vocabulary, as target ids), after DSpark's Markov bias for the previous row's token
         (``anchor`` [B] target ids before the first row). Returns ((target ids [B, K], their draft
         probabilities [B, K]), new state)."""
         out = self._block_forward(feeds, state)
         base, prev, tokens, confidences = out["logits"], anchor.long()[:, None], [], []
         for j in range(base.shape[1]):
-            row = self.block_row(base, j, prev, self._call)[:, 0]
-            tokens.append(row.argmax(-1))
+            row = self.block_row(base, j, prev, self._call, target_vocab=False)[:, 0]
+            tokens.append(self.to_target_ids(row.argmax(-1)))
             confidences.append(top_probability(row))
             prev = tokens[-1][:, None]
         return (torch.stack(tokens, 1), torch.stack(confidences, 1)), _present(out)
