@@ -169,6 +169,19 @@ def test_token_map_command(tmp_path, capsys):
     assert "--corpus" in capsys.readouterr().err
 
 
+def test_generate_flag(checkpoints, tmp_path, capsys):
+    args = ["generate", "--checkpoint_dir", str(checkpoints["moe"]), "--speculative_decoding_mode", "eagle3",
+            "--draft_dir", str(FEATURE_DRAFTS["eagle3"]), "--input_ids", "5,9,17", "--max_new_tokens", "8",
+            "--backend", "torch", "--json"]
+    assert cli.main(args + ["--speculative_token_map", str(_map_file(tmp_path))]) == 0
+    cut = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert cli.main(args) == 0
+    full = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert cut["output_ids"] == full["output_ids"]
+    assert cli.main(args + ["--speculative_token_map", str(tmp_path / "missing.json")]) == 2
+    assert "missing.json: no such file" in capsys.readouterr().err
+
+
 def test_engine_directory_keeps_the_cut_head(checkpoints, tmp_path):
     engine = tmp_path / "engine"
     options = BuildOptions(max_batch_size=2, max_input_len=16, max_seq_len=64, max_draft_len=3,
@@ -184,6 +197,11 @@ def test_engine_directory_keeps_the_cut_head(checkpoints, tmp_path):
     assert loaded.proposer().draft.module.vocab_size == head.shape[0]
     want = generate(loaded.runner, PROMPTS, 24).output_ids
     assert speculative_generate(loaded.runner, loaded.proposer(), PROMPTS, 24, 3).output_ids == want
+    # the built networks (target, verify, cut draft) evaluated by the CPU interpreter: the same tokens
+    interpreted = open_engine_dir(engine, "interpreter")
+    assert interpreted.proposer().draft.module.vocab_size == head.shape[0]
+    got = speculative_generate(interpreted.runner, interpreted.proposer(), PROMPTS[:1], 12, 3).output_ids
+    assert got == [want[0][:12]]
     with pytest.raises(NemospecError, match="needs --speculative_decoding_mode"):
         build(checkpoints["moe"], tmp_path / "plain", BuildOptions(max_batch_size=1, max_input_len=16, max_seq_len=32),
               log=lambda m: None, token_map=_map_file(tmp_path))
