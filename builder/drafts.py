@@ -108,12 +108,12 @@ def load_draft(mode, target_cfg: NemotronHConfig, target_weights: dict, draft_di
                              f"pass --speculative_decoding_mode {cfg.kind}")
         cfg = validate_block_draft(cfg, target_cfg)
         stored = _to_storable(weights, dtype)
-        if ids is not None:
-            cfg, stored = token_maps.prune_draft_head(mode, cfg, stored, target_weights, ids, str(token_map))
-            log(f"draft vocabulary cut to {cfg.draft_vocab_size} tokens by {token_map}")
         if quantization == "nvfp4_w4a16":
             from builder.quantization import quantize_tensors
             stored = quantize_tensors(stored, quantizable(stored))
+        if ids is not None:   # after quantizing: the cut draft is the quantized draft's rows, scales included
+            cfg, stored = token_maps.prune_draft_head(mode, cfg, stored, target_weights, ids, str(token_map))
+            log(f"draft vocabulary cut to {cfg.draft_vocab_size} tokens by {token_map}")
         stored, kept = _rtx_workaround(stored, mode, dtype, log)
         module = _block_draft(cfg, _bind_quantized(stored, dtype), target_weights, dtype)
         meta = {"mode": mode, "draft": cfg.to_dict(), "draft_sha256": checkpoint_hash(directory),

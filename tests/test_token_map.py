@@ -63,13 +63,16 @@ def _draft_inputs(module, mode, batch=2, rows=5, seed=0):
     return run
 
 
-@pytest.mark.parametrize("mode", MAPPED)
-def test_the_cut_draft_scores_the_kept_tokens_as_the_full_draft(mode, checkpoints, tmp_path):
+@pytest.mark.parametrize("mode, quantization", [(m, None) for m in MAPPED] + [("dspark", "nvfp4_w4a16")])
+def test_the_cut_draft_scores_the_kept_tokens_as_the_full_draft(mode, quantization, checkpoints, tmp_path):
+    """Also for a DSpark quantized at load (its linears NVFP4; the fixture's rank-8 Markov W2 has no
+    whole 16-block, so it stays in precision and only its rows are cut)."""
     config, weights = load_checkpoint(checkpoints["moe"])
     weights64 = {k: v.double() if v.is_floating_point() else v for k, v in weights.items()}
-    full = load_draft(mode, config, weights64, FEATURE_DRAFTS[mode], torch.float64, log=lambda m: None)
+    full = load_draft(mode, config, weights64, FEATURE_DRAFTS[mode], torch.float64, log=lambda m: None,
+                      quantization=quantization)
     cut = load_draft(mode, config, weights64, FEATURE_DRAFTS[mode], torch.float64, log=lambda m: None,
-                     token_map=_map_file(tmp_path))
+                     token_map=_map_file(tmp_path), quantization=quantization)
     full_ids, cut_ids = (_target_ids(d.module) for d in (full, cut))
     kept = [i for i, t in enumerate(full_ids.tolist()) if t in set(MAP)]
     assert cut_ids.tolist() == full_ids[kept].tolist()                        # the map's tokens the draft had
