@@ -46,6 +46,9 @@ HERE = Path(__file__).resolve().parent
 # this file's own directory comes first on sys.path when it runs as a script, and its name would
 # shadow the `serving` package: the checkout first, benchmarks/ (for aiperf_run) last
 sys.path[:] = [str(HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != HERE] + [str(HERE)]
+if __name__ == "__main__":   # the offline side on the allocator the server's models use
+    from runtime.allocator import preload
+    preload()
 from nemospec import cli  # noqa: E402
 from serving.client import stream_generate  # noqa: E402
 from serving.launch import free_port  # noqa: E402

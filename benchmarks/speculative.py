@@ -23,6 +23,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __name__ == "__main__":   # timed on the allocator the commands use (runtime.allocator)
+    from runtime.allocator import preload
+    preload()
 from builder.checkpoint import load_checkpoint  # noqa: E402
 from builder.drafts import load_draft  # noqa: E402
 from builder.models.mtp import MTPDraft  # noqa: E402

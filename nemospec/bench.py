@@ -11,6 +11,10 @@ Writes ``report.json``, ``report.md`` and PNG plots into ``--output_dir``.
 """
 from __future__ import annotations
 
+if __name__ == "__main__":   # a model process: mimalloc first (runtime.allocator), before heavy imports
+    from runtime.allocator import preload
+    preload()
+
 import argparse
 import json
 import platform
@@ -20,6 +24,8 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
+
+from runtime import allocator
 
 _err = Console(stderr=True, highlight=False)
 
@@ -289,6 +295,7 @@ def run_bench(args) -> dict:
                     "max_new_tokens": new_tokens, "prompts": len(prompts), "runs": runs,
                     "machine": {"cpu_threads": torch.get_num_threads(), "platform": platform.platform(),
                                 "python": platform.python_version(), "torch": torch.__version__,
+                                "allocator": allocator.active(),
                                 "cuda": torch.cuda.is_available()},
                     "model": portable_path(target_dir, root), "backend": backend,
                     "draft_weight_dtype": getattr(args, "draft_weight_dtype", "auto"),

@@ -73,7 +73,7 @@ def markdown(report: dict) -> str:
              f"{report['max_new_tokens']} new tokens, batch 1, K = {k} draft tokens per step, median of "
              f"{report['runs']} run(s), {report.get('backend', 'torch')} backend on both sides"
              f"{_precisions(report)}; CPU torch threads "
-             f"{report['machine']['cpu_threads']}, CUDA "
+             f"{report['machine']['cpu_threads']}, allocator {report['machine'].get('allocator', 'system')}, CUDA "
              f"{report['machine']['cuda']}. Speculative output equals target-only greedy output in every mode "
              "(checked).", ""]
     lines += _table(report)

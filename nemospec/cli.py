@@ -1,6 +1,10 @@
 """`nemospec` command line: build engines, generate text."""
 from __future__ import annotations
 
+if __name__ == "__main__":   # a model process: mimalloc first (runtime.allocator), before heavy imports
+    from runtime.allocator import preload
+    preload()
+
 import argparse
 import json
 import sys
@@ -10,6 +14,7 @@ from rich.console import Console
 from builder.errors import NemospecError
 from builder.embedded import resolve_sources
 from builder.engine import TREE_STEP_KINDS
+from runtime import allocator
 from runtime.draft_policy import POLICY_FLAGS, add_policy_args, policy_from
 from runtime.tree_draft import TREE_FLAGS, add_tree_args, tree_from
 from runtime.step_costs import cost_line
@@ -328,6 +333,7 @@ def cmd_generate(args):
             "seconds": result.seconds,
             "num_target_forwards": result.num_target_forwards,
             "backend": loaded.backend,
+            "allocator": allocator.active(),
         }
         record["cost"] = cost
         if speculate:

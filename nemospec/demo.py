@@ -10,6 +10,10 @@
 """
 from __future__ import annotations
 
+if __name__ == "__main__":   # a model process: mimalloc first (runtime.allocator), before heavy imports
+    from runtime.allocator import preload
+    preload()
+
 import argparse
 import os
 import time

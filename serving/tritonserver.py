@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from builder.errors import NemospecError
+from runtime import allocator
 from serving.repository import ROOT
 
 
@@ -71,7 +72,7 @@ def assemble_backends(server: Tritonserver, run_dir: Path) -> Path | None:
     return target.parent
 
 def server_env(server: Tritonserver) -> dict:
-    env = dict(os.environ)
+    env = allocator.preload_env()   # the stubs that run the models allocate through mimalloc
     # the python backend stub starts the interpreter found first on PATH: this one (and its venv)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)

@@ -18,6 +18,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -494,6 +495,14 @@ def test_queue_full_is_refused_clearly(server, engine_dir):
     assert done >= MAX_QUEUE and done + len(errors) == n
     status, good = generate(server, text_input=PROMPTS[0], max_tokens=6, exclude_input_in_output=True)
     assert status == 200 and good["output_ids"] == offline(engine_dir, PROMPTS[0], 6)["output_ids"]
+
+
+def test_models_run_on_mimalloc(server):
+    """The Python-backend stubs that run the models were started with mimalloc preloaded
+    (runtime.allocator, via serving.tritonserver.server_env)."""
+    assert "speculative" in server.stubs.values(), server.stubs
+    for pid, model in server.stubs.items():
+        assert "libmimalloc" in Path(f"/proc/{pid}/maps").read_text(), model
 
 
 def test_metrics_exported(server):
