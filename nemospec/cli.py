@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 if __name__ == "__main__":   # a model process: mimalloc first (runtime.allocator), before heavy imports
-    from runtime.allocator import preload
-    preload()
+    import sys
+    from nemospec import MODEL_COMMANDS
+    if sys.argv[1:2] and sys.argv[1] in MODEL_COMMANDS:
+        from runtime.allocator import preload
+        preload()
 
 import argparse
 import json

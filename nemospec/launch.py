@@ -1,13 +1,16 @@
-"""The `nemospec` console entry: a model process re-executes itself once with mimalloc preloaded
-(``runtime.allocator``) before it imports anything heavy, then runs its command."""
+"""The `nemospec` console entry: a command that runs models (``nemospec.MODEL_COMMANDS``)
+re-executes itself once with mimalloc preloaded (``runtime.allocator``) before it imports anything
+heavy; then the command runs."""
 from __future__ import annotations
 
 import sys
 
 
 def main() -> int:
-    from runtime.allocator import preload
-    preload()
+    from nemospec import MODEL_COMMANDS
+    if sys.argv[1:2] and sys.argv[1] in MODEL_COMMANDS:
+        from runtime.allocator import preload
+        preload()
     from nemospec.cli import main as run
     return run()
 

@@ -6,7 +6,7 @@ consolidation, 7-12% of an eagle3 draft chain's profile). With mimalloc (the ``c
 wheel) preloaded, two processes timed side by side on the two cores of one machine: eagle3 draft
 chain 0.24-0.26 ms against 0.28-0.29, whole generations +8-16% speculative and +4-19% target-only.
 A preload is the only way to reach every allocation (torch's, inductor's C++ wrapper's, Python's
-larger objects), so the console commands re-execute themselves once with ``LD_PRELOAD`` set
+larger objects), so the commands that run models re-execute themselves once with ``LD_PRELOAD`` set
 (``reexec``), as PyTorch's own CPU launcher does with jemalloc, and ``nemospec serve`` hands the
 same variable to ``tritonserver``, whose Python-backend stubs run the models.
 ``NEMOSPEC_MALLOC=system`` keeps glibc's.
