@@ -3,10 +3,8 @@ from __future__ import annotations
 
 if __name__ == "__main__":   # a model process: mimalloc first (runtime.allocator), before heavy imports
     import sys
-    from nemospec import MODEL_COMMANDS
-    if sys.argv[1:2] and sys.argv[1] in MODEL_COMMANDS:
-        from runtime.allocator import preload
-        preload()
+    from nemospec import preload_for
+    preload_for(sys.argv[1:])
 
 import argparse
 import json

@@ -7,10 +7,8 @@ import sys
 
 
 def main() -> int:
-    from nemospec import MODEL_COMMANDS
-    if sys.argv[1:2] and sys.argv[1] in MODEL_COMMANDS:
-        from runtime.allocator import preload
-        preload()
+    from nemospec import preload_for
+    preload_for(sys.argv[1:])
     from nemospec.cli import main as run
     return run()
 
