@@ -20,6 +20,7 @@ a projection, not a measurement. --whole builds whole models (structure-only wei
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -75,39 +76,79 @@ def child_build(ckpt: Path, out: Path, strip: bool) -> dict:
             "estimate_gb": round(report["memory_estimate"]["peak_bytes"] / GIB, 2)}
 
 
-def _time(fn, runs: int = 3) -> float:
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _time(fn, runs: int = 3, device="cpu") -> float:
+    """Median seconds of ``fn`` (a GPU's queue drained before the clock stops)."""
     fn()
+    _sync(device)
     out = []
     for _ in range(runs):
         t0 = time.perf_counter()
         fn()
+        _sync(device)
         out.append(time.perf_counter() - t0)
     return statistics.median(out)
 
 
+def _graphed(fn):
+    """``fn`` captured once as a CUDA graph and replayed: the GPU's own time, no launch per op. A step
+    that waits on the GPU from the host (``.item()``, a data-dependent shape) cannot be captured: one
+    call under CUDA's sync check finds that first, before a failed capture could leave the device
+    unusable for what follows."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 @torch.inference_mode()
-def step_costs(ckpt: Path) -> dict:
-    """Eager bf16 seconds of the one-layer slice: {"batch": {"tokens": s}} for T=1 and T=K+1."""
+def step_costs(ckpt: Path, device="cpu", graphs: bool = False) -> dict:
+    """Eager bf16 seconds of the one-layer slice: {"batch": {"tokens": s}} for T=1 and T=K+1; with
+    ``graphs`` (CUDA) each step replayed as one CUDA graph instead ({"error": ...} where it cannot be
+    captured)."""
+    from runtime.placement import place
     config, weights = load_checkpoint(ckpt)
-    module = NemotronH(config, weights, torch.bfloat16)
+    module = place(NemotronH(config, weights, torch.bfloat16), device)
     comp = target_component(module, BuildOptions(max_batch_size=8, max_input_len=16, max_seq_len=64))
     out = {}
     for b in BATCHES:
         out[str(b)] = {}
         for t in (1, K + 1):
-            state = {"past." + k: torch.zeros(s, dtype=d) for k, (s, d) in module.state_spec(b, 64).items()}
-            feeds = {"input_ids": torch.randint(0, config.vocab_size, (b, t), dtype=torch.int32),
-                     "positions": torch.arange(8, 8 + t, dtype=torch.int32).repeat(b, 1),
-                     "lengths": torch.full((b,), t, dtype=torch.int32),
-                     "logit_index": torch.arange(t, dtype=torch.int32).repeat(b, 1), **state}
-            out[str(b)][str(t)] = _time(lambda: comp.call(feeds))
+            state = {"past." + k: torch.zeros(s, dtype=d, device=device) for k, (s, d) in module.state_spec(b, 64).items()}
+            feeds = {"input_ids": torch.randint(0, config.vocab_size, (b, t), dtype=torch.int32, device=device),
+                     "positions": torch.arange(8, 8 + t, dtype=torch.int32, device=device).repeat(b, 1),
+                     "lengths": torch.full((b,), t, dtype=torch.int32, device=device),
+                     "logit_index": torch.arange(t, dtype=torch.int32, device=device).repeat(b, 1), **state}
+            step = functools.partial(comp.call, feeds)
+            if graphs:
+                try:
+                    step = _graphed(step)
+                except Exception as e:   # a host sync inside the step: not capturable
+                    return {"error": f"{type(e).__name__}: {e}"[:300]}
+            out[str(b)][str(t)] = _time(step, device=device)
     return out
 
 
 @torch.inference_mode()
-def linear_cost(rows: int, inner: int, out: int) -> float:
-    x, w = torch.randn(rows, inner, dtype=torch.bfloat16), torch.randn(out, inner, dtype=torch.bfloat16) * 0.01
-    return _time(lambda: torch.nn.functional.linear(x, w))
+def linear_cost(rows: int, inner: int, out: int, device="cpu") -> float:
+    x = torch.randn(rows, inner, dtype=torch.bfloat16, device=device)
+    w = torch.randn(out, inner, dtype=torch.bfloat16, device=device) * 0.01
+    return _time(lambda: torch.nn.functional.linear(x, w), device=device)
 
 
 def measure_config(name: str, work: Path, args, acceptance: dict) -> dict:
@@ -123,7 +164,10 @@ def measure_config(name: str, work: Path, args, acceptance: dict) -> dict:
         ckpt = work / f"{name}-{kind}"
         write_shaped_checkpoint(CONFIGS / f"{name}.json", ckpt, vocab_size=1024, pattern=letter, mtp=False,
                                 quantize=quantize, log=lambda m: None)
-        entry = {"steps": step_costs(ckpt)}
+        device = getattr(args, "device", "cpu")
+        entry = {"steps": step_costs(ckpt, device)}
+        if getattr(args, "graphs", False):
+            entry["graph_steps"] = step_costs(ckpt, device, graphs=True)
         if letter in pattern and not args.no_builds:
             cfg, w = load_checkpoint(ckpt)
             est = build_memory.estimate(cfg, w, 0, BuildOptions())
@@ -134,34 +178,37 @@ def measure_config(name: str, work: Path, args, acceptance: dict) -> dict:
         row["kinds"][kind] = entry
         shutil.rmtree(ckpt, ignore_errors=True)
         print(f"{name} {kind}: {json.dumps(entry)}", flush=True)
-    row["projection"] = project(config, raw, row, acceptance)
+    row["projection"] = project(config, raw, row, acceptance, getattr(args, "device", "cpu"))
+    if all("error" not in k.get("graph_steps", {"error": None}) for k in row["kinds"].values()):
+        row["graph_projection"] = project(config, raw, row, acceptance, args.device, "graph_steps")
     row["bandwidth_projection"] = bandwidth_projection(config, acceptance)
     return row
 
 
-def project(config, raw: dict, row: dict, acceptance: dict) -> dict:
+def project(config, raw: dict, row: dict, acceptance: dict, device="cpu", steps: str = "steps") -> dict:
     H, V = config.hidden_size, config.vocab_size
     kinds = row["kinds"]
+    linear = functools.partial(linear_cost, device=device)
     out = {}
     for b in BATCHES:
         def block(kind, t):
-            return kinds[kind]["steps"][str(b)][str(t)]
+            return kinds[kind][steps][str(b)][str(t)]
         counts = row["pattern_counts"]
         body = {t: sum(counts[k] * block(k, t) for k in counts if counts[k]) for t in (1, K + 1)}
-        decode = body[1] + linear_cost(b, H, V)
-        verify = body[K + 1] + linear_cost(b * (K + 1), H, V)
+        decode = body[1] + linear(b, H, V)
+        verify = body[K + 1] + linear(b * (K + 1), H, V)
         attn_mlp = {t: block("attention", t) + block("mlp", t) for t in (1, K + 1)}
-        drafts = {"eagle3": K * (linear_cost(b, 3 * H, H) + attn_mlp[1] + linear_cost(b, H, DRAFT_VOCAB)),
-                  "dflash": 2 * attn_mlp[K + 1] + linear_cost(b * (K + 1), 5 * H, H) + linear_cost(b * K, H, DRAFT_VOCAB)}
+        drafts = {"eagle3": K * (linear(b, 3 * H, H) + attn_mlp[1] + linear(b, H, DRAFT_VOCAB)),
+                  "dflash": 2 * attn_mlp[K + 1] + linear(b * (K + 1), 5 * H, H) + linear(b * K, H, DRAFT_VOCAB)}
         if config.num_nextn_predict_layers > 0:
             mtp_layers = sum(block(k, 1) for k in config.mtp_layer_types if k in kinds)
-            drafts["mtp"] = K * (linear_cost(b, 2 * H, H) + mtp_layers + linear_cost(b, H, V))
+            drafts["mtp"] = K * (linear(b, 2 * H, H) + mtp_layers + linear(b, H, V))
         modes = {}
         for mode, draft in drafts.items():
             tps = acceptance[mode]
-            modes[mode] = {"draft_ms": round(1e3 * draft, 2), "tokens_per_step": tps,
+            modes[mode] = {"draft_ms": round(1e3 * draft, 3), "tokens_per_step": tps,
                            "projected_speedup": round(tps * decode / (draft + verify), 2)}
-        out[str(b)] = {"decode_ms": round(1e3 * decode, 2), "verify_ms": round(1e3 * verify, 2),
+        out[str(b)] = {"decode_ms": round(1e3 * decode, 3), "verify_ms": round(1e3 * verify, 3),
                   "verify_over_decode": round(verify / decode, 2), "modes": modes}
     return out
 

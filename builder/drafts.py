@@ -134,7 +134,10 @@ def _rtx_workaround(stored: dict, mode, dtype, log):
     """tensorrt_rtx 1.7's Myelin fails to build (``CHECK(def_tactic_desc)``) a DFlash/DSpark draft
     whose k_proj and v_proj are both FP4: each projects the same context rows and block rows. There,
     v_proj is dequantized to the build dtype (logged, recorded in the engine directory's config)."""
-    from builder.backends.trt_import import FLAVOUR
+    try:
+        from builder.backends.trt_import import FLAVOUR
+    except ImportError:   # no TensorRT here (a GPU image running the torch path): nothing to work around
+        return stored, []
     if FLAVOUR != "tensorrt_rtx" or mode not in ("dflash", "dspark"):
         return stored, []
     from builder.quantization import dequantize_tensors

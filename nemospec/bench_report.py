@@ -77,6 +77,10 @@ def markdown(report: dict) -> str:
              f"{report['machine']['cuda']}. Speculative output equals target-only greedy output in every mode "
              "(checked).", ""]
     lines += _table(report)
+    late = {mode: m["compiled_during_timing"] for mode, m in report["modes"].items() if m.get("compiled_during_timing")}
+    if late:
+        lines += [""] + [f"**Warning: {mode}'s timings include steps compiled or loaded mid-run** (a warm-up gap): "
+                         f"{'; '.join(v)}" for mode, v in late.items()]
     lines += ["", "## Where a step's time goes", "",
               "Milliseconds per decode step (prefill excluded), speculative vs target-only on the same engines; "
               "predicted speedup = tokens per step x target-only step / speculative step.", ""]

@@ -60,6 +60,13 @@ PARALLEL_DRAFTS = ("peagle",)             # catch-up rows and placeholders right
 DRAFT_OPTIONS = {"realize_cpu_opcount_threshold": 4, "realize_reads_threshold": 1}
 
 
+def _known_options(options: dict) -> dict:
+    """The inductor options this torch has: a CPU heuristic's knob of one release can be gone in
+    another (``realize_cpu_opcount_threshold`` is not in torch 2.11), and an unknown one fails the compile."""
+    import torch._inductor.config as inductor_config
+    return {k: v for k, v in options.items() if hasattr(inductor_config, k)}
+
+
 def cache_dir() -> Path:
     """Where inductor keeps compiled graphs: $NEMOSPEC_COMPILE_CACHE or ~/.cache/nemospec/inductor."""
     return Path(os.environ.get("NEMOSPEC_COMPILE_CACHE") or Path.home() / ".cache" / "nemospec" / "inductor")
@@ -130,7 +137,15 @@ def _own_code(fn):
 
 
 def _skip_guards() -> bool:
-    return os.environ.get("NEMOSPEC_CHECK_GUARDS", "") in ("", "0")
+    """Steps captured whole with ``aot_compile`` and called without guards, unless
+    NEMOSPEC_CHECK_GUARDS is set or this torch has no ``aot_compile`` (2.11 has none: dynamo's own
+    frame evaluation then checks every guard, as the variable would have it)."""
+    return os.environ.get("NEMOSPEC_CHECK_GUARDS", "") in ("", "0") and _has_aot_compile()
+
+
+@functools.cache
+def _has_aot_compile() -> bool:
+    return hasattr(torch.compile(lambda: None), "aot_compile")
 
 
 def _unbind(fn):
@@ -165,7 +180,7 @@ class _Steps:
         self.fn, self.what, self.product_form = fn, what, product_form
         func, self.lead, self.keywords = _unbind(fn)
         self.check_guards = not _skip_guards()
-        options = {"cpp_wrapper": True, **(options or {})}
+        options = _known_options({"cpp_wrapper": True, **(options or {})})
         if not self.check_guards:  # none is checked, so none is built (nor pickled: aot_compile saves its guards)
             options["guard_filter_fn"] = _no_guards
         self.compiler = torch.compile(_own_code(func), dynamic=False, fullgraph=True, options=options)
@@ -234,6 +249,7 @@ class _Steps:
                 return self._compile(key, label, start, path, args, kwargs)
             seconds = time.perf_counter() - start
             print(f"loaded {label} ({seconds:.1f} s)", file=sys.stderr, flush=True)
+            COMPILE_LOG.append(f"loaded {label} ({seconds:.1f} s)")
             self.compile_seconds[label] = seconds   # what this process paid for the step
             self._add(key, graph)
             return out
@@ -261,6 +277,7 @@ class _Steps:
                 return self.fn(*args, **kwargs)
         seconds = time.perf_counter() - start
         print(f" {seconds:.1f} s", file=sys.stderr, flush=True)
+        COMPILE_LOG.append(f"compiled {label} ({seconds:.1f} s)")
         self.compile_seconds[label] = seconds
         self._add(key, graph)
         return out
@@ -274,6 +291,7 @@ class _Steps:
 
 
 _COMPILING = {"on": True}
+COMPILE_LOG: list[str] = []   # every step this process compiled or loaded, in order (a timed run checks none was)
 
 
 def stop_compiling() -> None:
@@ -555,18 +573,30 @@ class CompiledDraft(EagerDraft):
     def warm_chain(self, k: int, batch: int = 1) -> None:
         """Runs the chain of ``k`` proposals on a scratch state for every catch-up bucket until each
         graph is compiled (or loaded): which buckets a short warm-up run meets depends on what it
-        accepted, and a bucket first met mid-run would stall it for a compile."""
+        accepted, and a bucket first met mid-run would stall it for a compile. Then the plain step's
+        buckets (``run``: 1 row, and 2..K+1 padded to K+1), which a catch-up outside a chain takes (a
+        step proposing one token, as a request's last steps do, or a sampled one)."""
         if self.kind not in FEATURE_DRAFTS or self._feature is None:
             return
-        width, dtype = self._feature
         for rows in self.catch_up_rows:
+            ids, features, positions, lengths = self._scratch_chunk(rows, batch)
             state = self.new_state(batch, 2 * MAX_TOKENS)
-            ids = torch.zeros(batch, rows, dtype=torch.int32, device=self.device)
-            features = torch.zeros(batch, rows, width, dtype=dtype, device=self.device)
-            positions = torch.arange(rows, dtype=torch.int32, device=self.device).expand(batch, -1)
-            lengths = torch.full((batch,), rows, dtype=torch.int32, device=self.device)
             for _ in range(STEP_CALLS):
                 self.chain(ids, features, positions, lengths, state, k)
+        for rows in sorted({1, self.pad_to}):
+            ids, features, positions, lengths = self._scratch_chunk(rows, batch)
+            state = self.new_state(batch, 2 * MAX_TOKENS)
+            index = (lengths - 1).to(torch.int32)[:, None]
+            for _ in range(STEP_CALLS):
+                self.step(ids, features, None, positions, lengths, index, state)
+
+    def _scratch_chunk(self, rows: int, batch: int):
+        """Zero inputs of a ``rows``-row catch-up chunk fed target features (what warm-ups run)."""
+        width, dtype = self._feature
+        return (torch.zeros(batch, rows, dtype=torch.int32, device=self.device),
+                torch.zeros(batch, rows, width, dtype=dtype, device=self.device),
+                torch.arange(rows, dtype=torch.int32, device=self.device).expand(batch, -1),
+                torch.full((batch,), rows, dtype=torch.int32, device=self.device))
 
     @torch.no_grad()
     def run(self, name: str, feeds: dict) -> dict:

@@ -19,6 +19,7 @@ from runtime.draft_policy import policy_from
 from runtime.drafts import EagerDraft
 from runtime.engine_runner import EngineDraft, EngineRunner, InterpretedExecutor, TensorRTExecutor
 from runtime.proposers import BlockDraftProposer, FeatureDraftProposer, ModelDraftProposer, ParallelDraftProposer
+from runtime.placement import place
 from runtime.runner import TorchRunner
 
 BACKENDS = ("auto", "torch", "compiled", "tensorrt", "interpreter")
@@ -123,13 +124,18 @@ def open_checkpoint(checkpoint_dir, dtype="auto", device=None, mode=None, draft_
     torch_dtype = TORCH_DTYPES[config.dtype if dtype == "auto" else dtype]
     device = _device(device)
     draft = spec = proposer = None
+    moved: dict = {}   # tensors the draft shares with the target stay shared on the device
     if mode is not None:
         draft = load_draft(mode, config, weights, draft_dir, torch_dtype, log=lambda m: None, quantization=quantization,
                            token_map=token_map)
         spec = draft.meta
+        if device != "cpu":
+            place(draft.module, device, moved)
         proposer = _eager_proposer(draft.module, config.vocab_size, device, prefill_chunk, backend == "compiled",
                                    max_draft_len, draft_weight_dtype, matmul_precision)
     module = NemotronH(config, weights, torch_dtype, **(draft.target_features if draft else {}))
+    if device != "cpu":
+        place(module, device, moved)
     tok = Path(checkpoint_dir) / "tokenizer.json"
     if backend == "compiled":
         from runtime.compiled import CompiledRunner

@@ -19,8 +19,10 @@ One JSON report (--output). ``--dry_run`` probes only. Run from the checkout roo
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -30,7 +32,8 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+FULL_WIDTH_CONFIGS = ("nemotron-h-8b-base-8k", "nemotron-3-nano-30b-a3b-bf16")
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 PROJECT_MODULES = ("builder.checkpoint", "builder.engine", "builder.safetensors_io", "runtime.loading",
                    "runtime.generation", "runtime.speculative", "plugins.hidden_capture", "plugins.fp4_markov_head")
 
@@ -81,42 +84,143 @@ def _cuda_time(fn, runs: int = 20) -> float:
     return start.elapsed_time(stop) / 1e3 / runs
 
 
-def embedded_model(deadline: float, device: str = "cuda", new: int = 64) -> dict:
-    """Target-only and the best speculative mode of the embedded model on CUDA (TorchRunner)."""
+def embedded_model(deadline: float, device: str = "cuda", new: int = 64, backend: str = "torch",
+                   modes: tuple | None = None) -> dict:
+    """Target-only against each speculative mode of the embedded model (one prompt's pair at a time,
+    so both see the same machine), on ``device`` through the eager TorchRunner or ``backend="compiled"``."""
     from builder import embedded
+    from tokenizers import Tokenizer
+    report = json.loads((ROOT / "docs" / "bench" / "report.json").read_text())
+    k = report["num_draft_tokens"]
+    modes = modes or tuple(m for m in MODES if m in report["modes"])
+    tok = Tokenizer.from_file(str(embedded.target_dir() / "tokenizer.json"))
+    prompts = [tok.encode(t).ids for t in PROMPTS]
+    out = {"k": k, "device": device, "backend": backend, "new_tokens": new, "prompts": len(prompts), "modes": {}}
+    for mode in modes:
+        if time.time() > deadline:
+            out["modes"][mode] = {"skipped": "budget spent"}
+            continue
+        try:
+            row = _attempt(lambda: _measure_mode(mode, k, prompts, device, new, backend, deadline), device)
+        except Exception as e:
+            row = {"error": f"{type(e).__name__}: {e}"[:400], "trace": traceback.format_exc()[-1500:]}
+        out["modes"][mode] = row
+        print(f"embedded {backend} {mode}: {json.dumps({k: v for k, v in row.items() if k != 'runs'})}", flush=True)
+    return out
+
+
+def _measure_mode(mode, k, prompts, device, new, backend, deadline) -> dict:
+    from builder import embedded
+    from runtime.compiled import COMPILE_LOG
     from runtime.generation import generate
     from runtime.loading import open_checkpoint
     from runtime.speculative import speculative_generate
-    report = json.loads((ROOT / "docs" / "bench" / "report.json").read_text())
-    mode, k = report["best_mode"], report["num_draft_tokens"]
+    t0 = time.perf_counter()
     loaded = open_checkpoint(embedded.target_dir(), device=device, mode=mode, draft_dir=embedded.draft_dir(mode),
-                             max_draft_len=k, backend="torch")
-    from tokenizers import Tokenizer
-    tok = Tokenizer.from_file(str(embedded.target_dir() / "tokenizer.json"))
-    prompts = [tok.encode(t).ids for t in PROMPTS]
+                             max_draft_len=k, backend=backend)
     generate(loaded.runner, prompts[:1], 8)
     speculative_generate(loaded.runner, loaded.proposer(), prompts[:1], 8, k)
-    out = {"mode": mode, "k": k, "device": device, "new_tokens": new, "prompts": len(prompts), "runs": []}
+    row = {"load_and_warm_s": round(time.perf_counter() - t0, 1), "runs": []}
+    late, during = len(COMPILE_LOG), []
     for ids in prompts:
         if time.time() > deadline:
-            out["stopped"] = "budget"
+            row["stopped"] = "budget"
             break
+        if backend == "compiled":   # its graphs for this prompt's shapes compiled before the clock runs
+            late = _warm_prompt(loaded, ids, new, k)
         t0 = time.perf_counter()
         plain = generate(loaded.runner, [ids], new)
+        _sync(device)
         t1 = time.perf_counter()
         spec = speculative_generate(loaded.runner, loaded.proposer(), [ids], new, k)
+        _sync(device)
         t2 = time.perf_counter()
-        out["runs"].append({"target_only_tokens_per_second": round(plain.num_tokens / (t1 - t0), 1),
+        during += COMPILE_LOG[late:]
+        late = len(COMPILE_LOG)
+        row["runs"].append({"target_only_tokens_per_second": round(plain.num_tokens / (t1 - t0), 1),
                             "speculative_tokens_per_second": round(spec.num_tokens / (t2 - t1), 1),
                             "exact": spec.output_ids == plain.output_ids,
-                            "mean_accepted": spec.extra["acceptance"].get("mean_accepted_tokens")})
-    runs = out["runs"]
+                            "mean_accepted": spec.extra["acceptance"].get("mean_accepted_tokens"),
+                            "cost": _summary(spec), "target_only_cost": _summary(plain)})
+    if during:
+        row["compiled_during_timing"] = during
+    runs = row["runs"]
     if runs:
-        out["exact"] = all(r["exact"] for r in runs)
+        row["exact"] = all(r["exact"] for r in runs)
         for key in ("target_only_tokens_per_second", "speculative_tokens_per_second"):
-            out[key] = round(sum(r[key] for r in runs) / len(runs), 1)
-        out["speedup"] = round(out["speculative_tokens_per_second"] / out["target_only_tokens_per_second"], 3)
+            row[key] = round(sum(r[key] for r in runs) / len(runs), 1)
+        row["speedup"] = round(row["speculative_tokens_per_second"] / row["target_only_tokens_per_second"], 3)
+    return row
+
+
+def _warm_prompt(loaded, ids, new, k) -> int:
+    """The compiled path's warm-up for this prompt (runtime.compiled.warm_up: its steps, every draft
+    chain bucket and the plain draft step's); returns the compile log's length after it."""
+    from runtime.compiled import COMPILE_LOG, warm_up
+    warm_up(loaded, [ids], k)
+    return len(COMPILE_LOG)
+
+
+def _summary(result):
+    """A generation's per-step costs (host-timed: on a GPU a part's time lands where the queue drains)."""
+    cost = (getattr(result, "extra", None) or {}).get("cost")
+    return cost.summary() if hasattr(cost, "summary") else cost
+
+
+def _attempt(fn, device):
+    """``fn()``; where it fails on a GPU, once more with torch's default device set to it (factory calls
+    that name no device then land there), the first error kept in the result."""
+    import torch
+    try:
+        return fn()
+    except Exception as e:
+        if torch.device(device).type == "cpu":
+            raise
+        first = f"{type(e).__name__}: {e}"[:400]
+        trace = traceback.format_exc()[-1500:]
+    torch.set_default_device(device)
+    try:
+        result = fn()
+    finally:
+        torch.set_default_device(None)
+    return dict(result, default_device=device, error_without_default_device=first, trace_without=trace)
+
+
+def embedded_model_compiled(deadline: float, device: str = "cuda", new: int = 64) -> dict:
+    """The compiled path (runtime.compiled: whole steps through torch.compile) on ``device``, eagle3
+    only: its compile is the slowest section, so it runs last."""
+    os.environ.setdefault("NEMOSPEC_COMPILE_CACHE", tempfile.mkdtemp(prefix="nemospec-compile-"))
+    return embedded_model(deadline, device, new, backend="compiled", modes=("eagle3",))
+
+
+def full_width(deadline: float, device: str = "cuda", configs: tuple = FULL_WIDTH_CONFIGS, graphs: bool = False) -> dict:
+    """benchmarks/scale.py's step costs at the shipped widths on ``device`` (one random layer of each kind,
+    vocabulary 1024, bf16), eager or (``graphs``) each step replayed as one CUDA graph; the full model's
+    decode, verify at K+1 and draft steps composed from them, and the projected speedups (a projection)."""
+    import types
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import scale
+    report = json.loads((ROOT / "docs" / "bench" / "report.json").read_text())
+    acceptance = {m: v["cost"]["speculative"]["tokens_per_step"] for m, v in report["modes"].items()}
+    args = types.SimpleNamespace(no_builds=True, device=device, graphs=graphs)
+    out = {"k": scale.K, "acceptance_source": "docs/bench/report.json", "rows": []}
+    with tempfile.TemporaryDirectory() as work:
+        for name in configs:
+            if time.time() > deadline:
+                out["stopped"] = "budget"
+                break
+            try:
+                out["rows"].append(_attempt(lambda: scale.measure_config(name, Path(work), args, acceptance), device))
+            except Exception as e:
+                out["rows"].append({"config": name, "error": f"{type(e).__name__}: {e}"[:400],
+                                    "trace": traceback.format_exc()[-1500:]})
     return out
+
+
+def _sync(device) -> None:
+    import torch
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
 
 
 def plugin_kernels(deadline: float) -> dict:
@@ -196,9 +300,15 @@ def tensorrt_engines(deadline: float) -> dict:
     return out
 
 
+MODES = ("eagle3", "dflash", "mtp", "eagle", "dspark", "peagle", "draft_target")
 PROMPTS = ("def __init__(self, name, value=None):\n        self.", "import os\nimport sys\n\n\ndef main(",
            "    for i in range(len(items)):\n        if ", "class Error(Exception):\n    \"\"\"")
-SECTIONS = {"embedded_model": embedded_model, "plugin_kernels": plugin_kernels, "tensorrt": tensorrt_engines}
+# cheapest first; the compiled path's compile is the longest and runs last
+SECTIONS = {"plugin_kernels": plugin_kernels, "embedded_model": embedded_model, "full_width": full_width,
+            "tensorrt": tensorrt_engines,
+            "full_width_graphs": functools.partial(full_width, configs=FULL_WIDTH_CONFIGS[:1], graphs=True),
+            "embedded_model_compiled": embedded_model_compiled}
+DEVICE_SECTIONS = ("embedded_model", "full_width", "full_width_graphs", "embedded_model_compiled")
 
 
 def main(argv=None) -> int:
@@ -206,16 +316,23 @@ def main(argv=None) -> int:
     p.add_argument("--output", default="gpu_check.json")
     p.add_argument("--dry_run", action="store_true", help="probe only")
     p.add_argument("--budget_s", type=float, default=480.0, help="stop starting new work after this many seconds")
+    p.add_argument("--device", default="cuda", help="cpu runs the model sections here (a shakedown of the script)")
+    p.add_argument("--sections", nargs="*", default=list(SECTIONS), choices=list(SECTIONS))
+    p.add_argument("--new_tokens", type=int, default=64)
     args = p.parse_args(argv)
     started = time.time()
     report = {"created": time.strftime("%Y-%m-%d %H:%M:%S"), "probe": probe(), "dry_run": args.dry_run}
     if not args.dry_run:
         cuda = report["probe"]["cuda"]["available"]
-        for name, fn in SECTIONS.items():
+        for name in args.sections:
+            fn = SECTIONS[name]
             deadline = started + args.budget_s
-            if not cuda:
+            if name in DEVICE_SECTIONS and (cuda or args.device == "cpu"):
+                fn = functools.partial(fn, device=args.device, **({"new": args.new_tokens} if "embedded" in name else {}))
+            elif not cuda:
                 report[name] = {"skipped": "no CUDA device"}
-            elif time.time() > deadline:
+                continue
+            if time.time() > deadline:
                 report[name] = {"skipped": "budget spent"}
             else:
                 t0 = time.time()
@@ -224,8 +341,11 @@ def main(argv=None) -> int:
                 except Exception as e:
                     report[name] = {"error": f"{type(e).__name__}: {e}"[:400], "trace": traceback.format_exc()[-1500:]}
                 report[name]["seconds"] = round(time.time() - t0, 1)
+            Path(args.output).write_text(json.dumps(report, indent=1))   # a run cut short keeps what it measured
     report["seconds"] = round(time.time() - started, 1)
     Path(args.output).write_text(json.dumps(report, indent=1))
+    from gpu_check_report import markdown
+    Path(args.output).with_suffix(".md").write_text(markdown(report))
     print(json.dumps(report, indent=1))
     return 0
 

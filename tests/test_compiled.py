@@ -213,6 +213,25 @@ def test_warm_up_compiles_every_catch_up_bucket_and_nothing_compiles_after(model
     assert _compiled_keys(compiled)[0] == before, "compiled mid-run"
 
 
+def test_warm_up_compiles_the_plain_draft_steps_a_prompt_chunk_meets(one_thread):
+    """A prompt's draft context runs in K+1-row chunks whose last may hold one row (a 7-token prompt:
+    5 + 1), a step the warm-up's own prompt (6 tokens: one 5-row chunk) never meets: warm_up compiles
+    the plain step's 1-row and K+1-row buckets anyway, so nothing compiles or loads mid-run (a bench's
+    eagle and mtp rows once paid 6-12 s of compile inside their timings)."""
+    from runtime.compiled import COMPILE_LOG, warm_up
+    target, draft_dir = embedded.target_dir(), embedded.draft_dir("eagle3")
+    fresh = open_checkpoint(target, mode="eagle3", draft_dir=draft_dir, backend="compiled")
+    warm_up(fresh, [[5, 9, 17, 33, 8, 100]], 4)
+    draft = fresh.proposer().draft
+    rows = {dict(key[1])["input_ids"][0] for key in draft._steps.ready if key[0]}
+    assert {1, 5} <= rows, rows
+    before = len(COMPILE_LOG)
+    got = speculative_generate(fresh.runner, fresh.proposer(), RAGGED[:1], NEW, 4)
+    assert COMPILE_LOG[before:] == [], "compiled mid-run"
+    eager = open_checkpoint(target, backend="torch")
+    assert got.output_ids == generate(eager.runner, RAGGED[:1], NEW).output_ids
+
+
 def test_the_runtime_steps_run_as_direct_calls(models):
     """The steps a speculative and a target-only run repeat (decode, greedy verify, the draft chain)
     are explained by their recordings and called directly (runtime.direct_call); the greedy ids of

@@ -7,12 +7,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK_TENSORRT = """
-import importlib.abc, runpy, sys
-class Block(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name.split('.')[0] in ('tensorrt', 'tensorrt_rtx'):
-            raise ImportError('no TensorRT on this image: ' + name)
-sys.meta_path.insert(0, Block())
+import runpy, sys
+for name in ('tensorrt', 'tensorrt_rtx'):   # None in sys.modules: importing it fails, find_spec says absent
+    sys.modules[name] = None
 sys.argv = ['scripts/gpu_check.py'] + sys.argv[1:]
 runpy.run_path('scripts/gpu_check.py', run_name='__main__')
 """
@@ -46,3 +43,31 @@ def test_without_tensorrt_and_gpu_the_project_imports_and_sections_skip(tmp_path
     import torch
     if not torch.cuda.is_available():
         assert {report[s]["skipped"] for s in ("embedded_model", "plugin_kernels", "tensorrt")} == {"no CUDA device"}
+
+
+def test_embedded_model_section_runs_every_mode_without_tensorrt(tmp_path):
+    """The model section on the CPU with TensorRT hidden, as the GPU image has none: every draft kind
+    loads (a block draft's TensorRT-RTX workaround must not import TensorRT) and generates exactly
+    what target-only generates; each mode reports both rates and its per-step costs."""
+    report = _run(tmp_path, "--device", "cpu", "--sections", "embedded_model", "--new_tokens", "4",
+                  code=BLOCK_TENSORRT)
+    modes = report["embedded_model"]["modes"]
+    assert set(modes) == {"eagle3", "dflash", "mtp", "eagle", "dspark", "peagle", "draft_target"}
+    for mode, row in modes.items():
+        assert row.get("exact") is True, (mode, row.get("error"))
+        assert row["speculative_tokens_per_second"] > 0 and row["target_only_tokens_per_second"] > 0
+        assert row["runs"][0]["cost"]["verify_ms"] > 0, mode
+
+
+def test_report_page_of_the_committed_gpu_run():
+    """docs/bench/gpu/gpu_check.md is what scripts/gpu_check_report.py writes of the committed JSON (a
+    run on an H200): every section's table, the modes' speedups as the JSON has them."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from gpu_check_report import markdown
+    report = json.loads((ROOT / "docs" / "bench" / "gpu" / "gpu_check.json").read_text())
+    page = markdown(report)
+    assert page == (ROOT / "docs" / "bench" / "gpu" / "gpu_check.md").read_text()
+    for mode, row in report["embedded_model"]["modes"].items():
+        assert f"| {mode} | {row['target_only_tokens_per_second']:.0f} | " in page
+        assert f"| {row['speedup']:.2f}x |" in page
+    assert "Plugin kernels" in page and "CUDA graph" in page

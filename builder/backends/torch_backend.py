@@ -151,8 +151,10 @@ def _all_valid(x, lengths):
     """Every sequence fills the chunk (decode steps): padding work can be skipped.
 
     Under ``torch.compile`` the answer is always False: reading ``lengths`` would be a
-    data-dependent branch (a graph break); the masked path computes the same values, exactly."""
-    if torch.compiler.is_compiling():
+    data-dependent branch (a graph break); the masked path computes the same values, exactly. On a GPU
+    too: reading it would stall the host until the device caught up (and no step could be captured
+    as a CUDA graph)."""
+    if torch.compiler.is_compiling() or x.device.type != "cpu":
         return False
     return bool((lengths == x.shape[1]).all())
 

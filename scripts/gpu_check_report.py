@@ -1,0 +1,86 @@
+"""The Markdown page of a scripts/gpu_check.py report: what ran on the GPU, in tables a reader can
+compare with docs/bench/report.md (the CPU) and docs/bench/scale (the projections)."""
+from __future__ import annotations
+
+
+def markdown(report: dict) -> str:
+    probe = report.get("probe", {})
+    cuda = probe.get("cuda", {})
+    lines = [f"# GPU check ({report.get('created', '?')})", "",
+             f"Device: {cuda.get('device', 'none')} (compute {cuda.get('capability', '?')}), torch "
+             f"{probe.get('torch', {}).get('version', '?')}, triton {probe.get('triton', {}).get('version', 'absent')}, "
+             f"TensorRT {'present' if probe.get('tensorrt', {}).get('available') else 'absent'}."]
+    if report.get("runs"):
+        lines += ["", report["runs"] + "."]
+    lines += _plugins(report.get("plugin_kernels"))
+    for key, title in (("embedded_model", "Embedded model, eager (TorchRunner)"),
+                       ("embedded_model_compiled", "Embedded model, compiled (runtime.compiled: inductor)")):
+        lines += _embedded(report.get(key), title)
+    lines += _full_width(report.get("full_width"), "steps", "projection",
+                         "Full width, eager (one random layer per kind, bf16; op by op, launch-bound)")
+    lines += _full_width(report.get("full_width_graphs"), "graph_steps", "graph_projection",
+                         "Full width, each step replayed as one CUDA graph (the GPU's own time)")
+    return "\n".join(lines) + "\n"
+
+
+def _plugins(p) -> list[str]:
+    if not p or "copy_bandwidth_gb_s" not in p:
+        return []
+    out = ["", "## Plugin kernels (Triton)", "", f"Device copy bandwidth: {p['copy_bandwidth_gb_s']:.0f} GB/s.", "",
+           "| kernel | us | GB/s | of copy bandwidth | matches reference |", "| --- | --- | --- | --- | --- |"]
+    for name in ("hidden_capture", "fp4_markov_head"):
+        k = p.get(name)
+        if k:
+            ok = k.get("exact", k.get("close"))
+            out.append(f"| {name} | {k['us']:.1f} | {k['gb_s']:.1f} | {k['of_copy_bandwidth']:.3f} | {ok} |")
+    return out
+
+
+def _embedded(section, title) -> list[str]:
+    if not section or "modes" not in section:
+        return []
+    out = ["", f"## {title}", "",
+           f"{section['prompts']} prompts x {section['new_tokens']} new tokens, batch 1, K = {section['k']}; "
+           "each prompt target-only then speculative. Step parts are host-timed (a GPU's queue drains where "
+           "the host waits).", "",
+           "| mode | target-only tok/s | speculative tok/s | speedup | exact | decode ms | verify ms | draft ms/step |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for mode, row in section["modes"].items():
+        if "speedup" not in row:
+            out.append(f"| {mode} | {row.get('error', row.get('skipped', '?'))[:80]} | | | | | | |")
+            continue
+        runs = [r for r in row["runs"] if r.get("cost") and r.get("target_only_cost")]
+        mean = lambda f: sum(f(r) for r in runs) / len(runs) if runs else float("nan")  # noqa: E731
+        out.append(f"| {mode} | {row['target_only_tokens_per_second']:.0f} | {row['speculative_tokens_per_second']:.0f} "
+                   f"| {row['speedup']:.2f}x | {row['exact']} | {mean(lambda r: r['target_only_cost']['verify_ms']):.2f} "
+                   f"| {mean(lambda r: r['cost']['verify_ms']):.2f} | {mean(lambda r: r['cost']['draft_ms']):.2f} |")
+        if row.get("compiled_during_timing"):
+            out.append(f"| {mode}: compiled inside the timings | {'; '.join(row['compiled_during_timing'])} | | | | | | |")
+    return out
+
+
+def _full_width(section, steps_key, projection_key, title) -> list[str]:
+    if not section or not section.get("rows"):
+        return []
+    out = ["", f"## {title}", "", "Per layer, milliseconds at batch 1 (decode T=1 / verify T=K+1); the whole model's "
+           "decode and verify composed from them plus the LM head, and the projected speedup from the embedded "
+           "model's measured tokens per step (a projection).", "",
+           "| config | per layer (T=1 / T=5) | decode ms | verify ms | verify/decode | projected (batch 1) |",
+           "| --- | --- | --- | --- | --- | --- |"]
+    for row in section["rows"]:
+        if "error" in row:
+            out.append(f"| {row['config']} | {row['error'][:80]} | | | | |")
+            continue
+        layers = []
+        for kind, entry in row["kinds"].items():
+            steps = entry.get(steps_key, {})
+            layers.append(f"{kind} {steps['error'][:40]}" if "error" in steps else
+                          f"{kind} {1e3 * steps['1']['1']:.3f}/{1e3 * steps['1']['5']:.3f}")
+        p = row.get(projection_key, {}).get("1")
+        if p is None:
+            out.append(f"| {row['config']} | {', '.join(layers)} | | | | |")
+            continue
+        modes = ", ".join(f"{m} {v['projected_speedup']:.2f}x" for m, v in p["modes"].items())
+        out.append(f"| {row['config']} | {', '.join(layers)} | {p['decode_ms']:.2f} | {p['verify_ms']:.2f} | "
+                   f"{p['verify_over_decode']:.2f} | {modes} |")
+    return out
