@@ -193,6 +193,16 @@ def embedded_model_compiled(deadline: float, device: str = "cuda", new: int = 64
     return embedded_model(deadline, device, new, backend="compiled", modes=("eagle3",))
 
 
+def embedded_model_cuda_graphs(deadline: float, device: str = "cuda", new: int = 64) -> dict:
+    """The compiled path with each step replayed as a CUDA graph (NEMOSPEC_CUDA_GRAPHS=1,
+    runtime.compiled.device_options), eagle3: what the host's kernel launches cost the plain compiled path."""
+    os.environ["NEMOSPEC_CUDA_GRAPHS"] = "1"
+    try:
+        return embedded_model_compiled(deadline, device, new)
+    finally:
+        os.environ.pop("NEMOSPEC_CUDA_GRAPHS")
+
+
 def full_width(deadline: float, device: str = "cuda", configs: tuple = FULL_WIDTH_CONFIGS, graphs: bool = False) -> dict:
     """benchmarks/scale.py's step costs at the shipped widths on ``device`` (one random layer of each kind,
     vocabulary 1024, bf16), eager or (``graphs``) each step replayed as one CUDA graph; the full model's
@@ -307,8 +317,10 @@ PROMPTS = ("def __init__(self, name, value=None):\n        self.", "import os\ni
 SECTIONS = {"plugin_kernels": plugin_kernels, "embedded_model": embedded_model, "full_width": full_width,
             "tensorrt": tensorrt_engines,
             "full_width_graphs": functools.partial(full_width, configs=FULL_WIDTH_CONFIGS[:1], graphs=True),
-            "embedded_model_compiled": embedded_model_compiled}
-DEVICE_SECTIONS = ("embedded_model", "full_width", "full_width_graphs", "embedded_model_compiled")
+            "embedded_model_compiled": embedded_model_compiled,
+            "embedded_model_cuda_graphs": embedded_model_cuda_graphs}
+DEVICE_SECTIONS = ("embedded_model", "full_width", "full_width_graphs", "embedded_model_compiled",
+                   "embedded_model_cuda_graphs")
 
 
 def main(argv=None) -> int:

@@ -14,7 +14,8 @@ def markdown(report: dict) -> str:
         lines += ["", report["runs"] + "."]
     lines += _plugins(report.get("plugin_kernels"))
     for key, title in (("embedded_model", "Embedded model, eager (TorchRunner)"),
-                       ("embedded_model_compiled", "Embedded model, compiled (runtime.compiled: inductor)")):
+                       ("embedded_model_compiled", "Embedded model, compiled (runtime.compiled: inductor)"),
+                       ("embedded_model_cuda_graphs", "Embedded model, compiled, steps replayed as CUDA graphs")):
         lines += _embedded(report.get(key), title)
     lines += _full_width(report.get("full_width"), "steps", "projection",
                          "Full width, eager (one random layer per kind, bf16; op by op, launch-bound)")

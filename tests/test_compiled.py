@@ -656,3 +656,16 @@ def test_a_saved_step_that_cannot_run_here_is_compiled_again(tmp_path, monkeypat
     bound = 2.0 * (matmul_bound(x, w) + 4 * torch.finfo(torch.float32).eps)
     for out in outs:
         assert_within(out, _Scaled(w).forward(x), bound, "compiled after the saved step failed")
+
+
+def test_compile_options_by_device_and_torch(monkeypatch):
+    """CUDA graphs are asked of inductor only on a CUDA device and only with NEMOSPEC_CUDA_GRAPHS=1;
+    options the installed torch lacks are dropped (torch 2.11 has no realize_cpu_opcount_threshold),
+    a sub-config's dotted name is kept."""
+    from runtime.compiled import _known_options, device_options
+    monkeypatch.delenv("NEMOSPEC_CUDA_GRAPHS", raising=False)
+    assert device_options("cpu") == {} and device_options("cuda") == {}
+    monkeypatch.setenv("NEMOSPEC_CUDA_GRAPHS", "1")
+    assert device_options("cpu") == {} and device_options("cuda") == {"triton.cudagraphs": True}
+    kept = _known_options({"triton.cudagraphs": True, "cpp_wrapper": True, "no_such_option": 1, "triton.no_such": 2})
+    assert kept == {"triton.cudagraphs": True, "cpp_wrapper": True}

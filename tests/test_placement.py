@@ -42,3 +42,4 @@ def test_shared_tensor_stays_one_tensor_and_same_device_is_no_copy():
     c = Holder(w, [w])
     place(c, "cpu")
     assert c.w is w and c.items[0] is w
+
