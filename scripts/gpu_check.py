@@ -85,7 +85,7 @@ def _cuda_time(fn, runs: int = 20) -> float:
 
 
 def embedded_model(deadline: float, device: str = "cuda", new: int = 64, backend: str = "torch",
-                   modes: tuple | None = None) -> dict:
+                   modes: tuple | None = None, tree_nodes: int = 0) -> dict:
     """Target-only against each speculative mode of the embedded model (one prompt's pair at a time,
     so both see the same machine), on ``device`` through the eager TorchRunner or ``backend="compiled"``."""
     from builder import embedded
@@ -101,7 +101,11 @@ def embedded_model(deadline: float, device: str = "cuda", new: int = 64, backend
             out["modes"][mode] = {"skipped": "budget spent"}
             continue
         try:
-            row = _attempt(lambda: _measure_mode(mode, k, prompts, device, new, backend, deadline), device)
+            tree = None
+            if tree_nodes:
+                from runtime.tree_draft import TreeShape, default_topk
+                tree = TreeShape(tree_nodes, default_topk(mode), k)
+            row = _attempt(lambda: _measure_mode(mode, k, prompts, device, new, backend, deadline, tree), device)
         except Exception as e:
             row = {"error": f"{type(e).__name__}: {e}"[:400], "trace": traceback.format_exc()[-1500:]}
         out["modes"][mode] = row
@@ -109,7 +113,7 @@ def embedded_model(deadline: float, device: str = "cuda", new: int = 64, backend
     return out
 
 
-def _measure_mode(mode, k, prompts, device, new, backend, deadline) -> dict:
+def _measure_mode(mode, k, prompts, device, new, backend, deadline, tree=None) -> dict:
     from builder import embedded
     from runtime.compiled import COMPILE_LOG
     from runtime.generation import generate
@@ -135,9 +139,17 @@ def _measure_mode(mode, k, prompts, device, new, backend, deadline) -> dict:
         spec = speculative_generate(loaded.runner, loaded.proposer(), [ids], new, k)
         _sync(device)
         t2 = time.perf_counter()
+        run = {}
+        if tree is not None:   # tree speculation of the same prompt, after the chain
+            grown = speculative_generate(loaded.runner, loaded.proposer(), [ids], new, k, tree=tree)
+            _sync(device)
+            t3 = time.perf_counter()
+            run = {"tree_tokens_per_second": round(grown.num_tokens / (t3 - t2), 1),
+                   "tree_exact": grown.output_ids == plain.output_ids,
+                   "tree_mean_accepted": grown.extra["acceptance"].get("mean_accepted_tokens")}
         during += COMPILE_LOG[late:]
         late = len(COMPILE_LOG)
-        row["runs"].append({"target_only_tokens_per_second": round(plain.num_tokens / (t1 - t0), 1),
+        row["runs"].append({**run, "target_only_tokens_per_second": round(plain.num_tokens / (t1 - t0), 1),
                             "speculative_tokens_per_second": round(spec.num_tokens / (t2 - t1), 1),
                             "exact": spec.output_ids == plain.output_ids,
                             "mean_accepted": spec.extra["acceptance"].get("mean_accepted_tokens"),
@@ -146,10 +158,16 @@ def _measure_mode(mode, k, prompts, device, new, backend, deadline) -> dict:
         row["compiled_during_timing"] = during
     runs = row["runs"]
     if runs:
-        row["exact"] = all(r["exact"] for r in runs)
-        for key in ("target_only_tokens_per_second", "speculative_tokens_per_second"):
-            row[key] = round(sum(r[key] for r in runs) / len(runs), 1)
+        row["exact"] = all(r["exact"] and r.get("tree_exact", True) for r in runs)
+        keys = ("target_only_tokens_per_second", "speculative_tokens_per_second", "mean_accepted")
+        keys += ("tree_tokens_per_second", "tree_mean_accepted") if tree is not None else ()
+        for key in keys:
+            row[key] = round(sum(r[key] for r in runs) / len(runs), 3 if "accepted" in key else 1)
         row["speedup"] = round(row["speculative_tokens_per_second"] / row["target_only_tokens_per_second"], 3)
+        if tree is not None:
+            row["tree"] = {"max_nodes": tree.max_nodes, "topk": tree.topk, "depth": tree.depth}
+            row["tree_speedup"] = round(row["tree_tokens_per_second"] / row["target_only_tokens_per_second"], 3)
+            row["tree_over_chain"] = round(row["tree_tokens_per_second"] / row["speculative_tokens_per_second"], 3)
     return row
 
 
@@ -191,6 +209,13 @@ def embedded_model_compiled(deadline: float, device: str = "cuda", new: int = 64
     only: its compile is the slowest section, so it runs last."""
     os.environ.setdefault("NEMOSPEC_COMPILE_CACHE", tempfile.mkdtemp(prefix="nemospec-compile-"))
     return embedded_model(deadline, device, new, backend="compiled", modes=("eagle3",))
+
+
+def embedded_model_trees(deadline: float, device: str = "cuda", new: int = 64) -> dict:
+    """Tree speculation (16 drafted nodes, issue 14) beside the chain and target-only, eager, for the
+    chain drafts and the block drafts: where a step is bound by launches rather than rows, a tree's
+    verify costs what a chain's does."""
+    return embedded_model(deadline, device, new, modes=("eagle3", "dflash", "mtp"), tree_nodes=16)
 
 
 def embedded_model_cuda_graphs(deadline: float, device: str = "cuda", new: int = 64) -> dict:
@@ -317,10 +342,11 @@ PROMPTS = ("def __init__(self, name, value=None):\n        self.", "import os\ni
 SECTIONS = {"plugin_kernels": plugin_kernels, "embedded_model": embedded_model, "full_width": full_width,
             "tensorrt": tensorrt_engines,
             "full_width_graphs": functools.partial(full_width, configs=FULL_WIDTH_CONFIGS[:1], graphs=True),
+            "embedded_model_trees": embedded_model_trees,
             "embedded_model_compiled": embedded_model_compiled,
             "embedded_model_cuda_graphs": embedded_model_cuda_graphs}
-DEVICE_SECTIONS = ("embedded_model", "full_width", "full_width_graphs", "embedded_model_compiled",
-                   "embedded_model_cuda_graphs")
+DEVICE_SECTIONS = ("embedded_model", "full_width", "full_width_graphs", "embedded_model_trees",
+                   "embedded_model_compiled", "embedded_model_cuda_graphs")
 
 
 def main(argv=None) -> int:

@@ -14,6 +14,7 @@ def markdown(report: dict) -> str:
         lines += ["", report["runs"] + "."]
     lines += _plugins(report.get("plugin_kernels"))
     for key, title in (("embedded_model", "Embedded model, eager (TorchRunner)"),
+                       ("embedded_model_trees", "Embedded model, eager, tree speculation beside the chain"),
                        ("embedded_model_compiled", "Embedded model, compiled (runtime.compiled: inductor)"),
                        ("embedded_model_cuda_graphs", "Embedded model, compiled, steps replayed as CUDA graphs")):
         lines += _embedded(report.get(key), title)
@@ -57,6 +58,15 @@ def _embedded(section, title) -> list[str]:
                    f"| {mean(lambda r: r['cost']['verify_ms']):.2f} | {mean(lambda r: r['cost']['draft_ms']):.2f} |")
         if row.get("compiled_during_timing"):
             out.append(f"| {mode}: compiled inside the timings | {'; '.join(row['compiled_during_timing'])} | | | | | | |")
+    trees = {m: r for m, r in section["modes"].items() if "tree_speedup" in r}
+    if trees:
+        out += ["", "| mode | tree (nodes, top-k, depth) | accepted chain / tree | tree tok/s | tree speedup | tree / chain |",
+                "| --- | --- | --- | --- | --- | --- |"]
+        for mode, r in trees.items():
+            t = r["tree"]
+            out.append(f"| {mode} | {t['max_nodes']}, {t['topk']}, {t['depth']} | {r['mean_accepted']:.2f} / "
+                       f"{r['tree_mean_accepted']:.2f} | {r['tree_tokens_per_second']:.0f} | {r['tree_speedup']:.2f}x | "
+                       f"{r['tree_over_chain']:.2f}x |")
     return out
 
 

@@ -71,3 +71,16 @@ def test_report_page_of_the_committed_gpu_run():
         assert f"| {mode} | {row['target_only_tokens_per_second']:.0f} | " in page
         assert f"| {row['speedup']:.2f}x |" in page
     assert "Plugin kernels" in page and "CUDA graph" in page
+
+
+def test_tree_section_reports_trees_beside_the_chain(tmp_path):
+    """The tree section (issue 14's measurement for a device day) on the CPU: eagle3, dflash and mtp grow
+    16-node trees whose output equals target-only greedy; the page shows the tree table."""
+    report = _run(tmp_path, "--device", "cpu", "--sections", "embedded_model_trees", "--new_tokens", "6")
+    modes = report["embedded_model_trees"]["modes"]
+    assert set(modes) == {"eagle3", "dflash", "mtp"}
+    for mode, row in modes.items():
+        assert row["exact"] is True and all(r["tree_exact"] for r in row["runs"]), mode
+        assert row["tree"]["max_nodes"] == 16 and row["tree_mean_accepted"] >= 1.0
+    page = (tmp_path / "report.md").read_text()
+    assert "| mode | tree (nodes, top-k, depth) |" in page and "| eagle3 | 16, 4, 4 |" in page
