@@ -78,7 +78,7 @@ def cmd_serve(args, out=print) -> int:
         from runtime.loading import resolve_backend
         backend = resolve_backend("auto")
         if backend == "compiled":
-            out("backend auto: the compiled CPU path (--backend torch starts at once, eagerly); its steps "
+            out("backend auto: the compiled path (--backend torch starts at once, eagerly); its steps "
                 "compile before the server is ready, minutes the first time on this machine", file=sys.stderr)
 
     def start(ready_timeout: float = 600.0):

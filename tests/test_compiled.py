@@ -297,12 +297,25 @@ def test_short_prompts_prefill_as_compiled_chunks(models):
 def test_backend_choice(monkeypatch):
     from runtime import loading
     monkeypatch.setattr(loading, "tensorrt_available", lambda: True)   # a GPU: engines run on TensorRT
-    assert resolve_backend("auto") == "tensorrt" and resolve_backend("auto", engine_dir=False) == "torch"
+    assert resolve_backend("auto") == "tensorrt" and resolve_backend("auto", engine_dir=False) == "compiled"
+    assert resolve_backend("auto", engine_dir=False, tokens=64) == "torch"
     monkeypatch.setattr(loading, "tensorrt_available", lambda: False)  # a CPU-only machine
     assert resolve_backend("auto") == "compiled"
     assert resolve_backend("auto", tokens=AUTO_COMPILE_MIN_TOKENS) == "compiled"
     assert resolve_backend("auto", tokens=64) == "torch"   # loading the graphs would cost more than they save
     assert resolve_backend("torch") == "torch" and resolve_backend("compiled") == "compiled"
+
+
+def test_a_gpu_without_tensorrt_runs_engine_directories_on_the_torch_paths(monkeypatch):
+    """CUDA present but no TensorRT to import (the lent H200's image): engines cannot run, so ``auto``
+    takes the compiled path for an engine directory too, instead of failing to import TensorRT."""
+    import sys
+    from runtime import loading
+    monkeypatch.setattr(loading.torch.cuda, "is_available", lambda: True)
+    for name in ("tensorrt", "tensorrt_rtx", "builder.backends.trt_import"):
+        monkeypatch.setitem(sys.modules, name, None)
+    assert not loading.tensorrt_available()
+    assert resolve_backend("auto") == "compiled" and resolve_backend("auto", tokens=64) == "torch"
 
 
 def test_cli_backend_compiled(models):

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from runtime.loading import tensorrt_available
+
 from builder.backends.trt_import import trt
 from builder.backends.trt_build import probe_strip_plan
 from builder.checkpoint import load_checkpoint
@@ -170,8 +172,8 @@ def test_trial_build_of_the_first_layers(checkpoints, tmp_path):
     assert est["peak_bytes"] > est["weight_bytes"]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="running a weight-stripped engine (refit, or weights bound as inputs) needs a CUDA GPU")
+@pytest.mark.skipif(not tensorrt_available(),
+                    reason="running a weight-stripped engine (refit, or weights bound as inputs) needs a CUDA GPU with TensorRT")
 def test_stripped_engines_refit_from_the_one_copy_and_generate_like_torch(mtp_checkpoint, tmp_path):
     from runtime.generation import generate
     from runtime.loading import open_engine_dir

@@ -11,7 +11,7 @@ from runtime.generation import generate
 from runtime.loading import open_engine_dir, tensorrt_available
 
 pytestmark = pytest.mark.skipif(not tensorrt_available(),
-                                reason="needs a CUDA GPU: TensorRT engines cannot execute on this CPU-only machine")
+                                reason="needs a CUDA GPU with TensorRT: engines cannot execute on this machine")
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe", "two_attention"])
