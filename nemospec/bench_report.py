@@ -99,7 +99,9 @@ def markdown(report: dict) -> str:
         lines.append("- transformers assisted generation with the draft_target draft: " +
                      (f"{a['tokens_per_second']:.1f} tokens/s" if "tokens_per_second" in a else f"not run ({a.get('error')})"))
     s = report.get("serving")
-    if s:
+    if s and "error" in s:
+        lines += ["", "## Through the Triton server", "", f"- mode {s['mode']}: not measured, serving failed: {s['error']}"]
+    elif s:
         where = f" ({s['backend']} backend, {s['torch_threads']} torch threads)" if "backend" in s else ""
         lines += ["", f"## Through the Triton server (gRPC streaming, one stream){where}", "",
                   f"- mode {s['mode']}: {s['tokens_per_second']:.1f} tokens/s speculative vs "

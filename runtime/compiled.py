@@ -163,7 +163,9 @@ def _skip_guards() -> bool:
 
 @functools.cache
 def _has_aot_compile() -> bool:
-    return hasattr(torch.compile(lambda: None), "aot_compile")
+    # the eager backend: asking must not import inductor (in a Triton stub, whose locale is ASCII,
+    # importing inductor's templates before _configure has run fails)
+    return hasattr(torch.compile(lambda: None, backend="eager"), "aot_compile")
 
 
 def _unbind(fn):

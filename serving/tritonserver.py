@@ -77,6 +77,7 @@ def server_env(server: Tritonserver) -> dict:
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("PYTHONUTF8", "1")   # the stubs' interpreter starts in an ASCII locale; inductor reads UTF-8 templates
     libs = [str(server.libs)] if server.libs else []
     libdir = sysconfig_libdir()
     if libdir and server.libs:

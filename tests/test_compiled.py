@@ -682,3 +682,21 @@ def test_compile_options_by_device_and_torch(monkeypatch):
     assert device_options("cpu") == {} and device_options("cuda") == {"triton.cudagraphs": True}
     kept = _known_options({"triton.cudagraphs": True, "cpp_wrapper": True, "no_such_option": 1, "triton.no_such": 2})
     assert kept == {"triton.cudagraphs": True, "cpp_wrapper": True}
+
+
+def test_asking_for_aot_compile_imports_no_inductor_and_stubs_read_utf8():
+    """A Triton stub's interpreter starts in an ASCII locale, where importing inductor's lowering (its
+    UTF-8 templates) fails: probing the torch for ``aot_compile`` must not import it (a bench's served
+    run once died of that), and the server's env asks for UTF-8 anyway."""
+    import os
+    import subprocess
+    import sys
+    from serving.tritonserver import Tritonserver, server_env
+    code = ("import sys; from runtime.compiled import _has_aot_compile; _has_aot_compile(); "
+            "assert 'torch._inductor.lowering' not in sys.modules, 'inductor imported'")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LC_", "LANG", "PYTHONUTF8"))}
+    run = subprocess.run([sys.executable, "-X", "utf8=0", "-c", code], env=dict(env, LC_ALL="C"),
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-1500:]
+    from pathlib import Path
+    assert server_env(Tritonserver(binary=Path("tritonserver")))["PYTHONUTF8"] == "1"
