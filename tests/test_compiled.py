@@ -675,7 +675,7 @@ def test_compile_options_by_device_and_torch(monkeypatch):
     """CUDA graphs are asked of inductor only on a CUDA device and only with NEMOSPEC_CUDA_GRAPHS=1;
     options the installed torch lacks are dropped (torch 2.11 has no realize_cpu_opcount_threshold),
     a sub-config's dotted name is kept."""
-    from runtime.compiled import _known_options, device_options
+    from runtime.compiled_steps import _known_options, device_options
     monkeypatch.delenv("NEMOSPEC_CUDA_GRAPHS", raising=False)
     assert device_options("cpu") == {} and device_options("cuda") == {}
     monkeypatch.setenv("NEMOSPEC_CUDA_GRAPHS", "1")
@@ -692,7 +692,7 @@ def test_asking_for_aot_compile_imports_no_inductor_and_stubs_read_utf8():
     import subprocess
     import sys
     from serving.tritonserver import Tritonserver, server_env
-    code = ("import sys; from runtime.compiled import _has_aot_compile; _has_aot_compile(); "
+    code = ("import sys; from runtime.compiled_steps import _has_aot_compile; _has_aot_compile(); "
             "assert 'torch._inductor.lowering' not in sys.modules, 'inductor imported'")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LC_", "LANG", "PYTHONUTF8"))}
     run = subprocess.run([sys.executable, "-X", "utf8=0", "-c", code], env=dict(env, LC_ALL="C"),

@@ -1,0 +1,251 @@
+"""One function compiled per recurring shape key (``_Steps``): how the compiled path captures a step
+(``aot_compile`` where this torch has it, dynamo with guards elsewhere), where inductor keeps what it
+builds, which compile options a device and a torch get, and the log of what compiled when."""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import time
+import types
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from builder.backends import torch_backend
+from runtime import compiled_store, direct_call
+from runtime.small_linear import install as install_small_linear
+
+def device_options(device) -> dict:
+    """Compile options for where the steps run: on a CUDA device with NEMOSPEC_CUDA_GRAPHS=1, inductor
+    replays each step as a CUDA graph (what ``mode="reduce-overhead"`` sets), so a step costs its
+    kernels rather than their launches (the embedded model's compiled decode on an H200: 1.03 ms of
+    host launch time for microseconds of GPU work). Opt-in until a GPU run has measured it."""
+    if torch.device(device).type == "cuda" and os.environ.get("NEMOSPEC_CUDA_GRAPHS", "0") not in ("", "0"):
+        return {"triton.cudagraphs": True}
+    return {}
+
+
+def _known_options(options: dict) -> dict:
+    """The inductor options this torch has: a CPU heuristic's knob of one release can be gone in
+    another (``realize_cpu_opcount_threshold`` is not in torch 2.11), and an unknown one fails the compile."""
+    import torch._inductor.config as inductor_config
+
+    def known(name):
+        where = inductor_config
+        for part in name.split("."):   # "triton.cudagraphs": a field of a sub-config
+            if not hasattr(where, part):
+                return False
+            where = getattr(where, part)
+        return True
+    return {k: v for k, v in options.items() if known(k)}
+
+
+def cache_dir() -> Path:
+    """Where inductor keeps compiled graphs: $NEMOSPEC_COMPILE_CACHE or ~/.cache/nemospec/inductor."""
+    return Path(os.environ.get("NEMOSPEC_COMPILE_CACHE") or Path.home() / ".cache" / "nemospec" / "inductor")
+
+
+def _configure():
+    """Points inductor at our cache and lets one code object hold the graphs of every step shape."""
+    path = cache_dir()
+    path.mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path.resolve())
+    import torch._dynamo.config as dynamo
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo, name):
+            setattr(dynamo, name, max(getattr(dynamo, name), 64))
+    if hasattr(dynamo, "accumulated_recompile_limit"):
+        dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 1024)
+    install_small_linear(path.parent)
+
+
+def _own_code(fn):
+    """``fn`` (a function, bound method or partial) running a code object of its own. Dynamo keeps
+    one cache of graphs per code object; with a copy per ``_Steps`` (or per A/B side in
+    benchmarks/small_linear.py), every cache holds the graphs of one model instance only."""
+    if isinstance(fn, functools.partial):
+        return functools.partial(_own_code(fn.func), *fn.args, **fn.keywords)
+    if isinstance(fn, types.MethodType):
+        return types.MethodType(_own_code(fn.__func__), fn.__self__)
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__, copy.__qualname__, copy.__dict__ = fn.__kwdefaults__, fn.__qualname__, dict(fn.__dict__)
+    return copy
+
+
+def _skip_guards() -> bool:
+    """Steps captured whole with ``aot_compile`` and called without guards, unless
+    NEMOSPEC_CHECK_GUARDS is set or this torch has no ``aot_compile`` (2.11 has none: dynamo's own
+    frame evaluation then checks every guard, as the variable would have it)."""
+    return os.environ.get("NEMOSPEC_CHECK_GUARDS", "") in ("", "0") and _has_aot_compile()
+
+
+@functools.cache
+def _has_aot_compile() -> bool:
+    # the eager backend: asking must not import inductor (in a Triton stub, whose locale is ASCII,
+    # importing inductor's templates before _configure has run fails)
+    return hasattr(torch.compile(lambda: None, backend="eager"), "aot_compile")
+
+
+def _unbind(fn):
+    """(plain function, leading positional args, keyword args) of a function, bound method or
+    partial: what ``aot_compile`` traces and what each call passes before the step's own args."""
+    if isinstance(fn, functools.partial):
+        func, lead, keywords = _unbind(fn.func)
+        return func, lead + tuple(fn.args), {**keywords, **fn.keywords}
+    if isinstance(fn, types.MethodType):
+        func, lead, keywords = _unbind(fn.__func__)
+        return func, (fn.__self__,) + lead, keywords
+    return fn, (), {}
+
+
+def _no_guards(entries):
+    return [False] * len(entries)
+
+
+class _Steps:
+    """One function, compiled for the shape keys that recur; every other call runs it eagerly.
+
+    Each key's graph is captured with ``aot_compile`` (dynamo's whole-graph capture, inductor with
+    its C++ wrapper) and called directly: no dynamo frame evaluation, cache lookup or guard check
+    per call. Those cost 0.14 ms of a 0.50 ms decode call on the embedded target (the graph itself
+    0.36). It is safe because the key names the graph (shapes, batch bucket, chunk kind), weights
+    never change after the module is built, and inputs pass ``_prepare`` (dense strides). Set
+    ``NEMOSPEC_CHECK_GUARDS=1`` to run the steps through dynamo's frame evaluation instead, every
+    guard checked on every call (a mismatch recompiles)."""
+
+    def __init__(self, fn, what: str, options: dict | None = None, product_form: str = "float32"):
+        _configure()
+        self.fn, self.what, self.product_form = fn, what, product_form
+        func, self.lead, self.keywords = _unbind(fn)
+        self.check_guards = not _skip_guards()
+        options = _known_options({"cpp_wrapper": True, **(options or {})})
+        if not self.check_guards:  # none is checked, so none is built (nor pickled: aot_compile saves its guards)
+            options["guard_filter_fn"] = _no_guards
+        self.compiler = torch.compile(_own_code(func), dynamic=False, fullgraph=True, options=options)
+        # what names a saved step beside its key and inputs (runtime.compiled_store)
+        self.identity = dict(options, function=f"{func.__module__}.{func.__qualname__}", product_form=product_form,
+                             keywords=compiled_store.fingerprint([self.keywords]))
+        self.identity.pop("guard_filter_fn", None)
+        self._lead_digest = None
+        # a closure's cells count as the module they hold (a component's call closes over its module,
+        # whose weights dynamo then bakes into the graph as constants)
+        self._captured = tuple(c.cell_contents for c in (func.__closure__ or ()))
+        self.graphs: dict = {}
+        self.direct: dict = {}     # key -> DirectCall
+        self.plans: dict = {}      # key -> the recorded plans of its first calls
+        self.calls: Counter = Counter()
+        self.broken = False
+        self.compile_seconds: dict = {}
+
+    @property
+    def ready(self):
+        """The keys that run compiled."""
+        return self.graphs.keys()
+
+    def _saved_path(self, key, args, kwargs):
+        """Where this step is saved (``runtime.compiled_store``); None when it cannot be named (then it
+        compiles in memory only)."""
+        try:
+            if self._lead_digest is None:
+                self._lead_digest = compiled_store.fingerprint(self.lead + self._captured)
+            return compiled_store.step_path(cache_dir(), self.what, key, self.identity, self._lead_digest, args, kwargs)
+        except Exception as e:
+            warnings.warn(f"{self.what}: compiled step not saved ({type(e).__name__}: {str(e)[:120]})", stacklevel=3)
+            return None
+
+    def __call__(self, key, label: str, min_calls: int, *args, **kwargs):
+        graph = self.graphs.get(key)
+        if graph is not None:
+            direct = self.direct.get(key)
+            if direct is not None:
+                try:
+                    return direct(args, {**self.keywords, **kwargs})
+                except LookupError:    # laid out otherwise than recorded: the ordinary call
+                    return graph(*args, **self.keywords, **kwargs)
+            plans = self.plans.get(key)
+            if plans is None or len(plans) >= 2:
+                return graph(*args, **self.keywords, **kwargs)
+            out, plan = direct_call.record(graph, args, {**self.keywords, **kwargs})
+            plans.append(plan)
+            if len(plans) == 2 and direct_call.same_plan(*plans):
+                self.direct[key] = direct_call.DirectCall(*plan)
+            return out
+        self.calls[key] += 1
+        if self.broken or self.calls[key] < min_calls or not _COMPILING["on"]:
+            with torch_backend.product_form(self.product_form):   # eager, in the graphs' precision
+                return self.fn(*args, **kwargs)
+        start = time.perf_counter()
+        path = None if self.check_guards else self._saved_path(key, args, kwargs)
+        saved = compiled_store.load(path) if path is not None else None
+        if saved is not None:   # compiled by an earlier process
+            graph = functools.partial(saved, *self.lead)
+            try:
+                out = graph(*args, **self.keywords, **kwargs)
+            except Exception as e:  # saved with what this process lacks (a test's monkeypatched kernel): compile
+                warnings.warn(f"{path}: saved step did not run ({type(e).__name__}: {str(e)[:120]}); compiling it",
+                              stacklevel=2)
+                return self._compile(key, label, start, path, args, kwargs)
+            seconds = time.perf_counter() - start
+            print(f"loaded {label} ({seconds:.1f} s)", file=sys.stderr, flush=True)
+            COMPILE_LOG.append(f"loaded {label} ({seconds:.1f} s)")
+            self.compile_seconds[label] = seconds   # what this process paid for the step
+            self._add(key, graph)
+            return out
+        return self._compile(key, label, start, path, args, kwargs)
+
+    def _compile(self, key, label: str, start: float, path, args, kwargs):
+        print(f"compiling {label} ...", end="", file=sys.stderr, flush=True)
+        try:
+            with torch_backend.product_form(self.product_form):  # read while the graph is traced
+                if self.check_guards:   # dynamo's own frame evaluation: every guard on every call
+                    graph = functools.partial(self.compiler, *self.lead)
+                else:
+                    captured = self.compiler.aot_compile(((*self.lead, *args), {**self.keywords, **kwargs}))
+                    captured.disable_guard_check()
+                    graph = functools.partial(captured, *self.lead)
+                out = graph(*args, **self.keywords, **kwargs)
+            if path is not None:
+                compiled_store.save(captured, path)
+        except Exception as e:  # a graph break or a lowering inductor lacks: eager from now on
+            print(" failed", file=sys.stderr, flush=True)
+            warnings.warn(f"{self.what}: torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                          "running it eagerly", stacklevel=3)
+            self.broken = True
+            with torch_backend.product_form(self.product_form):
+                return self.fn(*args, **kwargs)
+        seconds = time.perf_counter() - start
+        print(f" {seconds:.1f} s", file=sys.stderr, flush=True)
+        COMPILE_LOG.append(f"compiled {label} ({seconds:.1f} s)")
+        self.compile_seconds[label] = seconds
+        self._add(key, graph)
+        return out
+
+    def _add(self, key, graph):
+        """A graph for ``key``; its next two calls are recorded for a direct call
+        (``runtime.direct_call``) unless guards are checked or direct calls are off."""
+        self.graphs[key] = graph
+        if not self.check_guards and direct_call.enabled():
+            self.plans[key] = []
+
+
+_COMPILING = {"on": True}
+COMPILE_LOG: list[str] = []   # every step this process compiled or loaded, in order (a timed run checks none was)
+
+
+def stop_compiling() -> None:
+    """From now on this process compiles nothing: steps without a graph run eagerly. A server calls
+    it after its warm-up, so that no request ever waits behind a compile (tens of seconds on a cold
+    cache) for a shape it had not seen."""
+    _COMPILING["on"] = False
+
+
+def product_form(weight_dtype: str = "auto", matmul_precision: str = "highest") -> str:
+    """How a model's compiled few-row fp32 products multiply (``torch_backend.product_form``):
+    ``--matmul_precision medium`` rounds x and w to bf16 (dot products, fp32 sums), a draft's
+    ``--draft_weight_dtype bfloat16`` rounds w only; by default neither."""
+    if matmul_precision == "medium":
+        return "bf16"
+    return "bf16_weights" if weight_dtype == "bfloat16" else "float32"
