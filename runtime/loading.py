@@ -113,6 +113,15 @@ def _eager_proposer(draft, vocab_size: int, device, chunk: int, compiled: bool =
     return lambda: make(stepper, chunk)
 
 
+def _place_modules(device, target, draft=None) -> None:
+    """The target's and the draft's weights onto a GPU, once; what they share stays shared."""
+    if device != "cpu":
+        moved: dict = {}
+        for module in (draft, target):
+            if module is not None:
+                place(module, device, moved)
+
+
 def open_checkpoint(checkpoint_dir, dtype="auto", device=None, mode=None, draft_dir=None, quantization=None,
                     max_draft_len: int = 4, prefill_chunk: int = 512, backend: str = "torch",
                     draft_weight_dtype: str = "auto", matmul_precision: str = "highest", token_map=None) -> Loaded:
@@ -132,18 +141,14 @@ def open_checkpoint(checkpoint_dir, dtype="auto", device=None, mode=None, draft_
     torch_dtype = TORCH_DTYPES[config.dtype if dtype == "auto" else dtype]
     device = _device(device)
     draft = spec = proposer = None
-    moved: dict = {}   # tensors the draft shares with the target stay shared on the device
     if mode is not None:
         draft = load_draft(mode, config, weights, draft_dir, torch_dtype, log=lambda m: None, quantization=quantization,
                            token_map=token_map)
         spec = draft.meta
-        if device != "cpu":
-            place(draft.module, device, moved)
         proposer = _eager_proposer(draft.module, config.vocab_size, device, prefill_chunk, backend == "compiled",
                                    max_draft_len, draft_weight_dtype, matmul_precision)
     module = NemotronH(config, weights, torch_dtype, **(draft.target_features if draft else {}))
-    if device != "cpu":
-        place(module, device, moved)
+    _place_modules(device, module, draft.module if draft else None)
     tok = Path(checkpoint_dir) / "tokenizer.json"
     if backend == "compiled":
         from runtime.compiled import CompiledRunner
@@ -193,11 +198,8 @@ def open_engine_dir(engine_dir, backend="auto", device=None, matmul_precision: s
         draft_weights = load_file(str(draft_file)) if draft_file.is_file() else None
         draft = draft_from_engine_dir(spec, config, weights, draft_weights, dtype)
     target = NemotronH(config, weights, dtype, **(_target_features(draft) if draft is not None else {}))
-    if backend in ("torch", "compiled") and device != "cpu":   # the modules' weights onto the GPU, once
-        moved: dict = {}
-        if draft is not None:
-            place(draft, device, moved)
-        place(target, device, moved)
+    if backend in ("torch", "compiled"):
+        _place_modules(device, target, draft)
     options = BuildOptions(**{k: v for k, v in build.items() if k != "dtype"})
     engines = meta["engines"]
 

@@ -105,7 +105,7 @@ def embedded_model(deadline: float, device: str = "cuda", new: int = 64, backend
             if tree_nodes:
                 from runtime.tree_draft import TreeShape, default_topk
                 tree = TreeShape(tree_nodes, default_topk(mode), k)
-            row = _attempt(lambda: _measure_mode(mode, k, prompts, device, new, backend, deadline, tree), device)
+            row = _measure_mode(mode, k, prompts, device, new, backend, deadline, tree)
         except Exception as e:
             row = {"error": f"{type(e).__name__}: {e}"[:400], "trace": traceback.format_exc()[-1500:]}
         out["modes"][mode] = row
@@ -185,25 +185,6 @@ def _summary(result):
     return cost.summary() if hasattr(cost, "summary") else cost
 
 
-def _attempt(fn, device):
-    """``fn()``; where it fails on a GPU, once more with torch's default device set to it (factory calls
-    that name no device then land there), the first error kept in the result."""
-    import torch
-    try:
-        return fn()
-    except Exception as e:
-        if torch.device(device).type == "cpu":
-            raise
-        first = f"{type(e).__name__}: {e}"[:400]
-        trace = traceback.format_exc()[-1500:]
-    torch.set_default_device(device)
-    try:
-        result = fn()
-    finally:
-        torch.set_default_device(None)
-    return dict(result, default_device=device, error_without_default_device=first, trace_without=trace)
-
-
 def embedded_model_compiled(deadline: float, device: str = "cuda", new: int = 64) -> dict:
     """The compiled path (runtime.compiled: whole steps through torch.compile) on ``device``, eagle3
     only: its compile is the slowest section, so it runs last."""
@@ -245,7 +226,7 @@ def full_width(deadline: float, device: str = "cuda", configs: tuple = FULL_WIDT
                 out["stopped"] = "budget"
                 break
             try:
-                out["rows"].append(_attempt(lambda: scale.measure_config(name, Path(work), args, acceptance), device))
+                out["rows"].append(scale.measure_config(name, Path(work), args, acceptance))
             except Exception as e:
                 out["rows"].append({"config": name, "error": f"{type(e).__name__}: {e}"[:400],
                                     "trace": traceback.format_exc()[-1500:]})
