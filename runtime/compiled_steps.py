@@ -13,6 +13,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+from torch.utils import _pytree as pytree
 
 from builder.backends import torch_backend
 from runtime import compiled_store, direct_call
@@ -101,6 +102,23 @@ def _unbind(fn):
     return fn, (), {}
 
 
+def _unaliased(tree):
+    """``tree`` with each tensor that appears a second time (the same tensor object) replaced by a
+    copy. Dynamo captures one graph input for a tensor passed twice (a warm-up that passed its
+    positions as the logit rows too); with guards off, later calls that pass two different tensors
+    would then read the first for both. Graphs are captured, and direct calls recorded, from
+    distinct inputs; a later call that passes one tensor twice feeds it to both inputs."""
+    seen = set()
+
+    def one(x):
+        if isinstance(x, torch.Tensor):
+            if id(x) in seen:
+                return x.clone()
+            seen.add(id(x))
+        return x
+    return pytree.tree_map(one, tree)
+
+
 def _no_guards(entries):
     return [False] * len(entries)
 
@@ -168,6 +186,7 @@ class _Steps:
             plans = self.plans.get(key)
             if plans is None or len(plans) >= 2:
                 return graph(*args, **self.keywords, **kwargs)
+            args, kwargs = _unaliased((args, kwargs))   # a recording maps inputs by identity
             out, plan = direct_call.record(graph, args, {**self.keywords, **kwargs})
             plans.append(plan)
             if len(plans) == 2 and direct_call.same_plan(*plans):
@@ -178,6 +197,7 @@ class _Steps:
             with torch_backend.product_form(self.product_form):   # eager, in the graphs' precision
                 return self.fn(*args, **kwargs)
         start = time.perf_counter()
+        args, kwargs = _unaliased((args, kwargs))
         path = None if self.check_guards else self._saved_path(key, args, kwargs)
         saved = compiled_store.load(path) if path is not None else None
         if saved is not None:   # compiled by an earlier process

@@ -556,6 +556,31 @@ def test_steps_run_a_recurring_key_compiled(monkeypatch, check_guards):
         assert steps(("rows", 3), "toy", 2, x4, w).shape == (4, 5)
 
 
+def _weighted(a, b):
+    return a * 2.0 + b * 3.0
+
+
+@pytest.mark.parametrize("saved", [False, True])
+def test_a_step_first_called_with_one_tensor_twice_computes_two_tensors_later(tmp_path, monkeypatch, saved):
+    """A warm-up that passes one tensor for two inputs (``warm_verify`` passed its positions as the
+    logit rows) must not leave a graph that reads the first input for both: later calls with two
+    tensors (a real verify) got the positions as row indices (an index error, or wrong rows). The
+    first calls' own result stays right too, and a process that loads the saved step agrees."""
+    from runtime import compiled
+    monkeypatch.setenv("NEMOSPEC_COMPILE_CACHE", str(tmp_path))
+    a, b = torch.arange(4.0), torch.full((4,), 10.0)
+    steps = compiled._Steps(_weighted, "weighted")
+    for _ in range(4):   # eager, compiled (recorded), recorded, direct
+        assert torch.equal(steps(("n", 4), "weighted", 2, a, a), _weighted(a, a))
+    if saved:            # a later process: the step loads from the cache, first called with two tensors
+        steps = compiled._Steps(_weighted, "weighted")
+        for _ in range(2):
+            assert torch.equal(steps(("n", 4), "weighted", 2, a, a), _weighted(a, a))
+    assert list(steps.ready) == [("n", 4)]
+    for _ in range(3):
+        assert torch.equal(steps(("n", 4), "weighted", 2, a, b), _weighted(a, b))
+
+
 def test_after_stop_compiling_a_new_key_runs_eagerly_and_compiled_ones_stay(monkeypatch):
     """A server warms up, then stops compiling (``warm_up_for_serving``): a key compiled before keeps
     its graph, a key seen only afterwards runs the function eagerly however often it recurs, so no
