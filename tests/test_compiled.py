@@ -529,6 +529,30 @@ def test_bf16_model_products_run_as_bf16_dot_products():
             "the bf16 products did not run in the small-row kernel"
 
 
+def test_a_verify_warmed_on_scratch_rows_verifies_real_rows(models, tmp_path, monkeypatch):
+    """``warm_verify`` (the warm-up of the lengths a confidence stop trims steps to) compiles the greedy
+    verify on a scratch chunk whose logit rows are its positions tensor itself. The graph it leaves
+    must verify real rows (positions past the rows): served with --draft_confidence_threshold, it had
+    read the positions as row indices, and speculative output differed from target-only greedy."""
+    eager, _ = models
+    monkeypatch.setenv("NEMOSPEC_COMPILE_CACHE", str(tmp_path))      # compiled here, not loaded
+    compiled = open_checkpoint(embedded.target_dir(), mode="eagle3", draft_dir=embedded.draft_dir("eagle3"),
+                               backend="compiled")
+    compiled.runner.warm_verify(3)
+    assert (True, 3) in compiled.runner._verify_greedy.ready
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    prompt = [5, 9, 17, 33, 8, 100, 7, 42, 3]
+    out = []
+    for runner in (eager.runner, compiled.runner):
+        state = runner.new_state(1, 64)
+        logits, state, _ = runner.forward(i32([prompt]), i32([list(range(9))]), i32([9]), i32([[8]]), state)
+        drafts = [int(logits[0, -1].argmax()), 11, 12]
+        out.append(runner.verify_greedy(i32([drafts]), i32([[9, 10, 11]]), i32([3]), i32([[0, 1, 2]]), state))
+    (m_e, next_e, logits_e, _, _), (m_c, next_c, logits_c, _, _) = out
+    assert torch.equal(m_c, m_e) and torch.equal(next_c, next_e)
+    assert torch.equal(logits_c.argmax(-1), logits_e.argmax(-1))   # every row's token, not just the kept ones
+
+
 def _toy(x, w, scale):
     return torch.tanh(x @ w) * scale
 
