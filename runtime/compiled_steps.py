@@ -112,8 +112,13 @@ def _unaliased(tree):
 
     def one(x):
         if isinstance(x, torch.Tensor):
-            if id(x) in seen:
-                return x.clone()
+            if id(x) in seen:   # the copy keeps the dims marked dynamic (a batch of 2+, a capacity)
+                copy = x.clone()
+                for d in getattr(x, "_dynamo_weak_dynamic_indices", ()):
+                    torch._dynamo.maybe_mark_dynamic(copy, d)
+                for d in getattr(x, "_dynamo_dynamic_indices", ()):
+                    torch._dynamo.mark_dynamic(copy, d)
+                return copy
             seen.add(id(x))
         return x
     return pytree.tree_map(one, tree)

@@ -605,6 +605,24 @@ def test_a_step_first_called_with_one_tensor_twice_computes_two_tensors_later(tm
         assert torch.equal(steps(("n", 4), "weighted", 2, a, b), _weighted(a, b))
 
 
+def test_a_batch_step_first_called_with_one_tensor_twice_keeps_its_batch_dynamic():
+    """The copy that separates a tensor passed twice keeps the dims marked dynamic (as ``_prepare``
+    marks a batch of 2+): the graph captured at batch 2 serves batch 3 with two tensors."""
+    from runtime import compiled
+
+    def batch(n, fill):
+        t = torch.arange(4.0).repeat(n, 1) + fill
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+        return t
+    steps = compiled._Steps(_weighted, "weighted batch")
+    a2 = batch(2, 0.0)
+    for _ in range(3):
+        assert torch.equal(steps(("batch", 4), "weighted", 2, a2, a2), _weighted(a2, a2))
+    a3, b3 = batch(3, 1.0), batch(3, 10.0)
+    for _ in range(3):
+        assert torch.equal(steps(("batch", 4), "weighted", 2, a3, b3), _weighted(a3, b3))
+
+
 def test_after_stop_compiling_a_new_key_runs_eagerly_and_compiled_ones_stay(monkeypatch):
     """A server warms up, then stops compiling (``warm_up_for_serving``): a key compiled before keeps
     its graph, a key seen only afterwards runs the function eagerly however often it recurs, so no
