@@ -52,6 +52,16 @@ def cmd_token_map(args):
     return 0
 
 
+def add_embedded_args(p):
+    """--embedded / --embedded_factor: which embedded default a command runs when given no checkpoint."""
+    p.add_argument("--embedded", default="small", choices=["small", "wide"],
+                   help="with no --checkpoint_dir: the embedded trained model as shipped (small: its weights sit "
+                        "in cache) or widened (wide: the same function at --embedded_factor times the width, "
+                        "decoding from memory as a served model does; written once under ~/.cache/nemospec)")
+    p.add_argument("--embedded_factor", type=int, default=None,
+                   help="the wide embedded model's width multiple (default 4)")
+
+
 def _add_build_args(p):
     p.add_argument("--checkpoint_dir", default=None,
                    help="Hugging Face NemotronH checkpoint (safetensors); default: the embedded trained model")
@@ -84,6 +94,7 @@ def _add_build_args(p):
                    help="the compiled CPU path's fp32 products (torch.set_float32_matmul_precision's names): "
                         "medium rounds activations and weights to bf16 and sums the exact products in fp32 "
                         "(AVX512-BF16 dot products: half the weight bytes, twice the multiply-adds per instruction)")
+    add_embedded_args(p)
     add_policy_args(p, build=True)
     add_tree_args(p, build=True)
 
@@ -135,6 +146,7 @@ def _parser():
                                                      "its trained draft)")
     g.add_argument("--max_draft_len", type=int, default=4, help="with a checkpoint: K")
     add_token_map_arg(g)
+    add_embedded_args(g)
     from serving.command import add_serve_args
     add_serve_args(sub.add_parser("serve", help="serve an engine directory with Triton Inference Server"))
     _add_quantize_args(sub.add_parser("quantize", help="write an NVFP4 (ModelOpt W4A16) checkpoint"))
@@ -159,7 +171,8 @@ def cmd_serve(args):
 def cmd_build(args):
     from builder.engine import BuildOptions, build
     args.checkpoint_dir, args.draft_dir = resolve_sources(args.checkpoint_dir, args.speculative_decoding_mode,
-                                                          args.draft_dir, args.quantization)
+                                                          args.draft_dir, args.quantization, args.embedded,
+                                                          args.embedded_factor)
     if args.max_draft_len is None:
         args.max_draft_len = 4 if args.speculative_decoding_mode else 0
     if args.speculative_decoding_mode:
@@ -221,7 +234,7 @@ def cmd_generate(args):
     from runtime.step_costs import cost_model
     if args.engine_dir is None:
         args.checkpoint_dir, args.draft_dir = resolve_sources(args.checkpoint_dir, args.speculative_decoding_mode,
-                                                              args.draft_dir)
+                                                              args.draft_dir, None, args.embedded, args.embedded_factor)
     elif args.speculative_decoding_mode or args.draft_dir or args.speculative_token_map:
         raise NemospecError("--speculative_decoding_mode/--draft_dir/--speculative_token_map: an engine directory "
                             "already holds its draft; these go with --checkpoint_dir")

@@ -77,6 +77,16 @@ def test_streamed_responses_are_read_as_tritonclient_reads_them():
     assert Delta("", 0, result=InferResult(service_pb2.ModelInferResponse())).stats == {}   # no stats outputs
 
 
+def test_the_spec_decode_payload_keeps_every_bucket_up_to_k():
+    """aiperf's vLLM reader refuses a histogram without K + 1 buckets: trailing zeros stay."""
+    from serving.openai.protocol import speculative_metrics
+    spec = speculative_metrics({"steps": 3, "accepted": 2, "drafts": 12, "histogram": [2, 0, 1]}, 4)
+    spec = spec["speculative_decoding"]
+    assert spec["acceptance_histogram"] == [2, 0, 1, 0, 0] and spec["num_spec_tokens"] == 4
+    assert spec["num_spec_steps"] == sum(spec["acceptance_histogram"])
+    assert spec["mean_acceptance_length"] == pytest.approx(1 + 2 / 3)
+
+
 def test_models_lists_the_engine(client, stack):
     assert [m.id for m in client.models.list().data] == [_model(stack)]
 
@@ -90,6 +100,7 @@ def test_completion_equals_offline_generate(client, stack, engine_dir, tokenizer
     assert got.usage.prompt_tokens == len(tokenizer.encode(prompt).ids) and got.usage.completion_tokens == 24
     spec = got.model_extra["metrics"]["speculative_decoding"]
     assert spec["num_spec_tokens"] == 3 and spec["num_spec_steps"] == sum(spec["acceptance_histogram"])
+    assert len(spec["acceptance_histogram"]) == spec["num_spec_tokens"] + 1
     assert spec["num_accepted_draft_tokens"] == sum(j * c for j, c in enumerate(spec["acceptance_histogram"]))
     assert spec["mean_acceptance_length"] == pytest.approx(1 + spec["num_accepted_draft_tokens"] / spec["num_spec_steps"])
     streamed = client.completions.create(model=_model(stack), prompt=[prompt], max_tokens=24, temperature=0,

@@ -99,7 +99,8 @@ def parse_dflash(f: Fields, kind: str, names: set[str]) -> DFlashConfig:
         target_vocab_size=target_vocab, draft_vocab_size=f.int("draft_vocab_size", target_vocab),
         target_layer_ids=ids, block_size=f.int("block_size", 8), mask_token_id=mask,
         sample_from_anchor=f.bool("sample_from_anchor", kind == "dspark"),
-        num_speculative_tokens=proposal_tokens(f), embedding_rows=0,
+        num_speculative_tokens=proposal_tokens(f),
+        embedding_rows=target_vocab if "embed_tokens.weight" in names else 0,  # its own (a widened target's draft)
         has_lm_head="lm_head.weight" in names, has_d2t="d2t" in names, **extra)
 
 

@@ -129,12 +129,16 @@ def completion_prompt(body) -> str:
 
 
 def speculative_metrics(stats: dict, draft_len: int) -> dict:
-    """vLLM's per-request speculative-decoding metrics from the ensemble's acceptance outputs."""
+    """vLLM's per-request speculative-decoding metrics from the ensemble's acceptance outputs. The
+    histogram always has num_spec_tokens + 1 buckets (0..K drafts kept), trailing zeros included, as
+    vLLM's payload and aiperf's reader of it expect."""
     steps, accepted, drafts = stats["steps"], stats["accepted"], stats["drafts"]
+    histogram = list(stats["histogram"])
+    histogram += [0] * (draft_len + 1 - len(histogram))
     return {"speculative_decoding": {
         "mean_acceptance_length": 1 + accepted / steps if steps else 0.0,
         "draft_acceptance_rate": accepted / drafts if drafts else 0.0,
-        "acceptance_histogram": list(stats["histogram"]),
+        "acceptance_histogram": histogram,
         "num_spec_steps": steps,
         "num_accepted_draft_tokens": accepted,
         "num_draft_tokens": drafts,
