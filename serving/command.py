@@ -56,6 +56,9 @@ def add_serve_args(p) -> None:
                         "model counts as hung: not ready, restarted (0: off)")
     p.add_argument("--shutdown_timeout", type=float, default=6.0,
                    help="seconds requests in flight get after SIGTERM/SIGINT; then the server and its stubs are killed")
+    p.add_argument("--endpoints_json", default=None, metavar="FILE",
+                   help="write the endpoint URLs as one JSON object to FILE (whole, before the ready line), for "
+                        "scripts that wait for readiness and then connect")
     add_limit_args(p)
     add_policy_args(p, build=False)
 
@@ -111,9 +114,11 @@ def cmd_serve(args, out=print) -> int:
                      **({"openai": frontend.url} if frontend else {})}
         for name, url in endpoints.items():
             out(f"{name:18s} {url}")
+        if args.endpoints_json:
+            write_endpoints(args.endpoints_json, endpoints)
         out(f"model repository {handle.repo_dir}; server log {handle.log_path}", file=sys.stderr)
+        sys.stdout.flush()   # the endpoint lines are out (stdout) before the ready line (stderr) is
         out("ready; Ctrl-C (SIGINT) or SIGTERM stops the server", file=sys.stderr)
-        sys.stdout.flush()
         return supervisor.run()
     except KeyboardInterrupt:
         if started:
@@ -129,6 +134,16 @@ def cmd_serve(args, out=print) -> int:
         health.server_close()
         for s, h in previous.items():
             signal.signal(s, h)
+
+
+def write_endpoints(path, endpoints: dict) -> None:
+    """The endpoint URLs as JSON, written to a temporary file and renamed: a reader never sees half."""
+    import json
+    import os
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(json.dumps(endpoints, indent=1) + "\n")
+    os.replace(tmp, path)
 
 
 def start_openai(args, handle, ready=None):

@@ -569,7 +569,7 @@ def test_cli_serve_draft_target_engine_and_sigint(draft_target_engine_dir, tmp_p
         cmd = [sys.executable, "-m", "nemospec.cli", "serve", "--engine_dir", str(engine_dir),
                "--http_port", str(ports[0]), "--grpc_port", str(ports[1]), "--metrics_port", str(ports[2]),
                "--max_batch_size", "2", "--model_repo_dir", str(tmp_path / "repo"), "--openai_port", "0",
-               "--backend", "torch"]
+               "--backend", "torch", "--endpoints_json", str(tmp_path / "endpoints.json")]
         process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         lines = []
         for line in process.stdout:
@@ -583,6 +583,12 @@ def test_cli_serve_draft_target_engine_and_sigint(draft_target_engine_dir, tmp_p
     try:
         assert any(f"127.0.0.1:{ports[0]}" in line for line in lines), (lines, process.poll())
         openai_url = next(line.split()[1] for line in lines if line.startswith("openai"))
+        for line in process.stderr:   # the ready line comes after the endpoints (stdout, the JSON file)
+            if line.startswith("ready;"):
+                break
+        printed = dict(line.split() for line in lines)
+        assert json.loads((tmp_path / "endpoints.json").read_text()) == printed
+        assert {"http", "grpc", "ready", "openai"} <= set(printed)
         with urllib.request.urlopen(f"{openai_url}/models", timeout=10) as r:
             assert json.loads(r.read())["data"][0]["id"] == "engine_dt"
         with urllib.request.urlopen(f"http://127.0.0.1:{ports[0]}/v2/health/ready", timeout=10) as r:
