@@ -28,7 +28,7 @@ if __name__ == "__main__":   # timed on the allocator the commands use (runtime.
 def _measure(blocks: int, iters: int) -> dict:
     import torch
     from runtime import compiled
-    from builder.embedded import resolve_sources
+    from builder.embedded.sources import resolve_sources
     from runtime.loading import open_checkpoint
     target_dir, draft_dir = resolve_sources(None, "eagle3", None, None)
     eager = open_checkpoint(target_dir, mode="eagle3", draft_dir=draft_dir, backend="torch")

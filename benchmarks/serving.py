@@ -59,7 +59,7 @@ PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Parser(object)
 def build_engine(root: Path, mode: str) -> Path:
     """The embedded trained target + its ``mode`` draft, max_batch_size 16 (so 16 streams share a batch)."""
     from builder.engine import BuildOptions, build
-    from builder.embedded import resolve_sources
+    from builder.embedded.sources import resolve_sources
     target, draft = resolve_sources(None, mode)
     options = BuildOptions(max_batch_size=16, max_input_len=64, max_seq_len=512, max_draft_len=4,
                            speculative_decoding_mode=mode)

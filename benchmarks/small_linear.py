@@ -140,7 +140,7 @@ def main(argv=None) -> int:
     p.add_argument("--blocks", type=int, default=7)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from builder.embedded import resolve_sources
+    from builder.embedded.sources import resolve_sources
     from runtime import compiled, small_linear
     from runtime.loading import open_checkpoint
     if not small_linear.load(compiled.cache_dir().parent):

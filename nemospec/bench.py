@@ -81,7 +81,7 @@ def build_mode_engines(checkpoint, mode: str, root: Path, k: int, draft_weight_d
                        matmul_precision: str = "highest", token_map=None) -> tuple[Path, dict]:
     from builder import embedded
     from builder.engine import BuildOptions, build
-    from builder.embedded import resolve_sources
+    from builder.embedded.sources import resolve_sources
     from builder.token_map import MODES as MAPPED_MODES
     quant = "nvfp4_w4a16" if mode.endswith("_nvfp4") else None
     base = mode.removesuffix("_nvfp4")
@@ -275,7 +275,7 @@ def run_bench(args) -> dict:
 
     from builder import embedded
     from nemospec.bench_report import write_report
-    from builder.embedded import resolve_sources
+    from builder.embedded.sources import resolve_sources
     if args.threads:
         torch.set_num_threads(args.threads)
     quick = args.quick

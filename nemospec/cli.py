@@ -13,7 +13,7 @@ import sys
 from rich.console import Console
 
 from builder.errors import NemospecError
-from builder.embedded import resolve_sources
+from builder.embedded.sources import resolve_sources
 from builder.engine import TREE_STEP_KINDS
 from runtime import allocator
 from runtime.draft_policy import POLICY_FLAGS, add_policy_args, policy_from

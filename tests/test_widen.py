@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from builder import embedded
-from builder.embedded import widen
+from builder.embedded import sources, widen
 from runtime.generation import generate
 from runtime.loading import open_checkpoint
 from runtime.speculative import speculative_generate
@@ -97,7 +97,7 @@ def _accepted(target, mode, draft, prompts):
 def test_every_draft_speculates_exactly_on_the_wide_target_with_its_small_acceptance(mode, wide, tokenizer,
                                                                                      reference):
     prompts = [tokenizer.encode(p).ids for p in PROMPTS]
-    _, small_target_draft = embedded.resolve_sources(None, mode)
+    _, small_target_draft = sources.resolve_sources(None, mode)
     out_small, small = _accepted(embedded.target_dir(), mode, small_target_draft, prompts)
     draft = None if mode == "mtp" else wide / mode
     out_wide, big = _accepted(wide / "target", mode, draft, prompts)
@@ -143,10 +143,10 @@ def test_a_source_that_is_not_the_shipped_model_is_refused_and_nothing_is_writte
 
 def test_commands_resolve_the_wide_embedded_model_from_a_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("NEMOSPEC_EMBEDDED_CACHE", str(tmp_path))
-    target, draft = embedded.resolve_sources(None, "eagle3", embedded="wide", embedded_factor=K)
+    target, draft = sources.resolve_sources(None, "eagle3", embedded="wide", embedded_factor=K)
     assert target.parent.parent == tmp_path and draft == target.parent / "eagle3"
     stamp = (target / "model.safetensors").stat().st_mtime_ns
-    again, mtp = embedded.resolve_sources(None, "mtp", embedded="wide", embedded_factor=K)
+    again, mtp = sources.resolve_sources(None, "mtp", embedded="wide", embedded_factor=K)
     assert again == target and mtp is None and (target / "model.safetensors").stat().st_mtime_ns == stamp
-    with pytest.raises(embedded.CheckpointError, match="--embedded_factor"):
-        embedded.resolve_sources(None, "eagle3", embedded="small", embedded_factor=3)
+    with pytest.raises(sources.CheckpointError, match="--embedded_factor"):
+        sources.resolve_sources(None, "eagle3", embedded="small", embedded_factor=3)

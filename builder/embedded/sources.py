@@ -1,0 +1,52 @@
+"""Where the commands' embedded default comes from: the shipped small model, or its widened copy
+(``builder.embedded.widen``) written once into a cache directory on first use."""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from builder.embedded import DRAFTS, MANIFEST, NVFP4_DRAFTS, TARGET, draft_dir, target_dir
+from builder.embedded.widen import widen
+from builder.errors import CheckpointError
+
+EMBEDDED_CHOICES = ("small", "wide")
+DEFAULT_WIDE_FACTOR = 4
+
+
+def wide_root(factor: int = DEFAULT_WIDE_FACTOR, log=None) -> Path:
+    """The embedded model widened ``factor`` times (``builder.embedded.widen``), written on first use
+    under ``$NEMOSPEC_EMBEDDED_CACHE`` (default ``~/.cache/nemospec/embedded``) in a directory named by
+    the factor and the shipped manifest's digest, so a retrained model never reads a stale copy."""
+    digest = hashlib.sha256(MANIFEST.read_bytes()).hexdigest()[:12] if MANIFEST.is_file() else "missing"
+    cache = Path(os.environ.get("NEMOSPEC_EMBEDDED_CACHE") or Path.home() / ".cache" / "nemospec" / "embedded")
+    root = cache / f"wide-{factor}-{digest}"
+    if not (root / MANIFEST.name).is_file():
+        widen(root, factor, log=log or (lambda line: None))
+    return root
+
+
+def _wide_draft(root: Path, mode: str | None, quantization: str | None) -> Path | None:
+    if mode is None:
+        return None
+    if mode not in DRAFTS:
+        raise CheckpointError(f"--speculative_decoding_mode: no embedded draft for mode {mode}")
+    name = NVFP4_DRAFTS.get(mode) if quantization else DRAFTS[mode]
+    return None if name is None else root / name
+
+
+def resolve_sources(checkpoint_dir, mode=None, draft=None, quantization=None, embedded="small",
+                    embedded_factor=None):
+    """(checkpoint_dir, draft_dir) with the embedded default filled in where neither was given:
+    ``embedded="wide"`` (or an ``embedded_factor`` > 1) picks the widened copy (``wide_root``)."""
+    if checkpoint_dir is not None:
+        return checkpoint_dir, draft
+    factor = embedded_factor if embedded_factor is not None else (DEFAULT_WIDE_FACTOR if embedded == "wide" else 1)
+    if embedded == "small" and embedded_factor not in (None, 1):
+        raise CheckpointError(f"--embedded_factor {embedded_factor}: needs --embedded wide (or leave it out)")
+    if factor > 1:
+        root = wide_root(factor)
+        return root / TARGET, draft if draft is not None else _wide_draft(root, mode, quantization)
+    if mode is not None and draft is None:
+        draft = draft_dir(mode, quantization)
+    return target_dir(), draft
