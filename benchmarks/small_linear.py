@@ -1,17 +1,23 @@
 """The compiled path's small-row GEMM (nemospec::small_linear) against torch's (MKL), side by side.
 
-Two measurements in one process, interleaved so machine noise hits both sides alike:
+Measurements in one process, interleaved so machine noise hits both sides alike:
 1. products alone: every weight matrix of the embedded target (its real shapes, ~10 MB, cycled so
    each product reads its weights from beyond L2, as a model step does) at M = 1, 2, 3, 5, 9 rows;
 2. bf16 products (a bf16 model): the same matrices in bf16, torch's bf16 linear (oneDNN) against the
    kernel's AVX512-BF16 dot products, the fp32 packed products beside them;
 3. the embedded target's compiled steps (decode T=1, verify T=3 and T=5), compiled twice: with the
    kernel and with torch's GEMM (``use_small_linear(None)``), ms per step and verify / decode.
+4. (``--widened``) the products of a 4x-widened target layer (hidden 768: 3160x768, 768x1536,
+   3072x768, 768x3072, 2048x768, 1024x768, 768x1024), two copies each (~92 MB fp32, beyond L3),
+   at M = 1, 2, 3, 5 rows: torch against the kernel's fp32 and bf16-weights forms, ms per pass over
+   them all and x / 1 row (memory-bound: the kernel reads the weights once per call for all rows).
 The kernel runs both ways in each: with its packed weight copies (the default) and row-major
 (``nemospec::small_linear_packing(False)``), switched at run time in the same graphs. The products
 alone pay a Python dispatch per call (~2.5 us) that a compiled graph's C++ wrapper does not.
 
-    python benchmarks/small_linear.py [--threads 1] [--blocks 7]
+The kernel's form (AVX-512 or AVX2, ``runtime.small_linear.form``) is printed first.
+
+    python benchmarks/small_linear.py [--threads 1] [--blocks 7] [--widened]
 """
 from __future__ import annotations
 
@@ -91,6 +97,26 @@ def products_bf16(checkpoint, kernel, blocks: int) -> None:
               f"{med['torch'] / med['dot']:>10.2f}x{med['fp32'] / med['dot']:>9.2f}x")
 
 
+WIDENED = [(3160, 768), (768, 1536), (3072, 768), (768, 3072), (2048, 768), (1024, 768), (768, 1024)]
+
+
+def widened(blocks: int) -> None:
+    ops = torch.ops.nemospec
+    weights = [torch.randn(shape) for shape in WIDENED for _ in range(2)]
+    print(f"widened products: {len(weights)} matrices (hidden 768, 4x widened), "
+          f"{sum(w.numel() for w in weights) * 4 / 1e6:.0f} MB fp32, cycled")
+    print(f"{'rows':>5}{'torch ms':>10}{'x1':>6}{'fp32 ms':>9}{'x1':>6}{'bf16w ms':>10}{'x1':>6}{'torch/fp32':>12}")
+    one = {}
+    for rows in (1, 2, 3, 5):
+        xs = {k: torch.randn(rows, k) for k in {w.shape[1] for w in weights}}
+        med = _interleaved({"torch": lambda: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in weights],
+                            "fp32": lambda: [ops.small_linear(xs[w.shape[1]], w) for w in weights],
+                            "bf16w": lambda: [ops.small_linear_bf16w(xs[w.shape[1]], w) for w in weights]}, blocks, 2)
+        one = one or med
+        print(f"{rows:>5}" + "".join(f"{med[k]:>{10 if k != 'fp32' else 9}.2f}{med[k] / one[k]:>5.2f}x"
+                                     for k in ("torch", "fp32", "bf16w")) + f"{med['torch'] / med['fp32']:>11.2f}x")
+
+
 def steps(loaded, kernel, blocks: int) -> None:
     from builder.backends import torch_backend
     from runtime import compiled
@@ -138,21 +164,24 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--blocks", type=int, default=7)
+    p.add_argument("--widened", action="store_true", help="also the products of a 4x-widened target layer")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     from builder.embedded.sources import resolve_sources
     from runtime import compiled, small_linear
     from runtime.loading import open_checkpoint
     if not small_linear.load(compiled.cache_dir().parent):
-        print("nemospec::small_linear is not available on this CPU (it needs AVX-512F)")
+        print("nemospec::small_linear is not available on this CPU (it needs AVX-512F, or AVX2 and FMA)")
         return 1
     compiled._configure()
     kernel = torch.ops.nemospec.small_linear
     target, _ = resolve_sources(None, "eagle3", None, None)
     loaded = open_checkpoint(target, backend="torch")
-    print(f"{args.threads} thread(s)")
+    print(f"{args.threads} thread(s), kernel form {small_linear.form()}")
     products(target, kernel, args.blocks)
     products_bf16(target, kernel, args.blocks)
+    if args.widened:
+        widened(args.blocks)
     steps(loaded, kernel, args.blocks)
     return 0
 

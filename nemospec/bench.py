@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from runtime import allocator
+from runtime import allocator, small_linear
 
 _err = Console(stderr=True, highlight=False)
 
@@ -329,6 +329,8 @@ def run_bench(args) -> dict:
             _log(f"bench: {mode} tree ({t['max_nodes']} nodes): mean accepted {t['mean_accepted_tokens']:.2f} "
                  f"({t['over_chain_accepted']:+.2f} vs chain), {t['tokens_per_second']} tokens/s "
                  f"({t['over_chain']:.2f}x the chain, {t['speedup']:.2f}x target-only)")
+    # the small-row kernel's form the compiled runs used (runtime.small_linear), None: torch's GEMM
+    report["machine"]["small_linear"] = small_linear.form() if backend == "compiled" else None
     _log("bench: peers (transformers generate, assisted generation)")
     draft_target = embedded.draft_dir("draft_target") if args.checkpoint_dir is None else None
     report["peers"] = _peers(Path(target_dir), draft_target, prompts, new_tokens, runs)

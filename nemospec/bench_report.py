@@ -66,6 +66,13 @@ def _precisions(report: dict) -> str:
         f", draft LM heads cut by the token map `{report['token_map']}`" if report.get("token_map") else "")
 
 
+def _kernel(report: dict) -> str:
+    """The small-row kernel's form the runs used (reports before it was recorded: nothing)."""
+    if "small_linear" not in report["machine"]:
+        return ""
+    return f", small-row kernel {report['machine']['small_linear'] or 'none (torch GEMM)'}"
+
+
 def markdown(report: dict) -> str:
     k = report["num_draft_tokens"]
     lines = [f"# nemospec bench ({report['created']}{', quick' if report['quick'] else ''})", "",
@@ -73,7 +80,8 @@ def markdown(report: dict) -> str:
              f"{report['max_new_tokens']} new tokens, batch 1, K = {k} draft tokens per step, median of "
              f"{report['runs']} run(s), {report.get('backend', 'torch')} backend on both sides"
              f"{_precisions(report)}; CPU torch threads "
-             f"{report['machine']['cpu_threads']}, allocator {report['machine'].get('allocator', 'system')}, CUDA "
+             f"{report['machine']['cpu_threads']}, allocator {report['machine'].get('allocator', 'system')}"
+             f"{_kernel(report)}, CUDA "
              f"{report['machine']['cuda']}. Speculative output equals target-only greedy output in every mode "
              "(checked).", ""]
     lines += _table(report)

@@ -339,6 +339,7 @@ def cmd_generate(args):
         cost = cost_model(result.extra["cost"].summary(), plain.extra["cost"].summary())
         err.print(cost_line(cost), markup=False)
     if args.json:
+        from runtime import small_linear
         single = len(prompts) == 1
         record = {
             "output_ids": result.output_ids[0] if single else result.output_ids,
@@ -348,6 +349,8 @@ def cmd_generate(args):
             "num_target_forwards": result.num_target_forwards,
             "backend": loaded.backend,
             "allocator": allocator.active(),
+            # the small-row kernel's form the compiled steps ran ("avx512", "avx2"), None: torch's GEMM
+            "small_linear": small_linear.form() if loaded.backend == "compiled" else None,
         }
         record["cost"] = cost
         if speculate:

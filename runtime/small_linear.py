@@ -1,12 +1,16 @@
 """``nemospec::small_linear``: x @ w^T for the few rows of a decode or verify step, on the compiled
 CPU path (``runtime.compiled``).
 
-The C++ kernel (``kernels/small_linear.cpp``, AVX-512) is built once per machine kind with
-``torch.utils.cpp_extension`` into the compile cache, and registered as a torch op with a fake
-(shape-only) implementation, so inductor calls it from a compiled graph like any extern kernel.
-``install`` hands it to the torch backend, which uses it only while ``torch.compile`` traces: the
-eager path keeps ``torch.nn.functional.linear`` and stays the reference. Where the CPU has no
-AVX-512 or the build fails, nothing is installed (one warning) and the compiled path keeps MKL.
+The C++ kernel (``kernels/small_linear.cpp``) comes in two forms, one source built with two sets of
+flags: AVX-512 and AVX2 + FMA. ``load`` picks one per process from the CPU's flags (AVX-512 where
+the CPU has AVX-512F, else AVX2 where it has AVX2 and FMA; ``NEMOSPEC_SMALL_LINEAR_ISA=avx2`` runs
+the AVX2 form on an AVX-512 CPU), builds it once per machine kind with ``torch.utils.cpp_extension``
+into the compile cache, and registers it as a torch op with a fake (shape-only) implementation, so
+inductor calls it from a compiled graph like any extern kernel; ``form()`` names the form loaded.
+Only one form can register the ``nemospec`` ops in a process. ``install`` hands it to the torch
+backend, which uses it only while ``torch.compile`` traces: the eager path keeps
+``torch.nn.functional.linear`` and stays the reference. Where the CPU has neither form or the build
+fails, nothing is installed (one warning) and the compiled path keeps MKL.
 
 The kernel copies a weight into a packed layout at its second use (kept while the weight lives,
 within a byte budget, 4 GiB by default); ``nemospec::small_linear_packing``,
@@ -19,7 +23,9 @@ has them: twice the multiply-adds per instruction of fp32, and each row's result
 call's row count (a bf16 verify's products are a bf16 decode's; the graphs' other fused ops may still
 round apart, see the README). ``nemospec::small_linear_bf16`` is ``--matmul_precision medium``: fp32 x
 and w rounded to bf16 (w once, when packed) and multiplied by the same dot products, the fp32 sums
-returned (where the CPU lacks AVX512-BF16: x rounded, times the bf16 copy of w, in fp32 FMAs).
+returned (where the CPU lacks AVX512-BF16, or in the AVX2 form: x rounded, times the bf16 copy of
+w, in fp32 FMAs). bf16 x and w need AVX512-BF16: in the AVX2 form a bf16 model's products stay
+torch's (``small_linear_bf16_supported`` is False).
 """
 from __future__ import annotations
 
@@ -38,9 +44,13 @@ import torch
 
 SOURCE = Path(__file__).with_name("kernels") / "small_linear.cpp"
 HEADERS = [SOURCE.with_name("bf16_dot.h")]
-FLAGS = ["-O3", "-mavx512f", "-mfma", "-std=c++17"]
+# per form: the compiler flags (the source's vectors follow __AVX512F__) and the CPU flags it needs
+FORMS = {"avx512": (["-O3", "-mavx512f", "-mfma", "-std=c++17"], {"avx512f"}),
+         "avx2": (["-O3", "-mavx2", "-mfma", "-std=c++17"], {"avx2", "fma"})}
+ISA_ENV = "NEMOSPEC_SMALL_LINEAR_ISA"
 C_SHIMS = {name: f"AOTITorchError aoti_torch_cpu_{name}(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* ret0)"
            for name in ("small_linear", "small_linear_bf16w", "small_linear_bf16")}
+_loaded: str | None = None   # the form whose ops this process registered
 
 
 def _cpu_flags() -> set[str]:
@@ -53,51 +63,82 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+def choose(flags: set[str] | None = None, forced: str | None = None) -> str | None:
+    """The form this CPU runs: the fastest whose flags it has, or ``forced`` (``NEMOSPEC_SMALL_LINEAR_ISA``
+    when not given) where the CPU has that one's; None where it runs neither."""
+    if forced is None:
+        forced = os.environ.get(ISA_ENV) or None
+    if forced is not None and forced not in FORMS:
+        raise ValueError(f"{ISA_ENV}: expected one of {', '.join(FORMS)}, got {forced!r}")
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    flags = _cpu_flags() if flags is None else flags
+    for name in [forced] if forced else FORMS:
+        if FORMS[name][1] <= flags:
+            return name
+    return None
+
+
 def supported() -> bool:
-    """An x86-64 Linux CPU with AVX-512F (the kernel's instruction set)."""
-    return platform.machine() in ("x86_64", "AMD64") and "avx512f" in _cpu_flags()
+    """An x86-64 Linux CPU that runs one of the kernel's forms (AVX-512F, or AVX2 and FMA)."""
+    return choose() is not None
 
 
-def _build_dir(cache: Path) -> Path:
+def form() -> str | None:
+    """The kernel's form loaded in this process ("avx512" or "avx2"), None where none was (not loaded
+    yet, not built, or not runnable here)."""
+    return _loaded
+
+
+def lanes() -> int:
+    """fp32 outputs per vector of the loaded form: the packed layout's column block ([N/lanes][K][lanes])."""
+    return 16 if _loaded == "avx512" else 8
+
+
+def _build_dir(cache: Path, name: str) -> Path:
     code = b"".join(f.read_bytes() for f in [SOURCE, *HEADERS])
-    key = hashlib.sha256(code + " ".join(FLAGS).encode() + torch.__version__.encode()).hexdigest()[:16]
-    path = cache / "kernels" / f"small_linear-{key}"
+    key = hashlib.sha256(code + " ".join(FORMS[name][0]).encode() + torch.__version__.encode()).hexdigest()[:16]
+    path = cache / "kernels" / f"small_linear-{name}-{key}"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
 
 @functools.lru_cache(maxsize=1)
 def load(cache: Path) -> bool:
-    """Builds (first time on a machine, under ``cache``) or loads the kernel and registers the op;
-    False where it cannot run here."""
+    """Builds (first time on a machine, under ``cache``) or loads the kernel's form for this CPU
+    (``choose``) and registers the op; False where it cannot run here."""
+    global _loaded
     if os.environ.get("NEMOSPEC_SMALL_LINEAR", "1") == "0" or not supported():
         return False
-    if not hasattr(torch.ops.nemospec, "small_linear"):
+    if not hasattr(torch.ops.nemospec, "small_linear"):   # else loaded already: one form per process
+        name = choose()
         from torch.utils.cpp_extension import load as load_extension
         if shutil.which("ninja") is None:  # the venv's own ninja (pyproject), off PATH when not activated
             os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
         start = time.perf_counter()
+        library = "nemospec_small_linear" if name == "avx512" else f"nemospec_small_linear_{name}"
         try:
-            build = _build_dir(cache)
-            load_extension(name="nemospec_small_linear", sources=[str(SOURCE)], extra_cflags=FLAGS,
+            build = _build_dir(cache, name)
+            load_extension(name=library, sources=[str(SOURCE)], extra_cflags=FORMS[name][0],
                            build_directory=str(build), is_python_module=False, verbose=False)
         except Exception as e:  # no compiler, no ninja, a header missing: MKL it is
             warnings.warn(f"nemospec::small_linear not built ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
                           "compiled steps use torch's own GEMM", stacklevel=2)
             return False
+        _loaded = name
         seconds = time.perf_counter() - start
         if seconds > 2:
-            print(f"built nemospec::small_linear in {seconds:.1f} s", file=sys.stderr, flush=True)
+            print(f"built nemospec::small_linear ({name}) in {seconds:.1f} s", file=sys.stderr, flush=True)
 
-        for name in C_SHIMS:
-            torch.library.register_fake(f"nemospec::{name}")(lambda x, w: x.new_empty((*x.shape[:-1], w.shape[0])))
+        for op in C_SHIMS:
+            torch.library.register_fake(f"nemospec::{op}")(lambda x, w: x.new_empty((*x.shape[:-1], w.shape[0])))
 
         # the C shim's symbol, global, so that compiled graphs' wrappers resolve it when loaded
-        ctypes.CDLL(str(build / "nemospec_small_linear.so"), mode=os.RTLD_GLOBAL)
+        ctypes.CDLL(str(build / f"{library}.so"), mode=os.RTLD_GLOBAL)
         import torch._inductor.config as inductor
         inductor.aot_inductor.custom_ops_to_c_shims = {
             **inductor.aot_inductor.custom_ops_to_c_shims,
-            **{getattr(torch.ops.nemospec, name).default: [shim] for name, shim in C_SHIMS.items()}}
+            **{getattr(torch.ops.nemospec, op).default: [shim] for op, shim in C_SHIMS.items()}}
     return True
 
 

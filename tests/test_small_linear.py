@@ -10,11 +10,12 @@ from tests.tolerances import assert_within, matmul_bound, unit_roundoff
 
 @pytest.fixture(scope="module")
 def op():
-    """The kernel itself; its own tests skip, with the reason, on a CPU without AVX-512F (there the
-    compiled path keeps MKL: test_unsupported_cpu_keeps_torch_gemm)."""
+    """The kernel itself, in the form this CPU runs (AVX-512, else AVX2 + FMA); its own tests skip,
+    with the reason, only on a CPU with neither (there the compiled path keeps MKL:
+    test_unsupported_cpu_keeps_torch_gemm)."""
     if not small_linear.supported():
-        pytest.skip("the kernel needs an x86-64 CPU with AVX-512F")
-    assert small_linear.load(compiled.cache_dir().parent), "the kernel did not build on an AVX-512 CPU"
+        pytest.skip("the kernel needs an x86-64 CPU with AVX-512F, or AVX2 and FMA")
+    assert small_linear.load(compiled.cache_dir().parent), f"the kernel's {small_linear.choose()} form did not build"
     return torch.ops.nemospec.small_linear
 
 
@@ -62,7 +63,8 @@ def _check(op, x, w, what):
 
 
 def _packed_size(w) -> int:
-    return (w.shape[0] + 15) // 16 * 16 * w.shape[1] * 4
+    n = small_linear.lanes()   # the packed layout's column block: 16 (AVX-512) or 8 (AVX2)
+    return (w.shape[0] + n - 1) // n * n * w.shape[1] * 4
 
 
 def test_second_use_packs_within_the_budget(op):
@@ -358,3 +360,18 @@ def test_dynamic_batch_graphs_keep_torch_gemm_without_a_guard(kernel):
     finally:
         torch_backend.use_small_linear(*previous)
         torch._dynamo.reset()
+
+
+def test_the_form_follows_the_cpu_flags(monkeypatch):
+    """AVX-512 where the CPU has AVX-512F, else AVX2 + FMA, else none; the override picks a form the
+    CPU can run and refuses one it cannot name."""
+    monkeypatch.setattr(small_linear.platform, "machine", lambda: "x86_64")
+    both = {"avx512f", "avx2", "fma"}
+    monkeypatch.delenv(small_linear.ISA_ENV, raising=False)
+    assert small_linear.choose(both) == "avx512"
+    assert small_linear.choose({"avx2", "fma", "f16c"}) == "avx2"
+    assert small_linear.choose({"avx2"}) is None and small_linear.choose({"sse4_2"}) is None
+    assert small_linear.choose(both, "avx2") == "avx2"
+    assert small_linear.choose({"avx2", "fma"}, "avx512") is None
+    with pytest.raises(ValueError, match=small_linear.ISA_ENV):
+        small_linear.choose(both, "avx10")

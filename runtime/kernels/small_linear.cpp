@@ -4,23 +4,28 @@
 // product: 11 us at M=1, 42 us at M=5), so a verify of K+1 tokens paid K+1 decodes in its products.
 //
 // Two layouts of w:
-// * packed (a weight seen before): w copied once into [N/16][K][16], so 16 outputs are one vector.
+// * packed (a weight seen before): w copied once into [N/16][K][16] (AVX-512; [N/8][K][8] in the AVX2
+//   form), so 16 (8) outputs are one vector.
 //   For each k, a tile loads C weight vectors and multiplies them by x[m][k] broadcast, for all M
 //   rows at once: every weight is read once per call, no horizontal sums, M*C independent sums.
 //   The copies live in a cache keyed by the weight's storage (held weakly: a dead storage's entry
 //   is dropped, and its address cannot be reused while the entry holds it), offset, shape and
 //   strides; a weight changed in place (its version counter moved) is packed again.
 // * row-major (a weight seen for the first time, or an inference tensor, whose version cannot be
-//   read): each 4-row block of w is read once per group of up to 4 input rows, 16 accumulators,
-//   four sums reduced in one shuffle tree.
+//   read): each 4-row block of w is read once per group of up to 4 input rows (3 in the AVX2 form),
+//   16 (12) accumulators, four sums reduced in one shuffle tree.
 // A weight is packed at its second use, so a weight computed afresh every call is never packed.
 // small_linear_bf16w multiplies by w rounded to bf16 (a compiled draft's weights): a bf16 packed copy
 // made at the first use, widened to fp32 in registers.
 // A weight whose every value is already a bf16 number (a bf16 checkpoint run in fp32, as the embedded
 // drafts are) is packed as bf16 by small_linear too: the same values and the same sums in the same
 // order, so the same products, from half the bytes.
-// bf16 x and w (a bf16 model on the compiled path): w packed once, at its first use, as bf16 pairs
-// [N/16][K/2][16][2], and each pair of x broadcast into VDPBF16PS (AVX512-BF16): 32 multiply-adds per
+// Two forms, one source built twice (runtime/small_linear.py picks one per process from the CPU's
+// flags): AVX-512 (16 lanes, the layout [N/16][K][16]) and AVX2 + FMA (8 lanes, [N/8][K][8], tiles
+// sized for 16 registers); each output's sum runs over k in the same order in every tile, so in
+// either form a row's result does not depend on the call's row count.
+// bf16 x and w (a bf16 model on the compiled path; the AVX-512 form only): w packed once, at its
+// first use, as bf16 pairs [N/16][K/2][16][2], and each pair of x broadcast into VDPBF16PS (AVX512-BF16): 32 multiply-adds per
 // instruction where an fp32 FMA does 16, each exact product added in fp32 in a fixed order (odd, then
 // even element of a pair, pairs in k order), so a row's result does not depend on how many rows the
 // call has (a verify's rows equal a decode's); the fp32 sums are rounded to bf16 at the end, as
@@ -47,14 +52,28 @@
 
 namespace {
 
-constexpr int kRows = 4;  // w rows per block
-
-// The kernels (block, tile) are not inlined: inlined into the parallel_for lambda, GCC 12 kept
-// their accumulator arrays in memory, a store after every FMA (5-row products ran 2.7x slower).
-
+// The vector the kernels are written in, chosen at compile time: this file is built once per form
+// (runtime/small_linear.py), AVX-512 (16 fp32 lanes, 32 registers) or AVX2 + FMA (8 lanes, 16).
+// vload_first/vstore_first touch the first n < kLanes lanes only (the rest read as zero).
+#ifdef __AVX512F__
+using Vec = __m512;
+constexpr int kLanes = 16;  // outputs per vector in the packed layout
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vset1(float v) { return _mm512_set1_ps(v); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline __mmask16 first(int64_t n) { return static_cast<__mmask16>((1u << n) - 1); }
+inline Vec vload_first(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(first(n), p); }
+inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline void vstore_first(float* p, int64_t n, Vec v) { _mm512_mask_storeu_ps(p, first(n), v); }
+// kLanes bf16 numbers widened to fp32 (a bf16's bits are the high half of an fp32's).
+inline Vec vload(const uint16_t* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
 // The sums of four vectors' lanes, as [sum a, sum b, sum c, sum d]: 13 instructions for four
 // results, where a reduce per vector takes about 8 for one (a quarter of the work at K = 192).
-inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
+inline __m128 vsum4(Vec a, Vec b, Vec c, Vec d) {
   const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));  // per 128-bit lane: a b a b
   const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));  // c d c d
   const __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xEE));  // a b c d
@@ -62,35 +81,65 @@ inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
                                     _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
   return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
 }
+#else
+using Vec = __m256;
+constexpr int kLanes = 8;
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vset1(float v) { return _mm256_set1_ps(v); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256i first(int64_t n) {  // lanes < n all ones
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+inline Vec vload_first(const float* p, int64_t n) { return _mm256_maskload_ps(p, first(n)); }
+inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline void vstore_first(float* p, int64_t n, Vec v) { _mm256_maskstore_ps(p, first(n), v); }
+inline Vec vload(const uint16_t* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline __m128 vsum4(Vec a, Vec b, Vec c, Vec d) {
+  const __m256 ab = _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));  // per 128-bit lane: a b a b
+  const __m256 cd = _mm256_add_ps(_mm256_unpacklo_ps(c, d), _mm256_unpackhi_ps(c, d));  // c d c d
+  const __m256 abcd = _mm256_add_ps(_mm256_shuffle_ps(ab, cd, 0x44), _mm256_shuffle_ps(ab, cd, 0xEE));  // a b c d
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+#endif
+
+constexpr int kRows = 4;  // w rows per block
+// Input rows per row-major block: G*kRows sums + kRows weight vectors fit the registers (16 ymm: 3).
+constexpr int kGroup = kLanes == 16 ? 4 : 3;
+
+// The kernels (block, tile) are not inlined: inlined into the parallel_for lambda, GCC 12 kept
+// their accumulator arrays in memory, a store after every FMA (5-row products ran 2.7x slower).
 
 template <int G>
 __attribute__((noinline)) void block(const float* x, int64_t K, const float* w, int64_t n0, int64_t rows,
                   float* y, int64_t N, int64_t m0) {
-  __m512 acc[kRows][G];
+  Vec acc[kRows][G];
   for (int r = 0; r < kRows; ++r)
-    for (int g = 0; g < G; ++g) acc[r][g] = _mm512_setzero_ps();
+    for (int g = 0; g < G; ++g) acc[r][g] = vzero();
   const float* wr[kRows];
   for (int r = 0; r < kRows; ++r) wr[r] = w + (n0 + (r < rows ? r : 0)) * K;
   int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    __m512 wv[kRows];
-    for (int r = 0; r < kRows; ++r) wv[r] = _mm512_loadu_ps(wr[r] + k);
+  for (; k + kLanes <= K; k += kLanes) {
+    Vec wv[kRows];
+    for (int r = 0; r < kRows; ++r) wv[r] = vload(wr[r] + k);
     for (int g = 0; g < G; ++g) {
-      const __m512 xv = _mm512_loadu_ps(x + (m0 + g) * K + k);
-      for (int r = 0; r < kRows; ++r) acc[r][g] = _mm512_fmadd_ps(wv[r], xv, acc[r][g]);
+      const Vec xv = vload(x + (m0 + g) * K + k);
+      for (int r = 0; r < kRows; ++r) acc[r][g] = vfma(wv[r], xv, acc[r][g]);
     }
   }
   if (k < K) {
-    const __mmask16 mask = static_cast<__mmask16>((1u << (K - k)) - 1);
-    __m512 wv[kRows];
-    for (int r = 0; r < kRows; ++r) wv[r] = _mm512_maskz_loadu_ps(mask, wr[r] + k);
+    Vec wv[kRows];
+    for (int r = 0; r < kRows; ++r) wv[r] = vload_first(wr[r] + k, K - k);
     for (int g = 0; g < G; ++g) {
-      const __m512 xv = _mm512_maskz_loadu_ps(mask, x + (m0 + g) * K + k);
-      for (int r = 0; r < kRows; ++r) acc[r][g] = _mm512_fmadd_ps(wv[r], xv, acc[r][g]);
+      const Vec xv = vload_first(x + (m0 + g) * K + k, K - k);
+      for (int r = 0; r < kRows; ++r) acc[r][g] = vfma(wv[r], xv, acc[r][g]);
     }
   }
   for (int g = 0; g < G; ++g) {
-    const __m128 sums = reduce4(acc[0][g], acc[1][g], acc[2][g], acc[3][g]);
+    const __m128 sums = vsum4(acc[0][g], acc[1][g], acc[2][g], acc[3][g]);
     float* out = y + (m0 + g) * N + n0;
     if (rows == kRows) {
       _mm_storeu_ps(out, sums);
@@ -103,36 +152,28 @@ __attribute__((noinline)) void block(const float* x, int64_t K, const float* w, 
 }
 
 
-constexpr int kLanes = 16;  // outputs per vector in the packed layout
-
-// 16 packed weights as fp32: as stored, or bf16 widened (its bits are the high half of an fp32).
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
-// Tile of C packed column blocks (16 outputs each) for M rows of x: M*C accumulators.
+// Tile of C packed column blocks (kLanes outputs each) for M rows of x: M*C accumulators. W: float,
+// or uint16_t for bf16 weights (widened in registers).
 template <int M, int C, typename W>
 __attribute__((noinline)) void tile(const float* x, int64_t K, const W* p, int64_t b0, int64_t N, float* y) {
-  __m512 acc[M][C];
+  Vec acc[M][C];
   for (int m = 0; m < M; ++m)
-    for (int c = 0; c < C; ++c) acc[m][c] = _mm512_setzero_ps();
+    for (int c = 0; c < C; ++c) acc[m][c] = vzero();
   const W* pb[C];
   for (int c = 0; c < C; ++c) pb[c] = p + (b0 + c) * K * kLanes;
   for (int64_t k = 0; k < K; ++k) {
-    __m512 wv[C];
-    for (int c = 0; c < C; ++c) wv[c] = load16(pb[c] + k * kLanes);
+    Vec wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = vload(pb[c] + k * kLanes);
     for (int m = 0; m < M; ++m) {
-      const __m512 xv = _mm512_set1_ps(x[m * K + k]);
-      for (int c = 0; c < C; ++c) acc[m][c] = _mm512_fmadd_ps(wv[c], xv, acc[m][c]);
+      const Vec xv = vset1(x[m * K + k]);
+      for (int c = 0; c < C; ++c) acc[m][c] = vfma(wv[c], xv, acc[m][c]);
     }
   }
   for (int m = 0; m < M; ++m)
     for (int c = 0; c < C; ++c) {
       const int64_t n = (b0 + c) * kLanes;
-      if (n + kLanes <= N) _mm512_storeu_ps(y + m * N + n, acc[m][c]);
-      else _mm512_mask_storeu_ps(y + m * N + n, static_cast<__mmask16>((1u << (N - n)) - 1), acc[m][c]);
+      if (n + kLanes <= N) vstore(y + m * N + n, acc[m][c]);
+      else vstore_first(y + m * N + n, N - n, acc[m][c]);
     }
 }
 
@@ -160,26 +201,39 @@ inline void tiles(const float* x, int64_t K, const W* p, int64_t b0, int64_t b1,
   over_tiles<C>(b0, b1, [&](auto width, int64_t b) { tile<M, decltype(width)::value, W>(x, K, p, b, N, y); });
 }
 
+#ifdef __AVX512F__
 #include "bf16_dot.h"
+#else
+bool has_bf16_dot() { return false; }  // AVX512-BF16 only: the AVX2 build has no bf16 dot products
+#endif
 
-// Up to 6 rows per pass over w (24 sums at most, with room for the weight vectors in 32 registers).
+// Column blocks per tile for 1..6 rows. AVX-512: 24 sums at most, with room for the weight vectors
+// in 32 registers. AVX2: M*C sums + the M broadcasts (or C weights) + 1 within 16 registers.
+#ifdef SL_WIDTHS
+constexpr int kWidth[7] = {SL_WIDTHS};
+#elif defined(__AVX512F__)
+constexpr int kWidth[7] = {0, 8, 6, 6, 4, 4, 3};
+#else
+constexpr int kWidth[7] = {0, 8, 6, 4, 3, 2, 2};
+#endif
+
+// Up to 6 rows per pass over w.
 template <typename W>
 void packed_rows(const float* x, int64_t M, int64_t K, const W* p, int64_t b0, int64_t b1, int64_t N, float* y) {
   for (; M > 0; M -= 6, x += 6 * K, y += 6 * N) {
     switch (std::min<int64_t>(M, 6)) {
-      case 1: tiles<1, 8, W>(x, K, p, b0, b1, N, y); break;
-      case 2: tiles<2, 6, W>(x, K, p, b0, b1, N, y); break;
-      case 3: tiles<3, 6, W>(x, K, p, b0, b1, N, y); break;
-      case 4: tiles<4, 4, W>(x, K, p, b0, b1, N, y); break;
-      case 5: tiles<5, 4, W>(x, K, p, b0, b1, N, y); break;
-      default: tiles<6, 3, W>(x, K, p, b0, b1, N, y); break;
+      case 1: tiles<1, kWidth[1], W>(x, K, p, b0, b1, N, y); break;
+      case 2: tiles<2, kWidth[2], W>(x, K, p, b0, b1, N, y); break;
+      case 3: tiles<3, kWidth[3], W>(x, K, p, b0, b1, N, y); break;
+      case 4: tiles<4, kWidth[4], W>(x, K, p, b0, b1, N, y); break;
+      case 5: tiles<5, kWidth[5], W>(x, K, p, b0, b1, N, y); break;
+      default: tiles<6, kWidth[6], W>(x, K, p, b0, b1, N, y); break;
     }
   }
 }
 
-
 // More than 6 rows take several passes over w: each pass runs over a chunk of column blocks of about
-// kChunkBytes (a multiple of 12 blocks, which every row tile's width divides) before the next chunk,
+// kChunkBytes (a multiple of 12 blocks, which the 6-row tile's width divides) before the next chunk,
 // so the later passes read w from cache instead of streaming it from memory again (9-row products of
 // full-width bf16 weights, 1 thread: 21504x4096 21.8 -> 14.0 ms, 4096x21504 17.2 -> 10.3 ms). Each
 // output's sum is the same either way.
@@ -222,7 +276,7 @@ at::Tensor pack_pairs(const at::Tensor& w) {
   return out;
 }
 
-// w [N, K] as [N/16][K][16], in fp32 or rounded to bf16 (to nearest, ties to even).
+// w [N, K] as [N/kLanes][K][kLanes], in fp32 or rounded to bf16 (to nearest, ties to even).
 at::Tensor pack(const at::Tensor& w, bool bf16) {
   const int64_t N = w.size(0), K = w.size(1), blocks = (N + kLanes - 1) / kLanes;
   at::Tensor out = at::zeros({blocks, K, kLanes}, w.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
@@ -319,7 +373,8 @@ at::Tensor packed_weight(const at::Tensor& w, Layout layout) {
 // model), or fp32 x and w rounded to bf16 (--matmul_precision medium: x rounded at each call, w once
 // when packed).
 at::Tensor product_dot(const at::Tensor& x, const at::Tensor& w) {
-  TORCH_CHECK(has_bf16_dot(), "nemospec::small_linear: bf16 products need AVX512-BF16, which this CPU lacks");
+  TORCH_CHECK(has_bf16_dot(), "nemospec::small_linear: bf16 products need AVX512-BF16 and the AVX-512 form");
+#ifdef __AVX512F__
   const int64_t K = w.size(1), N = w.size(0), K2 = (K + 1) / 2;
   const bool fp32 = x.scalar_type() == at::kFloat;
   at::Tensor xc = x.contiguous();
@@ -348,6 +403,9 @@ at::Tensor product_dot(const at::Tensor& x, const at::Tensor& w) {
     });
   });
   return y;
+#else
+  return {};  // not reached
+#endif
 }
 
 // How an fp32 product multiplies: as given; by w rounded to bf16 (a draft's weights on the compiled
@@ -400,7 +458,7 @@ at::Tensor product(const at::Tensor& x, const at::Tensor& w, Form form) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * kRows, rows = std::min<int64_t>(kRows, N - n0);
       int64_t m0 = 0;
-      for (; m0 + 4 <= M; m0 += 4) block<4>(xp, K, wp, n0, rows, yp, N, m0);
+      for (; m0 + kGroup <= M; m0 += kGroup) block<kGroup>(xp, K, wp, n0, rows, yp, N, m0);
       switch (M - m0) {
         case 3: block<3>(xp, K, wp, n0, rows, yp, N, m0); break;
         case 2: block<2>(xp, K, wp, n0, rows, yp, N, m0); break;
