@@ -77,9 +77,8 @@ def products(checkpoint, kernel, blocks: int) -> None:
 
 
 def products_bf16(checkpoint, kernel, blocks: int) -> None:
-    if not torch.ops.nemospec.small_linear_bf16_supported():
-        print("bf16 products: this CPU has no AVX512-BF16 (a bf16 model keeps torch's GEMM)")
-        return
+    dots = "AVX512-BF16" if torch.ops.nemospec.small_linear_bf16_hardware() else "fp32 FMAs (no AVX512-BF16)"
+    print(f"bf16 products: the kernel's dot products run as {dots}")
     from builder.checkpoint import load_checkpoint
     _, tensors = load_checkpoint(checkpoint)
     weights = [tensors[n].float().contiguous() for n in tensors

@@ -23,9 +23,9 @@ has them: twice the multiply-adds per instruction of fp32, and each row's result
 call's row count (a bf16 verify's products are a bf16 decode's; the graphs' other fused ops may still
 round apart, see the README). ``nemospec::small_linear_bf16`` is ``--matmul_precision medium``: fp32 x
 and w rounded to bf16 (w once, when packed) and multiplied by the same dot products, the fp32 sums
-returned (where the CPU lacks AVX512-BF16, or in the AVX2 form: x rounded, times the bf16 copy of
-w, in fp32 FMAs). bf16 x and w need AVX512-BF16: in the AVX2 form a bf16 model's products stay
-torch's (``small_linear_bf16_supported`` is False).
+returned. Where the CPU lacks AVX512-BF16 (the AVX2 form, or ``NEMOSPEC_BF16_DOT=0``) the same dot
+products run as fp32 FMAs over the bf16 pairs widened in registers: the same sums in the same order
+(``small_linear_bf16_hardware`` says which ran).
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("kernels") / "small_linear.cpp"
-HEADERS = [SOURCE.with_name("bf16_dot.h")]
+HEADERS = [SOURCE.with_name("bf16_dot.h"), SOURCE.with_name("bf16_fma.h")]
 # per form: the compiler flags (the source's vectors follow __AVX512F__) and the CPU flags it needs
 FORMS = {"avx512": (["-O3", "-mavx512f", "-mfma", "-std=c++17"], {"avx512f"}),
          "avx2": (["-O3", "-mavx2", "-mfma", "-std=c++17"], {"avx2", "fma"})}
@@ -149,6 +149,6 @@ def install(cache: Path) -> bool:
     if not load(Path(cache)):
         return False
     ops = torch.ops.nemospec
-    torch_backend.use_small_linear(ops.small_linear, ops.small_linear_bf16w, bf16=ops.small_linear_bf16_supported(),
+    torch_backend.use_small_linear(ops.small_linear, ops.small_linear_bf16w, bf16=True,
                                    bf16_products_kernel=ops.small_linear_bf16)
     return True

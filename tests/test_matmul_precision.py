@@ -20,12 +20,12 @@ from tests.tolerances import assert_within, matmul_bound
 
 @pytest.fixture(scope="module")
 def bf16_products():
-    """The kernel's medium form: AVX512-BF16 dot products where the CPU has them, else x rounded and
-    multiplied by the bf16 copy of w in fp32 FMAs (the same numbers); skips without AVX-512F, where
-    the compiled path rounds the inputs and calls torch's linear (``torch_backend.linear``)."""
+    """The kernel's medium form: bf16 dot products, as AVX512-BF16 instructions where the CPU has them,
+    else as fp32 FMAs (the same sums); skips only on a CPU with neither of the kernel's forms (AVX-512F,
+    AVX2 + FMA), where the compiled path rounds the inputs and calls torch's linear."""
     if not small_linear.supported():
-        pytest.skip("the kernel needs an x86-64 CPU with AVX-512F")
-    assert small_linear.load(compiled.cache_dir().parent), "the kernel did not build on an AVX-512 CPU"
+        pytest.skip("the kernel needs an x86-64 CPU with AVX-512F, or AVX2 and FMA")
+    assert small_linear.load(compiled.cache_dir().parent), f"the kernel's {small_linear.choose()} form did not build"
     return torch.ops.nemospec.small_linear_bf16
 
 
@@ -119,28 +119,54 @@ def test_medium_precision_speculation_is_exact(one_thread):
     assert not torch.equal(fp32, rounded), "the medium form changed nothing"
 
 
-def test_without_dot_products_the_form_is_the_same_numbers(bf16_products):
-    """A CPU without AVX512-BF16 (``NEMOSPEC_BF16_DOT=0`` stands for one, in a fresh process) rounds x and
-    multiplies by the bf16 copy of w in fp32 FMAs: the same rounded inputs, summed in another order, so
-    within the oracle's fp32 bound; and bf16 models are left to torch there."""
+def test_without_dot_instructions_the_fma_form_gives_the_same_sums(bf16_products, tmp_path):
+    """Where VDPBF16PS is missing (``NEMOSPEC_BF16_DOT=0`` stands for such a CPU, in a fresh process)
+    the kernel adds the same exact bf16 products in the same order with fp32 FMAs: medium-precision
+    and bf16-model products within the oracle's bound there, and, on a CPU with AVX512-BF16, equal
+    bit for bit to the instructions' sums (on one without, both processes run the FMA form)."""
     import os
     import subprocess
     import sys
     from pathlib import Path
     code = (
-        "import torch; from pathlib import Path; from runtime import compiled, small_linear\n"
-        "from tests.tolerances import assert_within, matmul_bound\n"
+        "import sys, torch; from runtime import compiled, small_linear\n"
+        "from tests.test_matmul_precision import _fma_products\n"
         "assert small_linear.load(compiled.cache_dir().parent)\n"
-        "assert not torch.ops.nemospec.small_linear_bf16_supported()\n"
-        "g = torch.Generator().manual_seed(14)\n"
-        "for rows, n, k in ((1, 838, 192), (5, 80, 41), (9, 7, 7)):\n"
-        "    x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)\n"
-        "    xr, wr = x.bfloat16().float(), w.bfloat16().float()\n"
-        "    for _ in range(2):\n"
-        "        assert_within(torch.ops.nemospec.small_linear_bf16(x, w), xr.double() @ wr.double().T,\n"
-        "                      matmul_bound(xr, wr.T) / 2, f'fallback {rows}x{k} @ {n}x{k}')\n"
-        "print('fallback ok')\n")
+        "assert not torch.ops.nemospec.small_linear_bf16_hardware()\n"
+        "torch.save(_fma_products(), sys.argv[1])\n")
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, NEMOSPEC_BF16_DOT="0", PYTHONPATH=str(root))
-    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and "fallback ok" in done.stdout, done.stderr[-2000:]
+    saved = tmp_path / "fma.pt"
+    done = subprocess.run([sys.executable, "-c", code, str(saved)], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    fma = torch.load(saved)
+    for (x, w, medium, bf16), (rows, n, k) in zip(fma, _SHAPES):
+        xr, wr = x.bfloat16().float(), w.bfloat16().float()
+        want = xr.double() @ wr.double().T
+        for got in medium:
+            assert_within(got, want, matmul_bound(xr, wr.T) / 2, f"FMA form, medium {rows}x{k} @ {n}x{k}")
+        for got in bf16:
+            assert got.dtype == torch.bfloat16
+            assert_within(got, want, matmul_bound(xr, wr.T) / 2 + want.abs() * torch.finfo(torch.bfloat16).eps,
+                          f"FMA form, bf16 {rows}x{k} @ {n}x{k}")
+    here = _fma_products()
+    for (_, _, medium, bf16), (_, _, medium_here, bf16_here) in zip(fma, here):
+        for a, b in zip(medium + bf16, medium_here + bf16_here):
+            assert torch.equal(a, b), "the FMA form's sums differ from the dot instructions'"
+
+
+_SHAPES = ((1, 838, 192), (5, 80, 41), (9, 7, 7), (3, 40, 96))
+
+
+def _fma_products():
+    """Medium-precision and bf16 products of fixed random inputs (each twice: packing, then packed),
+    with the inputs, in the kernel's form this process runs."""
+    g = torch.Generator().manual_seed(14)
+    out = []
+    for rows, n, k in _SHAPES:
+        x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
+        xb, wb = x.bfloat16(), w.bfloat16()
+        out.append((x, w, [torch.ops.nemospec.small_linear_bf16(x, w) for _ in range(2)],
+                    [torch.ops.nemospec.small_linear(xb, wb) for _ in range(2)]))
+    return out

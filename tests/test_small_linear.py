@@ -179,10 +179,8 @@ def test_bf16_weights_form_multiplies_by_the_rounded_weight(op, rows, n, k):
 
 @pytest.fixture(scope="module")
 def bf16_op(op):
-    """The kernel's bf16 form; skips, with the reason, on a CPU without AVX512-BF16 (there a bf16
-    model's compiled products stay torch's: ``use_small_linear(bf16=False)``)."""
-    if not torch.ops.nemospec.small_linear_bf16_supported():
-        pytest.skip("bf16 products need AVX512-BF16")
+    """The kernel's bf16 form: VDPBF16PS where the CPU has AVX512-BF16, else the same sums from fp32
+    FMAs (both are tested on an AVX512-BF16 CPU: test_matmul_precision runs the FMA form there)."""
     return op
 
 
@@ -195,7 +193,7 @@ def _bf16_product_bound(x, w, want):
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9, 16])
 @pytest.mark.parametrize("n, k", [(838, 192), (5, 100), (1, 16), (7, 7), (2048, 192), (192, 768), (80, 41)])
 def test_bf16_products_match_the_float64_oracle(bf16_op, rows, n, k):
-    """bf16 x and w (a bf16 model): AVX512-BF16 dot products summed in fp32, rounded to bf16 once;
+    """bf16 x and w (a bf16 model): bf16 dot products summed in fp32, rounded to bf16 once;
     odd K (a zero-padded last pair) included."""
     g = torch.Generator().manual_seed(rows * 1000 + n + k)
     x, w = torch.randn(rows, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16()
@@ -219,7 +217,7 @@ def test_bf16_rows_do_not_depend_on_the_row_count(bf16_op):
 
 def test_bf16_products_are_routed_in_compiled_graphs(bf16_op):
     """A bf16 ``linear`` traced by dynamo calls the kernel (its fake returns bf16) and computes the
-    product; where the CPU lacks AVX512-BF16 (``bf16=False``) it keeps torch's."""
+    product; told the kernel has no bf16 form (``bf16=False``) it keeps torch's."""
     traced = []
     x, w = torch.randn(1, 5, 96).bfloat16(), torch.randn(40, 96).bfloat16()
     previous = torch_backend.small_linear_kernels()

@@ -36,7 +36,7 @@ def use_small_linear(kernel, bf16_weights_kernel=None, bf16: bool = False, bf16_
     """Sets the kernel (x [..., K], w [N, K] -> x @ w^T) that compiled graphs use for fp32
     products of few rows (``runtime.small_linear``), its form with w rounded to bf16 and its form
     with x and w rounded to bf16 (for graphs traced under ``product_form``); ``bf16``: the kernel
-    also multiplies bf16 x by bf16 w (a bf16 model; AVX512-BF16 dot products, fp32 sums).
+    also multiplies bf16 x by bf16 w (a bf16 model; bf16 dot products, fp32 sums).
     ``None`` restores torch's own."""
     global _small_linear, _small_linear_bf16w, _small_linear_bf16, _small_linear_dtypes
     _small_linear, _small_linear_bf16w, _small_linear_bf16 = kernel, bf16_weights_kernel, bf16_products_kernel

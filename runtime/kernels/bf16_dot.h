@@ -40,19 +40,16 @@ inline void tiles_dot(const uint32_t* x, int64_t K2, const uint32_t* p, int64_t 
   over_tiles<C>(b0, b1, [&](auto width, int64_t b) { tile_dot<M, decltype(width)::value, Y>(x, K2, p, b, N, y); });
 }
 
+// Column blocks per tile for 1..6 rows (24 sums at most, with the weight vectors in 32 registers).
+constexpr int kDotWidth[7] = {0, 8, 6, 6, 4, 4, 3};
+
 template <typename Y>
 void packed_rows_dot(const uint32_t* x, int64_t M, int64_t K2, const uint32_t* p, int64_t b0, int64_t b1, int64_t N,
                      Y* y) {
-  for (; M > 0; M -= 6, x += 6 * K2, y += 6 * N) {
-    switch (std::min<int64_t>(M, 6)) {
-      case 1: tiles_dot<1, 8, Y>(x, K2, p, b0, b1, N, y); break;
-      case 2: tiles_dot<2, 6, Y>(x, K2, p, b0, b1, N, y); break;
-      case 3: tiles_dot<3, 6, Y>(x, K2, p, b0, b1, N, y); break;
-      case 4: tiles_dot<4, 4, Y>(x, K2, p, b0, b1, N, y); break;
-      case 5: tiles_dot<5, 4, Y>(x, K2, p, b0, b1, N, y); break;
-      default: tiles_dot<6, 3, Y>(x, K2, p, b0, b1, N, y); break;
-    }
-  }
+  in_row_passes(M, [&](auto rows, int64_t m0) {
+    constexpr int R = decltype(rows)::value;
+    tiles_dot<R, kDotWidth[R], Y>(x + m0 * K2, K2, p, b0, b1, N, y + m0 * N);
+  });
 }
 
 // fp32 rows x [M, K] rounded to bf16 (to nearest, ties to even) as pairs [M][ceil(K/2)], an odd K's

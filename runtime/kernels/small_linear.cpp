@@ -24,12 +24,13 @@
 // flags): AVX-512 (16 lanes, the layout [N/16][K][16]) and AVX2 + FMA (8 lanes, [N/8][K][8], tiles
 // sized for 16 registers); each output's sum runs over k in the same order in every tile, so in
 // either form a row's result does not depend on the call's row count.
-// bf16 x and w (a bf16 model on the compiled path; the AVX-512 form only): w packed once, at its
-// first use, as bf16 pairs [N/16][K/2][16][2], and each pair of x broadcast into VDPBF16PS (AVX512-BF16): 32 multiply-adds per
-// instruction where an fp32 FMA does 16, each exact product added in fp32 in a fixed order (odd, then
-// even element of a pair, pairs in k order), so a row's result does not depend on how many rows the
-// call has (a verify's rows equal a decode's); the fp32 sums are rounded to bf16 at the end, as
-// torch's bf16 linear does.
+// bf16 x and w (a bf16 model on the compiled path): w packed once, at its first use, as bf16 pairs
+// [N/kLanes][K/2][kLanes][2], and each pair of x broadcast into VDPBF16PS (AVX512-BF16, bf16_dot.h):
+// 32 multiply-adds per instruction where an fp32 FMA does 16, each exact product added in fp32 in a
+// fixed order (odd, then even element of a pair, pairs in k order), so a row's result does not depend
+// on how many rows the call has (a verify's rows equal a decode's); the fp32 sums are rounded to bf16
+// at the end, as torch's bf16 linear does. Without AVX512-BF16 (the AVX2 form, or an AVX-512 CPU
+// without it) the same sums come from fp32 FMAs over the pairs widened in registers (bf16_fma.h).
 // small_linear_bf16 (--matmul_precision medium, torch's name for fp32 products computed from bf16
 // inputs) rounds fp32 x and w to bf16 and runs the same dot products, the fp32 sums kept as the
 // result: each row's result again independent of the call's row count.
@@ -193,6 +194,21 @@ inline void over_tiles(int64_t b0, int64_t b1, const Run& run) {
   }
 }
 
+// M rows in passes of up to 6 (each pass reads w once): run(std::integral_constant<int, rows>, first row).
+template <typename Run>
+inline void in_row_passes(int64_t M, const Run& run) {
+  for (int64_t m0 = 0; m0 < M; m0 += 6) {
+    switch (std::min<int64_t>(M - m0, 6)) {
+      case 1: run(std::integral_constant<int, 1>{}, m0); break;
+      case 2: run(std::integral_constant<int, 2>{}, m0); break;
+      case 3: run(std::integral_constant<int, 3>{}, m0); break;
+      case 4: run(std::integral_constant<int, 4>{}, m0); break;
+      case 5: run(std::integral_constant<int, 5>{}, m0); break;
+      default: run(std::integral_constant<int, 6>{}, m0); break;
+    }
+  }
+}
+
 // Column blocks [b0, b1) for M rows, C blocks per tile, the rest in one narrower tile: a lone block
 // has one chain of dependent FMAs per row (latency-bound, 1/4 to 1/8 of the FMA rate at one row),
 // and 192-wide products (12 blocks: 8 + 4 at one row) are the embedded model's commonest.
@@ -204,8 +220,9 @@ inline void tiles(const float* x, int64_t K, const W* p, int64_t b0, int64_t b1,
 #ifdef __AVX512F__
 #include "bf16_dot.h"
 #else
-bool has_bf16_dot() { return false; }  // AVX512-BF16 only: the AVX2 build has no bf16 dot products
+bool has_bf16_dot() { return false; }  // VDPBF16PS is AVX-512: the AVX2 form emulates it (bf16_fma.h)
 #endif
+#include "bf16_fma.h"
 
 // Column blocks per tile for 1..6 rows. AVX-512: 24 sums at most, with room for the weight vectors
 // in 32 registers. AVX2: M*C sums + the M broadcasts (or C weights) + 1 within 16 registers.
@@ -220,16 +237,10 @@ constexpr int kWidth[7] = {0, 8, 6, 4, 3, 2, 2};
 // Up to 6 rows per pass over w.
 template <typename W>
 void packed_rows(const float* x, int64_t M, int64_t K, const W* p, int64_t b0, int64_t b1, int64_t N, float* y) {
-  for (; M > 0; M -= 6, x += 6 * K, y += 6 * N) {
-    switch (std::min<int64_t>(M, 6)) {
-      case 1: tiles<1, kWidth[1], W>(x, K, p, b0, b1, N, y); break;
-      case 2: tiles<2, kWidth[2], W>(x, K, p, b0, b1, N, y); break;
-      case 3: tiles<3, kWidth[3], W>(x, K, p, b0, b1, N, y); break;
-      case 4: tiles<4, kWidth[4], W>(x, K, p, b0, b1, N, y); break;
-      case 5: tiles<5, kWidth[5], W>(x, K, p, b0, b1, N, y); break;
-      default: tiles<6, kWidth[6], W>(x, K, p, b0, b1, N, y); break;
-    }
-  }
+  in_row_passes(M, [&](auto rows, int64_t m0) {
+    constexpr int R = decltype(rows)::value;
+    tiles<R, kWidth[R], W>(x + m0 * K, K, p, b0, b1, N, y + m0 * N);
+  });
 }
 
 // More than 6 rows take several passes over w: each pass runs over a chunk of column blocks of about
@@ -369,12 +380,11 @@ at::Tensor packed_weight(const at::Tensor& w, Layout layout) {
   return entry.packed;
 }
 
-// x and w as bf16 pairs through VDPBF16PS, fp32 sums, a result of x's dtype: bf16 x and w (a bf16
-// model), or fp32 x and w rounded to bf16 (--matmul_precision medium: x rounded at each call, w once
-// when packed).
+// x and w as bf16 pairs, fp32 sums, a result of x's dtype: bf16 x and w (a bf16 model), or fp32 x and
+// w rounded to bf16 (--matmul_precision medium: x rounded at each call, w once when packed). The dot
+// products run as VDPBF16PS where the CPU has AVX512-BF16 (bf16_dot.h), else as the same sums from
+// fp32 FMAs (bf16_fma.h).
 at::Tensor product_dot(const at::Tensor& x, const at::Tensor& w) {
-  TORCH_CHECK(has_bf16_dot(), "nemospec::small_linear: bf16 products need AVX512-BF16 and the AVX-512 form");
-#ifdef __AVX512F__
   const int64_t K = w.size(1), N = w.size(0), K2 = (K + 1) / 2;
   const bool fp32 = x.scalar_type() == at::kFloat;
   at::Tensor xc = x.contiguous();
@@ -384,34 +394,50 @@ at::Tensor product_dot(const at::Tensor& x, const at::Tensor& w) {
   at::Tensor y = at::empty(sizes, x.options());
   if (K == 0) return y.zero_();
   if (M == 0 || N == 0) return y;
-  thread_local std::vector<uint32_t> rounded;  // fp32 x as bf16 pairs
-  if (fp32) {
-    rounded.resize(M * K2);
-    to_pairs(xc.const_data_ptr<float>(), M, K, rounded.data());
-  } else if (K % 2) {
-    xc = at::constant_pad_nd(xc.reshape({M, K}), {0, 1});  // whole pairs per row
+  const bool hardware = has_bf16_dot();
+  // x as bf16 pairs (hardware) or as its bf16 values in fp32 (two words a pair)
+  thread_local std::vector<uint32_t> words;
+  const uint32_t* xp = words.data();
+  if (!hardware) {
+    words.resize(M * K2 * 2);
+    auto* out = reinterpret_cast<float*>(words.data());
+    if (fp32) widened_rows(xc.const_data_ptr<float>(), M, K, out);
+    else widened_rows(reinterpret_cast<const c10::BFloat16*>(xc.const_data_ptr()), M, K, out);
+    xp = words.data();
   }
+#ifdef __AVX512F__
+  else if (fp32) {
+    words.resize(M * K2);
+    to_pairs(xc.const_data_ptr<float>(), M, K, words.data());
+    xp = words.data();
+  } else {
+    if (K % 2) xc = at::constant_pad_nd(xc.reshape({M, K}), {0, 1});  // whole pairs per row
+    xp = reinterpret_cast<const uint32_t*>(xc.const_data_ptr());
+  }
+#endif
   const at::Tensor packed = packed_weight(w, Layout::kBf16Pairs);
-  const auto* xp = fp32 ? rounded.data() : reinterpret_cast<const uint32_t*>(xc.const_data_ptr());
   const auto* pp = reinterpret_cast<const uint32_t*>(packed.const_data_ptr());
   void* yp = y.mutable_data_ptr();
   const int64_t grain = std::max<int64_t>(8, (1 << 20) / std::max<int64_t>(1, K * M * kLanes));
   at::parallel_for(0, (N + kLanes - 1) / kLanes, grain, [&](int64_t b0, int64_t b1) {
     in_chunks(M, K2 * kLanes * 4, b0, b1, [&](int64_t c0, int64_t c1) {
-      if (fp32) packed_rows_dot(xp, M, K2, pp, c0, c1, N, static_cast<float*>(yp));
-      else packed_rows_dot(xp, M, K2, pp, c0, c1, N, static_cast<uint16_t*>(yp));
+      auto run = [&](auto* out) {
+#ifdef __AVX512F__
+        if (hardware) return packed_rows_dot(xp, M, K2, pp, c0, c1, N, out);
+#endif
+        packed_rows_fma(reinterpret_cast<const float*>(xp), M, K2, pp, c0, c1, N, out);
+      };
+      if (fp32) run(static_cast<float*>(yp));
+      else run(static_cast<uint16_t*>(yp));
     });
   });
   return y;
-#else
-  return {};  // not reached
-#endif
 }
 
 // How an fp32 product multiplies: as given; by w rounded to bf16 (a draft's weights on the compiled
 // path, --draft_weight_dtype bfloat16: half the bytes to stream; a bf16 packed copy made at w's first
-// use, whatever the budget); or x and w both rounded to bf16 (--matmul_precision medium: dot products
-// where the CPU has AVX512-BF16, else x rounded and multiplied by the bf16 copy of w in fp32).
+// use, whatever the budget); or x and w both rounded to bf16 (--matmul_precision medium: the bf16 dot
+// products, product_dot).
 enum class Form { kFloat, kBf16Weights, kBf16Products };
 
 at::Tensor product(const at::Tensor& x, const at::Tensor& w, Form form) {
@@ -421,10 +447,7 @@ at::Tensor product(const at::Tensor& x, const at::Tensor& w, Form form) {
   TORCH_CHECK(x.size(-1) == w.size(1), "nemospec::small_linear: x has ", x.size(-1), " features, w expects ",
               w.size(1));
   if (x.scalar_type() == at::kBFloat16) return product_dot(x, w);
-  if (form == Form::kBf16Products) {
-    if (has_bf16_dot()) return product_dot(x, w);
-    return product(x.to(at::kBFloat16).to(at::kFloat), w, Form::kBf16Weights);
-  }
+  if (form == Form::kBf16Products) return product_dot(x, w);
   const bool bf16_weights = form == Form::kBf16Weights;
   const at::Tensor xc = x.contiguous();
   const int64_t K = w.size(1), N = w.size(0), M = K ? xc.numel() / K : 0;
@@ -510,8 +533,8 @@ static int64_t small_linear_packed_bytes() {
   return packed_bytes;
 }
 
-// Whether this CPU runs the bf16 products (AVX512-BF16).
-static bool small_linear_bf16_supported() { return has_bf16_dot(); }
+// Whether the bf16 dot products run in hardware (AVX512-BF16) rather than as fp32 FMAs: the same sums.
+static bool small_linear_bf16_hardware() { return has_bf16_dot(); }
 
 TORCH_LIBRARY(nemospec, m) {
   m.def("small_linear(Tensor x, Tensor w) -> Tensor");
@@ -520,7 +543,7 @@ TORCH_LIBRARY(nemospec, m) {
   m.def("small_linear_packing(bool on) -> bool", &small_linear_packing);
   m.def("small_linear_pack_budget(int bytes) -> int", &small_linear_pack_budget);
   m.def("small_linear_packed_bytes() -> int", &small_linear_packed_bytes);
-  m.def("small_linear_bf16_supported() -> bool", &small_linear_bf16_supported);
+  m.def("small_linear_bf16_hardware() -> bool", &small_linear_bf16_hardware);
 }
 TORCH_LIBRARY_IMPL(nemospec, CPU, m) {
   m.impl("small_linear", &small_linear);
