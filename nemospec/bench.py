@@ -69,6 +69,8 @@ def add_bench_args(p) -> None:
     p.add_argument("--tree_topk", type=int, default=0,
                    help="with --tree: children per expanded node (0 = by draft kind: 8 block drafts, 4 chain drafts)")
     p.add_argument("--tree_depth", type=int, default=0, help="with --tree: deepest node (0 = --num_draft_tokens)")
+    from builder.embedded.sources import add_embedded_args
+    add_embedded_args(p, default="wide")
     p.add_argument("--quick", action="store_true",
                    help=f"small: modes {','.join(QUICK_MODES)}, 2 prompts x 24 tokens, 1 run (for tests)")
 
@@ -78,14 +80,17 @@ def _log(message: str) -> None:
 
 
 def build_mode_engines(checkpoint, mode: str, root: Path, k: int, draft_weight_dtype: str = "auto",
-                       matmul_precision: str = "highest", token_map=None) -> tuple[Path, dict]:
+                       matmul_precision: str = "highest", token_map=None, embedded_model: str = "small",
+                       embedded_factor: int | None = None) -> tuple[Path, dict]:
+    """Engines of ``mode`` under ``root/engines``: over ``checkpoint`` with the embedded draft, or over
+    the embedded model (``embedded_model`` small or wide, at ``embedded_factor``) with its own."""
     from builder import embedded
     from builder.engine import BuildOptions, build
     from builder.embedded.sources import resolve_sources
     from builder.token_map import MODES as MAPPED_MODES
     quant = "nvfp4_w4a16" if mode.endswith("_nvfp4") else None
     base = mode.removesuffix("_nvfp4")
-    target, draft = resolve_sources(checkpoint, base, None, quant)
+    target, draft = resolve_sources(checkpoint, base, None, quant, embedded_model, embedded_factor)
     if checkpoint is not None and base not in ("mtp",):
         draft = embedded.draft_dir(base, quant)
     out = root / "engines" / mode
@@ -107,6 +112,25 @@ def portable_path(path, root: Path) -> str:
         if path.is_relative_to(base):
             return str(path.relative_to(base))
     return path.name
+
+
+def l3_bytes() -> int | None:
+    """The largest last-level cache of CPU 0 (Linux sysfs), None where it cannot be read: a bench report
+    names it beside the target's weight bytes (weights beyond it decode from memory)."""
+    sizes = []
+    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (entry / "size").read_text().strip()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
+    return max(sizes) if sizes else None
+
+
+def _factor(embedded_model: str, factor: int | None) -> int:
+    from builder.embedded.sources import DEFAULT_WIDE_FACTOR
+    return factor if factor is not None else (DEFAULT_WIDE_FACTOR if embedded_model == "wide" else 1)
 
 
 def _timed(fn, runs: int):
@@ -154,6 +178,13 @@ def _offline(engine_dir: Path, prompts: list[list[int]], new_tokens: int, k: int
            "tokens": tokens, "tokens_per_second": round(tokens / spec_s, 1),
            "target_only_tokens_per_second": round(tokens / plain_s, 1), "speedup": round(plain_s / spec_s, 3),
            "exact": True, "cost": cost_model(spec_costs.summary(), plain_costs.summary())}
+    # the K these measured costs and acceptances pick (runtime.draft_len, `generate --num_draft_tokens auto`)
+    from runtime.draft_len import acceptance_rates, choose, costs_from, is_block_draft
+    rates = acceptance_rates(hist, k)
+    best, predicted = choose(costs_from(spec_costs.summary(), plain_costs.summary(), k,
+                                        is_block_draft(loaded.proposer()), getattr(loaded.runner, "verify_buckets", ())),
+                             rates)
+    out["draft_len_auto"] = {"k": best, "predicted": predicted, "rates": [round(a, 3) for a in rates]}
     if trees is not None:
         out["tree"] = trees.summary(spec_s, plain_s, mean, plain_costs)
     late = COMPILE_LOG[compiled_before:]
@@ -273,9 +304,8 @@ def _serving(engine_dir: Path, texts: list[str], new_tokens: int, runs: int, off
 def run_bench(args) -> dict:
     from tokenizers import Tokenizer
 
-    from builder import embedded
-    from nemospec.bench_report import write_report
     from builder.embedded.sources import resolve_sources
+    from nemospec.bench_report import write_report
     if args.threads:
         torch.set_num_threads(args.threads)
     quick = args.quick
@@ -295,7 +325,8 @@ def run_bench(args) -> dict:
                 for mode in modes}
     root = Path(args.output_dir)
     root.mkdir(parents=True, exist_ok=True)
-    target_dir, _ = resolve_sources(args.checkpoint_dir)
+    embedded_model, factor = getattr(args, "embedded", "small"), getattr(args, "embedded_factor", None)
+    target_dir, _ = resolve_sources(args.checkpoint_dir, None, None, None, embedded_model, factor)
     tokenizer = Tokenizer.from_file(str(Path(target_dir) / "tokenizer.json"))
     texts = list(PROMPTS[:2 if quick else args.prompts])
     prompts = [tokenizer.encode(t).ids for t in texts]
@@ -303,8 +334,9 @@ def run_bench(args) -> dict:
                     "max_new_tokens": new_tokens, "prompts": len(prompts), "runs": runs,
                     "machine": {"cpu_threads": torch.get_num_threads(), "platform": platform.platform(),
                                 "python": platform.python_version(), "torch": torch.__version__,
-                                "allocator": allocator.active(),
+                                "allocator": allocator.active(), "l3_bytes": l3_bytes(),
                                 "cuda": torch.cuda.is_available()},
+                    "embedded": None if args.checkpoint_dir else {"model": embedded_model, "factor": _factor(embedded_model, factor)},
                     "model": portable_path(target_dir, root), "backend": backend,
                     "draft_weight_dtype": getattr(args, "draft_weight_dtype", "auto"),
                     "matmul_precision": getattr(args, "matmul_precision", "highest"),
@@ -314,13 +346,15 @@ def run_bench(args) -> dict:
         _log(f"bench: {mode}: building engines")
         engine_dir, build = build_mode_engines(args.checkpoint_dir, mode, root, k, args.draft_weight_dtype,
                                                getattr(args, "matmul_precision", "highest"),
-                                               getattr(args, "speculative_token_map", None))
+                                               getattr(args, "speculative_token_map", None), embedded_model, factor)
         engines = {n: {"bytes": e["engine_bytes"], "layers": e["layers"], "build_seconds": round(e["build_seconds"], 1)}
                    for n, e in build["engines"].items()}
         _log(f"bench: {mode}: generating ({len(prompts)} prompts x {new_tokens} tokens, with and without speculation)")
         entry = _offline(engine_dir, prompts, new_tokens, k, runs, backend, tree.get(mode) if tree else None)
         entry.update(engine_dir=portable_path(engine_dir, root), build_seconds=round(build["total_seconds"], 1),
-                     engine_bytes=sum(e["bytes"] for e in engines.values()), engines=engines)
+                     engine_bytes=sum(e["bytes"] for e in engines.values()), engines=engines,
+                     weight_bytes=build.get("weight_bytes", {}))
+        report.setdefault("target_weight_bytes", build.get("weight_bytes", {}).get("target"))
         report["modes"][mode] = entry
         _log(f"bench: {mode}: mean accepted {entry['mean_accepted_tokens']:.2f}, {entry['tokens_per_second']} vs "
              f"{entry['target_only_tokens_per_second']} tokens/s ({entry['speedup']:.2f}x)")
@@ -332,7 +366,8 @@ def run_bench(args) -> dict:
     # the small-row kernel's form the compiled runs used (runtime.small_linear), None: torch's GEMM
     report["machine"]["small_linear"] = small_linear.form() if backend == "compiled" else None
     _log("bench: peers (transformers generate, assisted generation)")
-    draft_target = embedded.draft_dir("draft_target") if args.checkpoint_dir is None else None
+    draft_target = (resolve_sources(None, "draft_target", None, None, embedded_model, factor)[1]
+                    if args.checkpoint_dir is None else None)
     report["peers"] = _peers(Path(target_dir), draft_target, prompts, new_tokens, runs)
     best = max(report["modes"], key=lambda m: report["modes"][m]["speedup"])
     report["best_mode"] = best

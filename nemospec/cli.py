@@ -13,9 +13,10 @@ import sys
 from rich.console import Console
 
 from builder.errors import NemospecError
-from builder.embedded.sources import resolve_sources
+from builder.embedded.sources import add_embedded_args, resolve_sources
 from builder.engine import TREE_STEP_KINDS
 from runtime import allocator
+from runtime.draft_len import AUTO, draft_len_arg
 from runtime.draft_policy import POLICY_FLAGS, add_policy_args, policy_from
 from runtime.tree_draft import TREE_FLAGS, add_tree_args, tree_from
 from runtime.step_costs import cost_line
@@ -50,16 +51,6 @@ def cmd_token_map(args):
     Path(args.output).write_text(json.dumps(ids) + "\n")
     err.print(f"wrote {len(ids)} token ids (most frequent first) to {args.output}", markup=False)
     return 0
-
-
-def add_embedded_args(p):
-    """--embedded / --embedded_factor: which embedded default a command runs when given no checkpoint."""
-    p.add_argument("--embedded", default="small", choices=["small", "wide"],
-                   help="with no --checkpoint_dir: the embedded trained model as shipped (small: its weights sit "
-                        "in cache) or widened (wide: the same function at --embedded_factor times the width, "
-                        "decoding from memory as a served model does; written once under ~/.cache/nemospec)")
-    p.add_argument("--embedded_factor", type=int, default=None,
-                   help="the wide embedded model's width multiple (default 4)")
 
 
 def _add_build_args(p):
@@ -118,8 +109,10 @@ def _parser():
     g.add_argument("--end_id", type=int, default=None, help="stop token (default: the config's eos_token_id)")
     g.add_argument("--ignore_eos", action="store_true")
     g.add_argument("--no_speculation", action="store_true", help="run the target alone (same engine directory)")
-    g.add_argument("--num_draft_tokens", type=int, default=None,
-                   help="draft tokens per step, at most the engine's --max_draft_len (default: that)")
+    g.add_argument("--num_draft_tokens", type=draft_len_arg, default=None,
+                   help="draft tokens per step, at most the engine's --max_draft_len (default: that); auto: the K "
+                        "whose measured step costs and acceptance predict the most tokens/s on this machine "
+                        "(one short calibration run of each side on the first prompt)")
     g.add_argument("--backend", default="auto", choices=["auto", "torch", "compiled", "tensorrt", "interpreter"],
                    help="auto: TensorRT on a GPU, else compiled (torch for fewer than 2048 generated tokens, where "
                         "loading compiled steps costs more than it saves); torch: the eager reference; compiled: "
@@ -268,8 +261,12 @@ def cmd_generate(args):
         {args.end_id} if args.end_id is not None else set(eos if isinstance(eos, tuple) else [] if eos is None else [eos]))
     chunk = loaded.max_input_len if loaded.max_input_len < (1 << 30) else 512
     speculate = loaded.speculative is not None and not args.no_speculation
-    k = loaded.max_draft_len if args.num_draft_tokens is None else args.num_draft_tokens
-    if args.num_draft_tokens is not None and not 1 <= k <= loaded.max_draft_len:
+    auto_k = args.num_draft_tokens == AUTO
+    k = loaded.max_draft_len if args.num_draft_tokens is None or auto_k else args.num_draft_tokens
+    if auto_k and (not speculate or args.tree):
+        raise NemospecError("--num_draft_tokens auto: picks a chain's K; this run is "
+                            + ("a tree run (size trees with --max_tree_nodes)" if args.tree else "target-only"))
+    if args.num_draft_tokens is not None and not auto_k and not 1 <= k <= loaded.max_draft_len:
         raise NemospecError(f"--num_draft_tokens: expected 1..{loaded.max_draft_len} (the engine's max_draft_len), got {k}")
     if args.trace is not None and not speculate:
         raise NemospecError("--trace: traces speculative decoding; this run is target-only")
@@ -299,6 +296,13 @@ def cmd_generate(args):
         if loaded.backend == "compiled":  # compile (or load from the cache) the steps this run uses, untimed
             from runtime.compiled import warm_up
             warm_up(loaded, prompts, k if speculate else 0, tree, max_seq_len=loaded.max_seq_len, prefill_chunk=chunk)
+        if auto_k:   # measure both sides on the first prompt, pick K, then warm that K's steps
+            from runtime.draft_len import calibrate, describe
+            choice = calibrate(loaded, prompts[0], k, max_seq_len=loaded.max_seq_len, prefill_chunk=chunk)
+            err.print(describe(choice), markup=False)
+            k = choice["k"]
+            if loaded.backend == "compiled":
+                warm_up(loaded, prompts, k, None, max_seq_len=loaded.max_seq_len, prefill_chunk=chunk)
         if speculate:
             from runtime.speculative import speculative_generate
             policy = policy_from(k, loaded.build_options, args)
@@ -355,6 +359,9 @@ def cmd_generate(args):
         record["cost"] = cost
         if speculate:
             record["acceptance"] = result.extra["acceptance"]
+            record["num_draft_tokens"] = k
+            if auto_k:
+                record["draft_len_auto"] = choice
         if texts is not None:
             record["text"] = texts[0] if single else texts
         print(json.dumps(record))

@@ -76,13 +76,17 @@ def main(argv=None):
     p.add_argument("--mode", default=os.environ.get("MODE") or "eagle3", choices=MODES)
     p.add_argument("--prompt", default=PROMPTS[1])
     p.add_argument("--max_new_tokens", type=int, default=96)
+    from builder.embedded.sources import add_embedded_args
+    add_embedded_args(p, default="wide")
     args = p.parse_args(argv)
     from serving.client import stream_generate
     from serving.launch import free_port, serving
 
-    console.rule(f"1. nemospec build: embedded target + {args.mode} draft (target, verify and draft engines)")
+    which = "embedded target" if args.embedded == "small" else f"embedded target widened {args.embedded_factor or 4}x"
+    console.rule(f"1. nemospec build: {which} + {args.mode} draft (target, verify and draft engines)")
     start = time.perf_counter()
-    engine_dir, report = build_mode_engines(None, args.mode, Path(args.workdir), 4)
+    engine_dir, report = build_mode_engines(None, args.mode, Path(args.workdir), 4, embedded_model=args.embedded,
+                                            embedded_factor=args.embedded_factor)
     sizes = ", ".join(f"{n} {e['engine_bytes'] / 2**20:.1f} MiB" for n, e in report["engines"].items())
     console.print(f"built {engine_dir} in {time.perf_counter() - start:.0f} s: {sizes}")
 

@@ -12,15 +12,23 @@ from nemospec import cli
 @pytest.fixture(scope="module")
 def report_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
+    # the wide embedded model (the bench's default) at factor 2: the memory-bound instrument's path, small
     assert cli.main(["bench", "--quick", "--tree", "--max_tree_nodes", "8", "--tree_topk", "2",
-                     "--output_dir", str(out)]) == 0
+                     "--embedded_factor", "2", "--output_dir", str(out)]) == 0
     return out
 
 
 def test_report_json_holds_every_field(report_dir):
     r = json.loads((report_dir / "report.json").read_text())
     assert r["quick"] and set(r["modes"]) == {"eagle3", "dflash"}
+    assert r["embedded"] == {"model": "wide", "factor": 2}
+    assert r["target_weight_bytes"] == r["modes"]["eagle3"]["weight_bytes"]["target"] > 0
+    assert r["machine"]["l3_bytes"] is None or r["machine"]["l3_bytes"] >= 1 << 20
     for mode, m in r["modes"].items():
+        auto = m["draft_len_auto"]            # the K the runs' own costs pick, and every K's prediction
+        assert 1 <= auto["k"] <= r["num_draft_tokens"] and len(auto["rates"]) == r["num_draft_tokens"]
+        assert {int(k) for k in auto["predicted"]} == set(range(1, r["num_draft_tokens"] + 1))
+        assert auto["predicted"][str(auto["k"])] == max(auto["predicted"].values())
         hist = {int(n): c for n, c in m["histogram"].items()}
         assert set(hist) == set(range(1, r["num_draft_tokens"] + 2))
         assert sum(hist.values()) == m["verify_forwards"] > 0
