@@ -73,15 +73,22 @@ def triton_ready(http_url: str, timeout: float = 2.0) -> bool:
         return False
 
 
-def check_server(handle, stubs: dict[int, str], timeout: float = 2.0) -> Health:
-    """``handle``: a ``serving.launch.ServerHandle``; ``stubs``: {pid: model} seen when it became ready."""
-    # every death seen is named: a killed stub can take the server down with it (SIGABRT) before a check
+def what_died(process, stubs: dict[int, str]) -> str | None:
+    """What of a server died, read from the process table now: ``process`` (tritonserver's Popen) and
+    ``stubs`` {pid: model}; None while all live. Every death seen is named: a killed stub can take the
+    server down with it (SIGABRT) before anyone looks."""
     dead = [f"the Python stub of model '{model}' (pid {pid}) died"
             for pid, model in sorted(stubs.items()) if not process_alive(pid)]
-    if not handle.alive():
-        dead.append(f"tritonserver (pid {handle.process.pid}) exited with code {handle.process.returncode}")
+    if process.poll() is not None:
+        dead.append(f"tritonserver (pid {process.pid}) exited with code {process.returncode}")
+    return "; ".join(dead) or None
+
+
+def check_server(handle, stubs: dict[int, str], timeout: float = 2.0) -> Health:
+    """``handle``: a ``serving.launch.ServerHandle``; ``stubs``: {pid: model} seen when it became ready."""
+    dead = what_died(handle.process, stubs)
     if dead:
-        return Health(False, "; ".join(dead))
+        return Health(False, dead)
     if not triton_ready(handle.http_url, timeout):
         return Health(False, "tritonserver: /v2/health/ready is not 200")
     return Health(True)

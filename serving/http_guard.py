@@ -44,7 +44,12 @@ def _read_chunked(rfile, limit: int) -> bytes:
         rfile.readline()
 
 
-def make_handler(upstream: tuple[str, int], max_body_bytes: int):
+# Triton's readiness endpoints: the server's, and any model's (the ensemble's is what clients probe)
+READY_PATHS = ("/v2/health/ready",)
+READY_MODEL_SUFFIX = "/ready"
+
+
+def make_handler(upstream: tuple[str, int], max_body_bytes: int, alive=None):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
@@ -85,6 +90,12 @@ def make_handler(upstream: tuple[str, int], max_body_bytes: int):
                 error = check_generate_body(body)
                 if error:
                     return self._error(400, error)
+            path = self.path.split("?")[0].rstrip("/")
+            if self.command in ("GET", "HEAD") and (path in READY_PATHS or (
+                    path.startswith("/v2/models/") and path.endswith(READY_MODEL_SUFFIX))):
+                reason = alive() if alive is not None else None
+                if reason:   # Triton 2.51 answers 200 with a model's stub dead: the probe is told now
+                    return self._error(503, f"not ready: {reason}")
             headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP}
             headers["Content-Length"] = str(len(body))
             upstream_conn = http.client.HTTPConnection(*upstream, timeout=None)
@@ -126,10 +137,13 @@ def make_handler(upstream: tuple[str, int], max_body_bytes: int):
 
 
 class HttpGuard:
-    """Listens on ``(host, port)`` and forwards to ``127.0.0.1:upstream_port``; ``close()`` stops it."""
+    """Listens on ``(host, port)`` and forwards to ``127.0.0.1:upstream_port``; ``close()`` stops it.
+    ``alive()``: None while the server's processes live, else what died; a readiness probe
+    (``READY_PATHS``) answers 503 naming it, at the moment of the probe."""
 
-    def __init__(self, host: str, port: int, upstream_port: int, max_body_bytes: int):
-        self.server = ThreadingHTTPServer((host, port), make_handler(("127.0.0.1", upstream_port), max_body_bytes))
+    def __init__(self, host: str, port: int, upstream_port: int, max_body_bytes: int, alive=None):
+        self.server = ThreadingHTTPServer((host, port), make_handler(("127.0.0.1", upstream_port), max_body_bytes,
+                                                                     alive))
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.1},
                                        name="nemospec-http-guard", daemon=True)

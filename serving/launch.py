@@ -25,7 +25,7 @@ from pathlib import Path
 
 from builder.errors import NemospecError
 from serving.cancel import notify_shutdown
-from serving.health import stub_processes, triton_ready
+from serving.health import stub_processes, triton_ready, what_died
 from serving.http_guard import HttpGuard
 from serving.limits import limits_from
 from serving.repository import fill_model_repo
@@ -92,6 +92,12 @@ class ServerHandle:
 
     def alive(self) -> bool:
         return self.process.poll() is None
+
+    def dead_now(self) -> str | None:
+        """What of this server died, read from the process table at this moment (tritonserver, or a
+        model's Python stub seen at readiness); None while all live. A few /proc reads: cheap
+        enough for every readiness probe."""
+        return what_died(self.process, self.stubs)
 
     def log_tail(self, lines: int = 40) -> str:
         try:
@@ -197,7 +203,8 @@ def start_server(engine_dir, *, host: str = "127.0.0.1", http_port: int = 8000, 
     try:
         triton_host, triton_http = "127.0.0.1", free_port()
         try:
-            guard = HttpGuard(host, http_port, triton_http, limits["max_body_bytes"])
+            guard = HttpGuard(host, http_port, triton_http, limits["max_body_bytes"],
+                              alive=lambda: handle.dead_now() if handle is not None else None)
         except OSError as e:
             raise NemospecError(f"--http_port: cannot bind {host}:{http_port}: {e.strerror or e}") from None
         repo_dir = fill_model_repo(engine_dir, Path(model_repo_dir).resolve() if model_repo_dir else run_dir / "models",

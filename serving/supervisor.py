@@ -84,11 +84,21 @@ class Supervisor:
 
     # --- the state a frontend reads ------------------------------------------------------------------
     def is_ready(self) -> bool:
-        """True only while a request can be served (checked every ``check_interval`` seconds)."""
+        """True only while a request can be served: the last check (every ``check_interval`` seconds:
+        Triton's readiness, a stall) passed, and at this moment no process of the server has died
+        (``ServerHandle.dead_now``: a probe right after a kill -9 is told, not the check before it)."""
+        return self.state()["ready"]
+
+    def _dead_now(self) -> None:
+        """Records a death the process table shows now (the loop's next check restarts the server)."""
         with self._lock:
-            return self._phase == "serving" and self._health.ready
+            handle, ready = self.handle, self._phase == "serving" and self._health.ready
+        dead = handle.dead_now() if ready and handle is not None and hasattr(handle, "dead_now") else None
+        if dead:
+            self._set(health=Health(False, dead))
 
     def state(self) -> dict:
+        self._dead_now()
         with self._lock:
             handle = self.handle
             return {"ready": self._phase == "serving" and self._health.ready, "phase": self._phase,

@@ -159,7 +159,7 @@ def test_stall_watch_counts_requests_the_gauges_have_not_shown():
 def test_check_server_names_every_death():
     """A killed stub can take tritonserver down with it (SIGABRT) before the next check: the reason
     names both, so the operator sees the first cause, not only the server's exit code."""
-    handle = SimpleNamespace(process=SimpleNamespace(pid=10**6, returncode=-6), alive=lambda: False)
+    handle = SimpleNamespace(process=SimpleNamespace(pid=10**6, returncode=-6, poll=lambda: -6), alive=lambda: False)
     gone = 2**22 + 12345      # above the kernel's pid_max default: no such process
     reason = health.check_server(handle, {gone: "speculative"}).reason
     assert reason == (f"the Python stub of model 'speculative' (pid {gone}) died; "
