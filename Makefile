@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: setup
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q -n auto --dist loadfile --durations=15
 
 demo: setup
 	MODE=$(MODE) $(BIN)/python -m nemospec.demo --workdir $(DEMO)

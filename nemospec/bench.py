@@ -28,7 +28,7 @@ from rich.console import Console
 
 from runtime import allocator, small_linear
 
-_err = Console(stderr=True, highlight=False)
+_err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 MODES = ("draft_target", "eagle", "eagle3", "mtp", "dflash", "dspark", "dspark_nvfp4", "peagle")
 QUICK_MODES = ("eagle3", "dflash")

@@ -21,7 +21,7 @@ from runtime.draft_policy import POLICY_FLAGS, add_policy_args, policy_from
 from runtime.tree_draft import TREE_FLAGS, add_tree_args, tree_from
 from runtime.step_costs import cost_line
 
-err = Console(stderr=True, highlight=False)
+err = Console(stderr=True, highlight=False, soft_wrap=True)   # one error, one line: never broken at 80 columns
 
 
 def add_token_map_arg(p):

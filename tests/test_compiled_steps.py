@@ -1,0 +1,227 @@
+"""The step compiler's mechanics (runtime.compiled_steps): a recurring key runs compiled, guards off
+or on; a tensor passed twice; stop_compiling; graphs saved and loaded by a later process, keyed by
+what they close over, compiled again where a saved one cannot run; compile options by device and
+torch; asking for aot_compile imports no inductor. Toy functions: no model to load."""
+import functools
+
+import pytest
+import torch
+
+from tests.tolerances import assert_within, matmul_bound
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+def _toy(x, w, scale):
+    return torch.tanh(x @ w) * scale
+
+
+@pytest.mark.parametrize("check_guards", ["0", "1"])
+def test_steps_run_a_recurring_key_compiled(monkeypatch, check_guards):
+    """A key compiles on its min_calls-th call and runs compiled after (its output the function's);
+    by default the graph is called directly (no dynamo frame, no guards: the key must name the
+    shapes), with NEMOSPEC_CHECK_GUARDS=1 through dynamo, where a shape the key does not name still
+    computes the right thing (dynamo recompiles)."""
+    from runtime import compiled
+    monkeypatch.setenv("NEMOSPEC_CHECK_GUARDS", check_guards)
+    steps = compiled._Steps(functools.partial(_toy, scale=2.0), "toy")
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 8, generator=g), torch.randn(8, 5, generator=g)
+    want = _toy(x, w, 2.0)
+    outs = [steps(("rows", 3), "toy", 2, x, w) for _ in range(3)]
+    assert list(steps.ready) == [("rows", 3)] and not steps.broken
+    for out in outs:   # eager, then compiled: the same products, maybe summed in another order
+        assert_within(out, want, 2.0 * (matmul_bound(x, w) + 4 * torch.finfo(torch.float32).eps), "toy")
+    direct = type(steps.graphs[("rows", 3)].func).__name__ == "AOTCompiledFunction"
+    assert direct == (check_guards == "0")
+    if check_guards == "1":
+        x4 = torch.randn(4, 8, generator=g)
+        assert steps(("rows", 3), "toy", 2, x4, w).shape == (4, 5)
+
+
+def _weighted(a, b):
+    return a * 2.0 + b * 3.0
+
+
+@pytest.mark.parametrize("saved", [False, True])
+def test_a_step_first_called_with_one_tensor_twice_computes_two_tensors_later(tmp_path, monkeypatch, saved):
+    """A warm-up that passes one tensor for two inputs (``warm_verify`` passed its positions as the
+    logit rows) must not leave a graph that reads the first input for both: later calls with two
+    tensors (a real verify) got the positions as row indices (an index error, or wrong rows). The
+    first calls' own result stays right too, and a process that loads the saved step agrees."""
+    from runtime import compiled
+    monkeypatch.setenv("NEMOSPEC_COMPILE_CACHE", str(tmp_path))
+    a, b = torch.arange(4.0), torch.full((4,), 10.0)
+    steps = compiled._Steps(_weighted, "weighted")
+    for _ in range(4):   # eager, compiled (recorded), recorded, direct
+        assert torch.equal(steps(("n", 4), "weighted", 2, a, a), _weighted(a, a))
+    if saved:            # a later process: the step loads from the cache, first called with two tensors
+        steps = compiled._Steps(_weighted, "weighted")
+        for _ in range(2):
+            assert torch.equal(steps(("n", 4), "weighted", 2, a, a), _weighted(a, a))
+    assert list(steps.ready) == [("n", 4)]
+    for _ in range(3):
+        assert torch.equal(steps(("n", 4), "weighted", 2, a, b), _weighted(a, b))
+
+
+def test_a_batch_step_first_called_with_one_tensor_twice_keeps_its_batch_dynamic():
+    """The copy that separates a tensor passed twice keeps the dims marked dynamic (as ``_prepare``
+    marks a batch of 2+): the graph captured at batch 2 serves batch 3 with two tensors."""
+    from runtime import compiled
+
+    def batch(n, fill):
+        t = torch.arange(4.0).repeat(n, 1) + fill
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+        return t
+    steps = compiled._Steps(_weighted, "weighted batch")
+    a2 = batch(2, 0.0)
+    for _ in range(3):
+        assert torch.equal(steps(("batch", 4), "weighted", 2, a2, a2), _weighted(a2, a2))
+    a3, b3 = batch(3, 1.0), batch(3, 10.0)
+    for _ in range(3):
+        assert torch.equal(steps(("batch", 4), "weighted", 2, a3, b3), _weighted(a3, b3))
+
+
+def test_after_stop_compiling_a_new_key_runs_eagerly_and_compiled_ones_stay(monkeypatch):
+    """A server warms up, then stops compiling (``warm_up_for_serving``): a key compiled before keeps
+    its graph, a key seen only afterwards runs the function eagerly however often it recurs, so no
+    request waits behind a compile."""
+    from runtime import compiled
+    monkeypatch.setitem(compiled._COMPILING, "on", True)
+    steps = compiled._Steps(functools.partial(_toy, scale=2.0), "toy")
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(3, 8, generator=g), torch.randn(8, 5, generator=g)
+    for _ in range(2):
+        steps(("rows", 3), "toy", 2, x, w)
+    compiled.stop_compiling()
+    x2 = torch.randn(2, 8, generator=g)
+    outs = [steps(("rows", 2), "toy", 2, x2, w) for _ in range(20)]
+    assert list(steps.ready) == [("rows", 3)], "nothing compiles once compiling stopped"
+    assert all(torch.equal(o, _toy(x2, w, 2.0)) for o in outs), "the eager function itself"
+    assert_within(steps(("rows", 3), "toy", 2, x, w), _toy(x, w, 2.0),
+                  2.0 * (matmul_bound(x, w) + 4 * torch.finfo(torch.float32).eps), "the graph compiled before")
+
+
+class _Scaled:
+    """A module of one weight, run by a step as ``_Steps`` runs a model's bound method."""
+
+    def __init__(self, w):
+        self.w = w
+
+    def forward(self, x):
+        return torch.tanh(x @ self.w) * 2.0
+
+
+def test_compiled_steps_are_saved_and_a_later_process_loads_them(tmp_path, monkeypatch, capsys):
+    """A compiled step is written to the cache directory whole; a new ``_Steps`` over an equal module
+    (a later process) loads it instead of compiling and computes the same; a module with other weights
+    or a damaged file compiles afresh (with a warning for the file)."""
+    from runtime import compiled
+    monkeypatch.setenv("NEMOSPEC_COMPILE_CACHE", str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))   # _configure points it there: restored after
+    monkeypatch.setenv("NEMOSPEC_CHECK_GUARDS", "0")
+    g = torch.Generator().manual_seed(2)
+    w, x = torch.randn(8, 5, generator=g), torch.randn(3, 8, generator=g)
+    bound = 2.0 * (matmul_bound(x, w) + 4 * torch.finfo(torch.float32).eps)
+
+    def run(module):
+        steps = compiled._Steps(module.forward, "scaled")
+        outs = [steps(("rows", 3), "scaled step", 2, x) for _ in range(3)]
+        return steps, outs, capsys.readouterr().err
+
+    first, outs, log = run(_Scaled(w))
+    assert "compiling scaled step" in log and list(first.ready) == [("rows", 3)]
+    files = sorted((tmp_path / "steps").glob("*.bin"))
+    assert len(files) == 1, "one step, one file"
+    second, again, log = run(_Scaled(w.clone()))
+    assert "loaded scaled step" in log and "compiling" not in log
+    for out in outs + again:
+        assert_within(out, _Scaled(w).forward(x), bound, "scaled step")
+    _, _, log = run(_Scaled(w + 1.0))
+    assert "compiling scaled step" in log, "other weights: another graph"
+    assert len(list((tmp_path / "steps").glob("*.bin"))) == 2
+    files[0].write_bytes(b"not a compiled step")
+    with pytest.warns(UserWarning, match="not loaded"):
+        _, outs, log = run(_Scaled(w))
+    assert "compiling scaled step" in log
+    assert_within(outs[-1], _Scaled(w).forward(x), bound, "recompiled after a damaged file")
+
+
+def test_a_saved_step_of_a_closure_is_keyed_by_what_it_closes_over(tmp_path, monkeypatch, capsys):
+    """A step function that closes over its module (a component's call): dynamo bakes the weights
+    into the graph, so the cell's module names the file; other weights never load that graph."""
+    from runtime import compiled
+    monkeypatch.setenv("NEMOSPEC_COMPILE_CACHE", str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("NEMOSPEC_CHECK_GUARDS", "0")
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(8, 5, generator=g), torch.randn(3, 8, generator=g)
+
+    def closing_over(module):
+        def call(x):
+            return module.forward(x)
+        return call
+
+    for weights, want in ((w, "compiling"), (w + 1.0, "compiling"), (w.clone(), "loaded")):
+        steps = compiled._Steps(closing_over(_Scaled(weights)), "closure")
+        out = [steps(("rows", 3), "closure step", 2, x) for _ in range(3)][-1]
+        assert f"{want} closure step" in capsys.readouterr().err
+        bound = 2.0 * (matmul_bound(x, weights) + 4 * torch.finfo(torch.float32).eps)
+        assert_within(out, _Scaled(weights).forward(x), bound, "closure step")
+
+
+def test_a_saved_step_that_cannot_run_here_is_compiled_again(tmp_path, monkeypatch, capsys):
+    """A step that loads but fails on its first call (saved by a process that had something this
+    one lacks, e.g. a test's patched kernel) is compiled afresh, with a warning naming the file."""
+    from runtime import compiled, compiled_store
+    monkeypatch.setenv("NEMOSPEC_COMPILE_CACHE", str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("NEMOSPEC_CHECK_GUARDS", "0")
+    g = torch.Generator().manual_seed(4)
+    w, x = torch.randn(8, 5, generator=g), torch.randn(3, 8, generator=g)
+
+    class Unrunnable:
+        def disable_guard_check(self):
+            pass
+
+        def __call__(self, *args, **kwargs):
+            raise AttributeError("'nemospec.kernel' has no attribute __closure__")
+
+    monkeypatch.setattr(compiled_store, "load", lambda path: Unrunnable())
+    steps = compiled._Steps(_Scaled(w).forward, "unrunnable")
+    with pytest.warns(UserWarning, match="saved step did not run .AttributeError"):
+        outs = [steps(("rows", 3), "unrunnable step", 2, x) for _ in range(3)]
+    assert "compiling unrunnable step" in capsys.readouterr().err and list(steps.ready) == [("rows", 3)]
+    bound = 2.0 * (matmul_bound(x, w) + 4 * torch.finfo(torch.float32).eps)
+    for out in outs:
+        assert_within(out, _Scaled(w).forward(x), bound, "compiled after the saved step failed")
+
+
+def test_compile_options_by_device_and_torch(monkeypatch):
+    """CUDA graphs are asked of inductor only on a CUDA device and only with NEMOSPEC_CUDA_GRAPHS=1;
+    options the installed torch lacks are dropped (torch 2.11 has no realize_cpu_opcount_threshold),
+    a sub-config's dotted name is kept."""
+    from runtime.compiled_steps import _known_options, device_options
+    monkeypatch.delenv("NEMOSPEC_CUDA_GRAPHS", raising=False)
+    assert device_options("cpu") == {} and device_options("cuda") == {}
+    monkeypatch.setenv("NEMOSPEC_CUDA_GRAPHS", "1")
+    assert device_options("cpu") == {} and device_options("cuda") == {"triton.cudagraphs": True}
+    kept = _known_options({"triton.cudagraphs": True, "cpp_wrapper": True, "no_such_option": 1, "triton.no_such": 2})
+    assert kept == {"triton.cudagraphs": True, "cpp_wrapper": True}
+
+
+def test_asking_for_aot_compile_imports_no_inductor_and_stubs_read_utf8():
+    """A Triton stub's interpreter starts in an ASCII locale, where importing inductor's lowering (its
+    UTF-8 templates) fails: probing the torch for ``aot_compile`` must not import it (a bench's served
+    run once died of that), and the server's env asks for UTF-8 anyway."""
+    import os
+    import subprocess
+    import sys
+    from serving.tritonserver import Tritonserver, server_env
+    code = ("import sys; from runtime.compiled_steps import _has_aot_compile; _has_aot_compile(); "
+            "assert 'torch._inductor.lowering' not in sys.modules, 'inductor imported'")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LC_", "LANG", "PYTHONUTF8"))}
+    run = subprocess.run([sys.executable, "-X", "utf8=0", "-c", code], env=dict(env, LC_ALL="C"),
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-1500:]
+    from pathlib import Path
+    assert server_env(Tritonserver(binary=Path("tritonserver")))["PYTHONUTF8"] == "1"
