@@ -5,6 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 DEMO   := build/demo
 MODE   ?= eagle3
+EMBEDDED ?= small
 
 .PHONY: setup test demo clean
 
@@ -22,7 +23,7 @@ test: setup
 	$(BIN)/python -m pytest -q -n auto --dist loadfile --durations=15
 
 demo: setup
-	MODE=$(MODE) $(BIN)/python -m nemospec.demo --workdir $(DEMO)
+	MODE=$(MODE) EMBEDDED=$(EMBEDDED) $(BIN)/python -m nemospec.demo --workdir $(DEMO)
 
 clean:
 	rm -rf $(VENV) build .pytest_cache

@@ -77,7 +77,9 @@ def main(argv=None):
     p.add_argument("--prompt", default=PROMPTS[1])
     p.add_argument("--max_new_tokens", type=int, default=96)
     from builder.embedded.sources import add_embedded_args
-    add_embedded_args(p, default="wide")
+    # small until the wide model's served demo is measured within `make demo`'s few minutes (a served
+    # compiled wide model warms up for minutes on a 2-core machine); EMBEDDED=wide make demo runs it
+    add_embedded_args(p, default=os.environ.get("EMBEDDED") or "small")
     args = p.parse_args(argv)
     from serving.client import stream_generate
     from serving.launch import free_port, serving
