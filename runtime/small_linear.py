@@ -45,8 +45,8 @@ import torch
 SOURCE = Path(__file__).with_name("kernels") / "small_linear.cpp"
 HEADERS = [SOURCE.with_name("bf16_dot.h"), SOURCE.with_name("bf16_fma.h")]
 # per form: the compiler flags (the source's vectors follow __AVX512F__) and the CPU flags it needs
-FORMS = {"avx512": (["-O3", "-mavx512f", "-mfma", "-std=c++17"], {"avx512f"}),
-         "avx2": (["-O3", "-mavx2", "-mfma", "-std=c++17"], {"avx2", "fma"})}
+FORMS = {"avx512": (["-O3", "-mavx512f", "-mfma", "-std=c++17", "-fopenmp"], {"avx512f"}),
+         "avx2": (["-O3", "-mavx2", "-mfma", "-std=c++17", "-fopenmp"], {"avx2", "fma"})}
 ISA_ENV = "NEMOSPEC_SMALL_LINEAR_ISA"
 C_SHIMS = {name: f"AOTITorchError aoti_torch_cpu_{name}(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* ret0)"
            for name in ("small_linear", "small_linear_bf16w", "small_linear_bf16")}
@@ -120,6 +120,7 @@ def load(cache: Path) -> bool:
         try:
             build = _build_dir(cache, name)
             load_extension(name=library, sources=[str(SOURCE)], extra_cflags=FORMS[name][0],
+                           extra_ldflags=["-fopenmp"],
                            build_directory=str(build), is_python_module=False, verbose=False)
         except Exception as e:  # no compiler, no ninja, a header missing: MKL it is
             warnings.warn(f"nemospec::small_linear not built ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
