@@ -154,6 +154,8 @@ def _offline(engine_dir: Path, prompts: list[list[int]], new_tokens: int, k: int
     generate(loaded.runner, prompts[:1], 8)
     trees = _TreeRuns(loaded, tree, k) if tree is not None else None
     compiled_before = len(COMPILE_LOG)
+    from runtime.small_linear import moe_counts
+    moe_before = moe_counts()
     spec_s = plain_s = 0.0
     tokens = forwards = 0
     hist: dict[str, int] = {}
@@ -185,6 +187,12 @@ def _offline(engine_dir: Path, prompts: list[list[int]], new_tokens: int, k: int
                                         is_block_draft(loaded.proposer()), getattr(loaded.runner, "verify_buckets", ())),
                              rates)
     out["draft_len_auto"] = {"k": best, "predicted": predicted, "rates": [round(a, 3) for a in rates]}
+    if moe_before is not None and getattr(loaded.config, "n_routed_experts", 0):
+        # a decode's MoE layers read top-k experts, a verify's the union over its rows (timed runs only)
+        calls, experts = (moe_counts() - moe_before).tolist()
+        out["moe_experts_read"] = {"experts": loaded.config.n_routed_experts,
+                                   "per_call_by_rows": {str(n): round(experts[n] / calls[n], 2)
+                                                        for n in range(1, len(calls)) if calls[n]}}
     if trees is not None:
         out["tree"] = trees.summary(spec_s, plain_s, mean, plain_costs)
     late = COMPILE_LOG[compiled_before:]

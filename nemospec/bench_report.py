@@ -108,6 +108,12 @@ def markdown(report: dict) -> str:
               "predicted speedup = tokens per step x target-only step / speculative step.", ""]
     lines += cost_table(report)
     lines += tree_table(report)
+    moe = {mode: m["moe_experts_read"] for mode, m in report["modes"].items() if m.get("moe_experts_read")}
+    if moe:
+        lines += ["", "MoE experts read per MoE layer call, by the call's rows (routed experts only; "
+                  "a decode is 1 row, a verify K+1):", ""]
+        lines += [f"- {mode}: " + ", ".join(f"{n} row(s): {v} of {m['experts']}" for n, v in m["per_call_by_rows"].items())
+                  for mode, m in moe.items()]
     lines += ["", "Acceptance histogram (tokens emitted per target forward: count):", ""]
     for mode, m in report["modes"].items():
         lines.append(f"- {mode}: " + ", ".join(f"{n}: {c}" for n, c in m["histogram"].items()))

@@ -43,13 +43,20 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("kernels") / "small_linear.cpp"
-HEADERS = [SOURCE.with_name("bf16_dot.h"), SOURCE.with_name("bf16_fma.h")]
-# per form: the compiler flags (the source's vectors follow __AVX512F__) and the CPU flags it needs
-FORMS = {"avx512": (["-O3", "-mavx512f", "-mfma", "-std=c++17", "-fopenmp"], {"avx512f"}),
-         "avx2": (["-O3", "-mavx2", "-mfma", "-std=c++17", "-fopenmp"], {"avx2", "fma"})}
+HEADERS = [SOURCE.with_name(name) for name in ("bf16_dot.h", "bf16_fma.h", "moe_routed.h")]
+# per form: the compiler flags (the source's vectors follow __AVX512F__) and the CPU flags it needs.
+# -fopenmp: ATen's parallel_for runs on one thread in code built without it; -ffp-contract=off: a
+# product and a sum written apart stay two roundings, as torch's ops round them (the kernels' FMAs
+# are written as intrinsics)
+_COMMON = ["-O3", "-mfma", "-std=c++17", "-fopenmp", "-ffp-contract=off"]
+FORMS = {"avx512": (["-mavx512f", *_COMMON], {"avx512f"}),
+         "avx2": (["-mavx2", *_COMMON], {"avx2", "fma"})}
 ISA_ENV = "NEMOSPEC_SMALL_LINEAR_ISA"
 C_SHIMS = {name: f"AOTITorchError aoti_torch_cpu_{name}(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* ret0)"
            for name in ("small_linear", "small_linear_bf16w", "small_linear_bf16")}
+C_SHIMS["moe_routed"] = ("AOTITorchError aoti_torch_cpu_moe_routed(AtenTensorHandle x, AtenTensorHandle index, "
+                         "AtenTensorHandle weights, AtenTensorHandle up, AtenTensorHandle down, int64_t act, "
+                         "int64_t form, AtenTensorHandle* ret0)")
 _loaded: str | None = None   # the form whose ops this process registered
 
 
@@ -132,7 +139,10 @@ def load(cache: Path) -> bool:
             print(f"built nemospec::small_linear ({name}) in {seconds:.1f} s", file=sys.stderr, flush=True)
 
         for op in C_SHIMS:
-            torch.library.register_fake(f"nemospec::{op}")(lambda x, w: x.new_empty((*x.shape[:-1], w.shape[0])))
+            if op != "moe_routed":
+                torch.library.register_fake(f"nemospec::{op}")(lambda x, w: x.new_empty((*x.shape[:-1], w.shape[0])))
+        torch.library.register_fake("nemospec::moe_routed")(
+            lambda x, index, weights, up, down, act, form: x.new_empty(x.shape))
 
         # the C shim's symbol, global, so that compiled graphs' wrappers resolve it when loaded
         ctypes.CDLL(str(build / f"{library}.so"), mode=os.RTLD_GLOBAL)
@@ -143,6 +153,12 @@ def load(cache: Path) -> bool:
     return True
 
 
+def moe_counts():
+    """``nemospec::moe_routed``'s running counts, [2, 49] int64: per row count (1..48, more in the
+    last slot), calls and experts run by them; None where the kernel is not loaded."""
+    return torch.ops.nemospec.moe_routed_counts() if _loaded else None
+
+
 def install(cache: Path) -> bool:
     """Makes the torch backend's ``linear`` call the kernel inside compiled graphs (idempotent);
     ``cache`` is the compile cache the kernel is built into."""
@@ -151,5 +167,5 @@ def install(cache: Path) -> bool:
         return False
     ops = torch.ops.nemospec
     torch_backend.use_small_linear(ops.small_linear, ops.small_linear_bf16w, bf16=True,
-                                   bf16_products_kernel=ops.small_linear_bf16)
+                                   bf16_products_kernel=ops.small_linear_bf16, moe_kernel=ops.moe_routed)
     return True

@@ -23,29 +23,34 @@ _ACTIVATIONS = {
 # products of at most this many rows go to the small-row kernel: its packed layout beat MKL at every
 # row count measured up to 48 (target weights, 1 thread: 17 rows 0.56 / 1.56 ms, 48 rows 1.44 / 3.43)
 SMALL_LINEAR_ROWS = 48
+MOE_ROUTED_ACTIVATIONS = ("relu2", "relu", "silu", "gelu")   # nemospec::moe_routed's, in its order
 EXPERT_LOOP_MAX = 16     # a batch-1 dense MoE runs one small-row product per expert up to this many
 _small_linear = None
 _small_linear_bf16w = None
 _small_linear_bf16 = None
+_moe_routed = None
 _small_linear_dtypes = (torch.float32,)
 PRODUCT_FORMS = ("float32", "bf16_weights", "bf16")
 _product_form = "float32"
 
 
-def use_small_linear(kernel, bf16_weights_kernel=None, bf16: bool = False, bf16_products_kernel=None) -> None:
+def use_small_linear(kernel, bf16_weights_kernel=None, bf16: bool = False, bf16_products_kernel=None,
+                     moe_kernel=None) -> None:
     """Sets the kernel (x [..., K], w [N, K] -> x @ w^T) that compiled graphs use for fp32
     products of few rows (``runtime.small_linear``), its form with w rounded to bf16 and its form
     with x and w rounded to bf16 (for graphs traced under ``product_form``); ``bf16``: the kernel
-    also multiplies bf16 x by bf16 w (a bf16 model; bf16 dot products, fp32 sums).
+    also multiplies bf16 x by bf16 w (a bf16 model; bf16 dot products, fp32 sums); ``moe_kernel``:
+    the routed experts of a few-row MoE step on the same products (``nemospec::moe_routed``).
     ``None`` restores torch's own."""
-    global _small_linear, _small_linear_bf16w, _small_linear_bf16, _small_linear_dtypes
+    global _small_linear, _small_linear_bf16w, _small_linear_bf16, _small_linear_dtypes, _moe_routed
     _small_linear, _small_linear_bf16w, _small_linear_bf16 = kernel, bf16_weights_kernel, bf16_products_kernel
     _small_linear_dtypes = (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
+    _moe_routed = moe_kernel if kernel is not None else None
 
 
 def small_linear_kernels() -> tuple:
     """What ``use_small_linear`` was given, as its arguments (to restore it)."""
-    return _small_linear, _small_linear_bf16w, torch.bfloat16 in _small_linear_dtypes, _small_linear_bf16
+    return _small_linear, _small_linear_bf16w, torch.bfloat16 in _small_linear_dtypes, _small_linear_bf16, _moe_routed
 
 
 @contextlib.contextmanager
@@ -79,12 +84,16 @@ def _kernel_for(x):
     return {"float32": _small_linear, "bf16_weights": _small_linear_bf16w, "bf16": _small_linear_bf16}[_product_form]
 
 
+def _kernel_runs(x, weight, shape) -> bool:
+    """Whether a traced product of x by weight (x's step shape ``shape``) runs the small-row kernel."""
+    return (_small_linear is not None and _kernel_for(x) is not None and torch.compiler.is_compiling()
+            and x.dtype in _small_linear_dtypes and weight.dtype == x.dtype and not getattr(weight, "is_nvfp4", False)
+            and x.device.type == "cpu" and _few_rows(shape))
+
+
 def linear(x, weight, bias=None):
-    kernel = _kernel_for(x) if _small_linear is not None else None
-    if (kernel is not None and torch.compiler.is_compiling() and x.dtype in _small_linear_dtypes
-            and weight.dtype == x.dtype and weight.dim() == 2 and not getattr(weight, "is_nvfp4", False)
-            and x.device.type == "cpu" and _few_rows(x.shape)):
-        y = kernel(x, weight)
+    if weight.dim() == 2 and _kernel_runs(x, weight, x.shape):
+        y = _kernel_for(x)(x, weight)
         return y if bias is None else y + bias
     if _product_form != "float32" and x.dtype == weight.dtype == torch.float32 and not getattr(weight, "is_nvfp4", False):
         # the form's semantics where the kernel does not run (eager calls, batch 2+, no AVX-512):
@@ -379,6 +388,10 @@ def moe(router_input, x, router_weight, router_bias, up, down, top_k, n_group, t
     router_input, x = router_input.reshape(-1, router_input.shape[-1]), x.reshape(-1, shape[-1])
     index, weights = route(router_input, router_weight, router_bias, top_k, n_group, topk_group,
                            norm_topk_prob, routed_scaling_factor)
+    if _moe_routed is not None and act in MOE_ROUTED_ACTIVATIONS and _kernel_runs(x, up, shape):
+        # a few rows on the compiled path: only the chosen experts' products, in the kernel
+        form = PRODUCT_FORMS.index(_product_form) if x.dtype == torch.float32 else 0
+        return _moe_routed(x, index, weights, up, down, MOE_ROUTED_ACTIVATIONS.index(act), form).reshape(shape)
     if torch.compiler.is_compiling():  # no data-dependent loop over the chosen experts
         return _moe_branch_free(x, index, weights, up, down, act, _few_rows(shape)).reshape(shape)
     if index.numel() <= 16 and x.is_cuda:  # a few tokens on a GPU: gather the chosen experts' weights

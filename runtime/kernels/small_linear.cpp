@@ -47,9 +47,11 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <mutex>
 #include <type_traits>
 #include <unordered_map>
+#include <vector>
 
 namespace {
 
@@ -497,6 +499,8 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w) { return produ
 at::Tensor small_linear_bf16w(const at::Tensor& x, const at::Tensor& w) { return product(x, w, Form::kBf16Weights); }
 at::Tensor small_linear_bf16(const at::Tensor& x, const at::Tensor& w) { return product(x, w, Form::kBf16Products); }
 
+#include "moe_routed.h"
+
 }  // namespace
 
 // The C entry point a compiled graph's C++ wrapper calls directly (inductor's custom_ops_to_c_shims),
@@ -520,6 +524,17 @@ extern "C" AOTITorchError aoti_torch_cpu_small_linear_bf16w(AtenTensorHandle x, 
 extern "C" AOTITorchError aoti_torch_cpu_small_linear_bf16(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* ret0) {
   return shim<small_linear_bf16>(x, w, ret0);
 }
+extern "C" AOTITorchError aoti_torch_cpu_moe_routed(AtenTensorHandle x, AtenTensorHandle index, AtenTensorHandle weights,
+                                                   AtenTensorHandle up, AtenTensorHandle down, int64_t act,
+                                                   int64_t form, AtenTensorHandle* ret0) {
+  using torch::aot_inductor::tensor_handle_to_tensor_pointer;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    *ret0 = torch::aot_inductor::new_tensor_handle(
+        moe_routed(*tensor_handle_to_tensor_pointer(x), *tensor_handle_to_tensor_pointer(index),
+                   *tensor_handle_to_tensor_pointer(weights), *tensor_handle_to_tensor_pointer(up),
+                   *tensor_handle_to_tensor_pointer(down), act, form));
+  });
+}
 
 // Turns the packed layout on or off for every later product; returns whether it was on.
 static bool small_linear_packing(bool on) { return packing.exchange(on); }
@@ -540,13 +555,16 @@ TORCH_LIBRARY(nemospec, m) {
   m.def("small_linear(Tensor x, Tensor w) -> Tensor");
   m.def("small_linear_bf16w(Tensor x, Tensor w) -> Tensor");
   m.def("small_linear_bf16(Tensor x, Tensor w) -> Tensor");
+  m.def("moe_routed(Tensor x, Tensor index, Tensor weights, Tensor up, Tensor down, int act, int form) -> Tensor");
   m.def("small_linear_packing(bool on) -> bool", &small_linear_packing);
   m.def("small_linear_pack_budget(int bytes) -> int", &small_linear_pack_budget);
   m.def("small_linear_packed_bytes() -> int", &small_linear_packed_bytes);
   m.def("small_linear_bf16_hardware() -> bool", &small_linear_bf16_hardware);
+  m.def("moe_routed_counts() -> Tensor", &moe_routed_counts);
 }
 TORCH_LIBRARY_IMPL(nemospec, CPU, m) {
   m.impl("small_linear", &small_linear);
   m.impl("small_linear_bf16w", &small_linear_bf16w);
   m.impl("small_linear_bf16", &small_linear_bf16);
+  m.impl("moe_routed", &moe_routed);
 }
