@@ -128,6 +128,26 @@ def l3_bytes() -> int | None:
     return max(sizes) if sizes else None
 
 
+def cpu_name() -> str:
+    """The CPU as /proc/cpuinfo names it, with its family/model and widest vector ISA (a report's
+    figures depend on which machine of a mixed pool ran them: Zen 1 AVX2 vs Zen 4 AVX-512)."""
+    fields: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("model name", "cpu family", "model", "flags") and key.strip() not in fields:
+                fields[key.strip()] = value.strip()
+            if line == "" and fields:
+                break
+    except OSError:
+        return platform.processor() or platform.machine()
+    flags = set(fields.get("flags", "").split())
+    isa = next((name for name, need in (("avx512_bf16", {"avx512_bf16"}), ("avx512f", {"avx512f"}),
+                                         ("avx2+fma", {"avx2", "fma"})) if need <= flags), "no avx2")
+    return (f"{fields.get('model name', platform.machine())} (family {fields.get('cpu family', '?')} "
+            f"model {fields.get('model', '?')}, {isa})")
+
+
 def _factor(embedded_model: str, factor: int | None) -> int:
     from builder.embedded.sources import DEFAULT_WIDE_FACTOR
     return factor if factor is not None else (DEFAULT_WIDE_FACTOR if embedded_model == "wide" else 1)
@@ -342,7 +362,7 @@ def run_bench(args) -> dict:
                     "max_new_tokens": new_tokens, "prompts": len(prompts), "runs": runs,
                     "machine": {"cpu_threads": torch.get_num_threads(), "platform": platform.platform(),
                                 "python": platform.python_version(), "torch": torch.__version__,
-                                "allocator": allocator.active(), "l3_bytes": l3_bytes(),
+                                "allocator": allocator.active(), "l3_bytes": l3_bytes(), "cpu": cpu_name(),
                                 "cuda": torch.cuda.is_available()},
                     "embedded": None if args.checkpoint_dir else {"model": embedded_model, "factor": _factor(embedded_model, factor)},
                     "model": portable_path(target_dir, root), "backend": backend,

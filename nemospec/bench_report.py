@@ -70,7 +70,8 @@ def _kernel(report: dict) -> str:
     """The small-row kernel's form the runs used (reports before it was recorded: nothing)."""
     if "small_linear" not in report["machine"]:
         return ""
-    return f", small-row kernel {report['machine']['small_linear'] or 'none (torch GEMM)'}"
+    cpu = f", CPU {report['machine']['cpu']}" if report["machine"].get("cpu") else ""
+    return f", small-row kernel {report['machine']['small_linear'] or 'none (torch GEMM)'}{cpu}"
 
 
 def _target(report: dict) -> str:

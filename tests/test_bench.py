@@ -24,6 +24,7 @@ def test_report_json_holds_every_field(report_dir):
     assert r["embedded"] == {"model": "wide", "factor": 2}
     assert r["target_weight_bytes"] == r["modes"]["eagle3"]["weight_bytes"]["target"] > 0
     assert r["machine"]["l3_bytes"] is None or r["machine"]["l3_bytes"] >= 1 << 20
+    assert "family" in r["machine"]["cpu"] and ("avx" in r["machine"]["cpu"]), r["machine"]["cpu"]
     for mode, m in r["modes"].items():
         auto = m["draft_len_auto"]            # the K the runs' own costs pick, and every K's prediction
         assert 1 <= auto["k"] <= r["num_draft_tokens"] and len(auto["rates"]) == r["num_draft_tokens"]
