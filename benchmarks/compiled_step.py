@@ -27,7 +27,7 @@ if __name__ == "__main__":   # timed on the allocator the commands use (runtime.
 
 def _measure(blocks: int, iters: int) -> dict:
     import torch
-    from runtime import compiled
+    from runtime.compiled.runner import STEP_CALLS
     from builder.embedded.sources import resolve_sources
     from runtime.loading import open_checkpoint
     target_dir, draft_dir = resolve_sources(None, "eagle3", None, None)
@@ -67,7 +67,7 @@ def _measure(blocks: int, iters: int) -> dict:
 
     e, c = steps(eager, ed), steps(comp, cd)
     for fn in c.values():            # compile (or load) every step: it compiles on its 2nd call
-        for _ in range(compiled.STEP_CALLS + 1):
+        for _ in range(STEP_CALLS + 1):
             fn()
     times = {n: {"eager": [], "compiled": []} for n in e}
     for _ in range(blocks):          # interleaved, so load from other work hits both alike

@@ -118,7 +118,7 @@ def widened(blocks: int) -> None:
 
 def steps(loaded, kernel, blocks: int) -> None:
     from builder.backends import torch_backend
-    from runtime import compiled
+    from runtime.compiled.steps import _own_code
     module, runner = loaded.runner.module, loaded.runner
     torch.manual_seed(0)
     prompt = torch.randint(0, loaded.config.vocab_size, (1, 64), dtype=torch.int32)
@@ -131,7 +131,7 @@ def steps(loaded, kernel, blocks: int) -> None:
     for side, k in (("torch", None), ("ours", kernel)):
         torch_backend.use_small_linear(k)
         for t in (1, 3, 5):
-            fn = torch.compile(compiled._own_code(module.forward), fullgraph=True, dynamic=False,
+            fn = torch.compile(_own_code(module.forward), fullgraph=True, dynamic=False,
                                options={"cpp_wrapper": True})
             args = (prompt[:, :t], pos[:, :t] + 64, torch.tensor([t], dtype=torch.int32),
                     torch.arange(t, dtype=torch.int32)[None], state)
@@ -167,12 +167,13 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     from builder.embedded.sources import resolve_sources
-    from runtime import compiled, small_linear
+    from runtime import small_linear
+    from runtime.compiled.steps import _configure, cache_dir
     from runtime.loading import open_checkpoint
-    if not small_linear.load(compiled.cache_dir().parent):
+    if not small_linear.load(cache_dir().parent):
         print("nemospec::small_linear is not available on this CPU (it needs AVX-512F, or AVX2 and FMA)")
         return 1
-    compiled._configure()
+    _configure()
     kernel = torch.ops.nemospec.small_linear
     target, _ = resolve_sources(None, "eagle3", None, None)
     loaded = open_checkpoint(target, backend="torch")

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 if __name__ == "__main__":   # timed on the allocator the commands use (runtime.allocator)
     from runtime.allocator import preload
     preload()
-from runtime.compiled import warm_up  # noqa: E402
+from runtime.compiled.runner import warm_up  # noqa: E402
 from runtime.generation import generate  # noqa: E402
 from runtime.loading import open_checkpoint  # noqa: E402
 

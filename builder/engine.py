@@ -60,9 +60,9 @@ class BuildOptions:
     draft_confidence_threshold: float = 0.0
     acceptance_rate_threshold: float = 0.0
     acceptance_rate_window_size: int = 8
-    # tree speculation defaults (runtime.tree_draft; generate/serve --tree turns it on)
+    # tree speculation defaults (runtime.tree.draft; generate/serve --tree turns it on)
     max_tree_nodes: int = 16
-    tree_topk: int = 0          # 0: by draft kind (runtime.tree_draft.default_topk)
+    tree_topk: int = 0          # 0: by draft kind (runtime.tree.draft.default_topk)
     tree_depth: int = 0                 # 0: max_draft_len
     tree_engines: bool = False          # also build tree_verify.engine (+ draft_tree.engine): --tree on TensorRT
     # scale: weight-stripped refittable engines, a host-memory limit, a trial build of the first layers
@@ -193,9 +193,9 @@ TREE_INPUTS = {"parents": {"shape": ["batch", "tokens"], "dtype": "int32"},
 
 
 def tree_verify_component(module: NemotronH, options: BuildOptions, name: str = "tree_verify") -> Component:
-    """A NemotronH scoring a token tree in one forward (row 0 the root; ``runtime.tree``'s parents and
-    ancestor mask): the target's tree verify, or (``name="draft_tree"``) a draft_target draft's tree
-    step. One profile of up to max_tree_nodes + 1 rows."""
+    """A NemotronH scoring a token tree in one forward (row 0 the root; parents and ancestor mask as
+    in ``runtime.tree.paths``): the target's tree verify, or (``name="draft_tree"``) a draft_target
+    draft's tree step. One profile of up to max_tree_nodes + 1 rows."""
     def call(f):
         logits, new_state, features = module.forward(f["input_ids"], f["positions"], f["lengths"], f["logit_index"],
                                                      _state_feeds(f), verify=True, tree=(f["parents"], f["ancestors"]))
@@ -205,7 +205,7 @@ def tree_verify_component(module: NemotronH, options: BuildOptions, name: str = 
 
 
 def draft_tree_component(module, options: BuildOptions) -> Component:
-    """A chain draft's step over a tree frontier (``runtime.tree_draft.feature_expand``): row (b, f)
+    """A chain draft's step over a tree frontier (``runtime.tree.draft.feature_expand``): row (b, f)
     is a node's token with its parent's ``hidden_out``, RoPE at ``positions`` (eagle, eagle3), KV
     written at ``slots``, attending to the cache rows ``visible`` [B, F, S] marks. Frontiers hold up
     to max_tree_nodes rows."""

@@ -18,7 +18,7 @@ fails its compiler's CUDA check). There ``--strip_plan`` records each such weigh
 of static shape instead (method "inputs"): the plan holds no weight, and the runner binds the same
 safetensors bytes (:func:`input_weights`, one device copy shared by the engines) at every execution.
 It takes FP4 and FP8 inputs, so NVFP4 bytes are bound as the file holds them and dequantized in the
-network (the lowering: ``builder.backends.trt_backend._nvfp4_weight``).
+network (the lowering: ``builder.backends.trt_recorder.Recorder.nvfp4_weight``).
 """
 from __future__ import annotations
 

@@ -167,7 +167,8 @@ def _offline(engine_dir: Path, prompts: list[list[int]], new_tokens: int, k: int
     from runtime.loading import open_engine_dir
     from runtime.speculative import speculative_generate
     from runtime.step_costs import StepCosts, cost_model
-    from runtime.compiled import COMPILE_LOG, warm_up
+    from runtime.compiled.runner import warm_up
+    from runtime.compiled.steps import COMPILE_LOG
     loaded = open_engine_dir(engine_dir, backend)
     warm_up(loaded, prompts[:1], k)
     speculative_generate(loaded.runner, loaded.proposer(), prompts[:1], 8, k)      # warm-up (allocations, caches)
@@ -232,7 +233,7 @@ class _TreeRuns:
         from runtime.step_costs import StepCosts
         self.loaded, self.shape = loaded, shape
         self.run_one = lambda ids, n: speculative_generate(loaded.runner, loaded.proposer(), [ids], n, k, tree=shape)
-        from runtime.compiled import warm_up
+        from runtime.compiled.runner import warm_up
         if not warm_up(loaded, [[0, 1, 2]], k, shape):   # compiled: its tree shapes, a draft's queued rows too
             self.run_one([0, 1, 2], 8)                   # eager: allocations and caches
         self.seconds, self.tokens, self.costs = 0.0, 0, StepCosts()
@@ -348,7 +349,7 @@ def run_bench(args) -> dict:
     k = args.num_draft_tokens
     tree = None
     if getattr(args, "tree", False):
-        from runtime.tree_draft import TreeShape, default_topk
+        from runtime.tree.draft import TreeShape, default_topk
         tree = {mode: TreeShape(args.max_tree_nodes, args.tree_topk or default_topk(mode), args.tree_depth or k)
                 for mode in modes}
     root = Path(args.output_dir)

@@ -9,6 +9,7 @@ if __name__ == "__main__":   # a model process: mimalloc first (runtime.allocato
 import argparse
 import json
 import sys
+from dataclasses import replace
 
 from rich.console import Console
 
@@ -18,7 +19,7 @@ from builder.engine import TREE_STEP_KINDS
 from runtime import allocator
 from runtime.draft_len import AUTO, draft_len_arg
 from runtime.draft_policy import POLICY_FLAGS, add_policy_args, policy_from
-from runtime.tree_draft import TREE_FLAGS, add_tree_args, tree_from
+from runtime.tree.draft import TREE_FLAGS, add_tree_args, tree_from
 from runtime.step_costs import cost_line
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)   # one error, one line: never broken at 80 columns
@@ -263,6 +264,7 @@ def cmd_generate(args):
     speculate = loaded.speculative is not None and not args.no_speculation
     auto_k = args.num_draft_tokens == AUTO
     k = loaded.max_draft_len if args.num_draft_tokens is None or auto_k else args.num_draft_tokens
+    auto_nodes = args.tree and args.max_tree_nodes == "auto"
     if auto_k and (not speculate or args.tree):
         raise NemospecError("--num_draft_tokens auto: picks a chain's K; this run is "
                             + ("a tree run (size trees with --max_tree_nodes)" if args.tree else "target-only"))
@@ -294,8 +296,21 @@ def cmd_generate(args):
             raise NemospecError(f"--trace {args.trace}: cannot write ({e.strerror})") from None
     try:
         if loaded.backend == "compiled":  # compile (or load from the cache) the steps this run uses, untimed
-            from runtime.compiled import warm_up
+            from runtime.compiled.runner import warm_up
             warm_up(loaded, prompts, k if speculate else 0, tree, max_seq_len=loaded.max_seq_len, prefill_chunk=chunk)
+        if auto_nodes:   # each candidate size (and the chain) on the first prompt; keep the fastest
+            from runtime.tree.sizing import calibrate_tree, describe as describe_tree
+
+            def warm(shape):
+                if loaded.backend == "compiled":
+                    warm_up(loaded, prompts[:1], k, shape, max_seq_len=loaded.max_seq_len, prefill_chunk=chunk)
+            tree_choice = calibrate_tree(loaded, prompts[0], k, tree, tree.max_nodes, warm=warm,
+                                         max_seq_len=loaded.max_seq_len, prefill_chunk=chunk)
+            err.print(describe_tree(tree_choice), markup=False)
+            size = tree_choice["max_tree_nodes"]
+            tree = None if size is None else replace(tree, max_nodes=size)
+            if loaded.backend == "compiled":
+                warm_up(loaded, prompts, k, tree, max_seq_len=loaded.max_seq_len, prefill_chunk=chunk)
         if auto_k:   # measure both sides on the first prompt, pick K, then warm that K's steps
             from runtime.draft_len import calibrate, describe
             choice = calibrate(loaded, prompts[0], k, max_seq_len=loaded.max_seq_len, prefill_chunk=chunk)
@@ -362,6 +377,8 @@ def cmd_generate(args):
             record["num_draft_tokens"] = k
             if auto_k:
                 record["draft_len_auto"] = choice
+            if auto_nodes:
+                record["tree_auto"] = tree_choice
         if texts is not None:
             record["text"] = texts[0] if single else texts
         print(json.dumps(record))

@@ -15,7 +15,7 @@ import torch
 from builder.engine import BuildOptions, draft_components
 from runtime.sampling import top_probability
 from runtime.state import allocate
-from runtime.tree_draft import feature_expand, grow_greedy
+from runtime.tree.draft import feature_expand, grow_greedy
 
 
 def _present(out: dict) -> dict:

@@ -101,7 +101,7 @@ def _eager_proposer(draft, vocab_size: int, device, chunk: int, compiled: bool =
     compiled, its weights rounded to bf16 there with ``weight_dtype="bfloat16"``, its products'
     inputs with ``matmul_precision="medium"``)."""
     if compiled:
-        from runtime.compiled import CompiledDraft, CompiledRunner
+        from runtime.compiled.runner import CompiledDraft, CompiledRunner
         draft = quantization.dequantized_module(draft)   # FP4 weights once, not per call: one graph per step
     if _draft_kind(draft) == "draft_target":
         runner = (CompiledRunner(draft, device, weight_dtype=weight_dtype, matmul_precision=matmul_precision)
@@ -151,7 +151,7 @@ def open_checkpoint(checkpoint_dir, dtype="auto", device=None, mode=None, draft_
     _place_modules(device, module, draft.module if draft else None)
     tok = Path(checkpoint_dir) / "tokenizer.json"
     if backend == "compiled":
-        from runtime.compiled import CompiledRunner
+        from runtime.compiled.runner import CompiledRunner
         runner = CompiledRunner(module, device, max_draft_len, matmul_precision=matmul_precision)
     else:
         runner = TorchRunner(module, device)
@@ -210,7 +210,7 @@ def open_engine_dir(engine_dir, backend="auto", device=None, matmul_precision: s
     if backend == "torch":
         runner = TorchRunner(target, device)
     elif backend == "compiled":  # the engine directory's weights and module, compiled for the CPU
-        from runtime.compiled import CompiledRunner
+        from runtime.compiled.runner import CompiledRunner
         runner = CompiledRunner(target, device, build.get("max_draft_len", 0),
                                 matmul_precision=build.get("matmul_precision", "highest"))
     else:

@@ -54,7 +54,7 @@ def shape(logits: torch.Tensor, seqs, drafts: torch.Tensor | None = None) -> tor
 def shape_tree(logits: torch.Tensor, seqs, tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor):
     """A tree verify's logits [B, T, V]: row r is shaped with the history its root path continues
     (the sequence so far plus the drafted tokens from the root's child down to r)."""
-    from runtime.tree import ancestors
+    from runtime.tree.paths import ancestors
     params = [s.params for s in seqs]
     if not any(p.banned or p.uses_history for p in params):
         return logits

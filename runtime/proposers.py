@@ -27,8 +27,8 @@ from runtime.prefill import prefill
 from runtime.rollback import select_snapshots
 from runtime.sampling import draw, top_probability
 from runtime.state import chunk_inputs, keep_rows
-from runtime.tree import ancestors
-from runtime.tree_draft import DraftTree, TreeShape, feature_expand, grow, model_expand
+from runtime.tree.draft import DraftTree, TreeShape, feature_expand, grow, model_expand
+from runtime.tree.paths import ancestors
 
 
 def _take_rows(state: dict, keep: torch.Tensor) -> dict:
@@ -163,7 +163,7 @@ class ModelDraftProposer(_PerSequence):
         return chain.result()
 
     def propose_tree(self, shape: TreeShape, params) -> DraftTree:
-        """EAGLE-2 tree growth (``runtime.tree_draft.model_expand``): the queued tokens but the root
+        """EAGLE-2 tree growth (``runtime.tree.draft.model_expand``): the queued tokens but the root
         (the last accepted one) are consumed; each depth runs one tree forward of the draft from
         there over the root and the nodes expanded so far, leaving the draft's state as it was.
         ``accept`` then queues the root and the accepted path for the next catch-up."""
@@ -317,7 +317,7 @@ class FeatureDraftProposer(_PerSequence):
         return chain.result()
 
     def propose_tree(self, shape: TreeShape, params) -> DraftTree:
-        """EAGLE-2 tree growth (``runtime.tree_draft.feature_expand``): one draft forward per depth
+        """EAGLE-2 tree growth (``runtime.tree.draft.feature_expand``): one draft forward per depth
         over the frontier nodes. Greedy rows with rows queued grow the whole tree in one
         ``draft.tree_chain`` call (catch-up, every depth and the selection); others step by step."""
         room = next(iter(self.state.values())).shape[1]

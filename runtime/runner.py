@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 
 from runtime import state as state_lib
-from runtime.tree import ancestors, greedy_path
+from runtime.tree.paths import ancestors, greedy_path
 
 
 class Runner(Protocol):
@@ -49,7 +49,7 @@ def verify_greedy(module, input_ids, positions, lengths, logit_index, state):
 
 def verify_tree_greedy(module, input_ids, positions, state, parents, base, depth: int):
     """A greedy tree step whole: the tree verify of input_ids [B, T] (row 0 the root) with ``parents``
-    [B, T], the greedy accept (``runtime.tree.greedy_path``) and ``tree_rollback`` to the accepted
+    [B, T], the greedy accept (``runtime.tree.paths.greedy_path``) and ``tree_rollback`` to the accepted
     path, with no host round trip between them; ``depth`` (the tree shape's) fixes the ancestor
     gathers and the path width depth + 1. Returns (paths [B, depth + 1], lengths [B], bonus [B],
     logits [B, T, V], the rolled-back state, the verify's features)."""

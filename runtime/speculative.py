@@ -18,8 +18,8 @@ from runtime.batching import SpeculativeGroup
 from runtime.draft_policy import DraftPolicy
 from runtime.generation import GenerationResult, check_request, run_group
 from runtime.sampling import SamplingParams
-from runtime.tree_draft import TreeShape
-from runtime.tree_group import TreeSpeculativeGroup
+from runtime.tree.draft import TreeShape
+from runtime.tree.group import TreeSpeculativeGroup
 
 
 def acceptance_stats(histogram, draft_len, verifies, prefill_forwards) -> dict:
@@ -44,7 +44,7 @@ def speculative_generate(target, proposer, prompts: list[list[int]], max_new_tok
     from, ``k`` verified for it (0: a target-only step), ``proposed`` ids, ``accepted`` (how many of
     them), ``bonus`` (the target's token after them), ``emitted`` (tokens of accepted + bonus that
     reached the output before a stop), ``draft_ms`` / ``verify_ms`` of the batch's step). ``tree``:
-    verify token trees of that shape instead of chains (``runtime.tree_group``)."""
+    verify token trees of that shape instead of chains (``runtime.tree.group``)."""
     check_request(prompts, max_new_tokens, max_seq_len, target.config.vocab_size)
     if draft_len < 1:
         raise ValueError(f"draft_len: expected >= 1, got {draft_len}")

@@ -103,7 +103,7 @@ def embedded_model(deadline: float, device: str = "cuda", new: int = 64, backend
         try:
             tree = None
             if tree_nodes:
-                from runtime.tree_draft import TreeShape, default_topk
+                from runtime.tree.draft import TreeShape, default_topk
                 tree = TreeShape(tree_nodes, default_topk(mode), k)
             row = _measure_mode(mode, k, prompts, device, new, backend, deadline, tree)
         except Exception as e:
@@ -115,7 +115,7 @@ def embedded_model(deadline: float, device: str = "cuda", new: int = 64, backend
 
 def _measure_mode(mode, k, prompts, device, new, backend, deadline, tree=None) -> dict:
     from builder import embedded
-    from runtime.compiled import COMPILE_LOG
+    from runtime.compiled.steps import COMPILE_LOG
     from runtime.generation import generate
     from runtime.loading import open_checkpoint
     from runtime.speculative import speculative_generate
@@ -172,9 +172,10 @@ def _measure_mode(mode, k, prompts, device, new, backend, deadline, tree=None) -
 
 
 def _warm_prompt(loaded, ids, new, k) -> int:
-    """The compiled path's warm-up for this prompt (runtime.compiled.warm_up: its steps, every draft
+    """The compiled path's warm-up for this prompt (runtime.compiled.runner.warm_up: its steps, every draft
     chain bucket and the plain draft step's); returns the compile log's length after it."""
-    from runtime.compiled import COMPILE_LOG, warm_up
+    from runtime.compiled.runner import warm_up
+    from runtime.compiled.steps import COMPILE_LOG
     warm_up(loaded, [ids], k)
     return len(COMPILE_LOG)
 
@@ -201,7 +202,7 @@ def embedded_model_trees(deadline: float, device: str = "cuda", new: int = 64) -
 
 def embedded_model_cuda_graphs(deadline: float, device: str = "cuda", new: int = 64) -> dict:
     """The compiled path with each step replayed as a CUDA graph (NEMOSPEC_CUDA_GRAPHS=1,
-    runtime.compiled.device_options), eagle3: what the host's kernel launches cost the plain compiled path."""
+    runtime.compiled.steps.device_options), eagle3: what the host's kernel launches cost the plain compiled path."""
     os.environ["NEMOSPEC_CUDA_GRAPHS"] = "1"
     try:
         return embedded_model_compiled(deadline, device, new)

@@ -21,7 +21,7 @@ from nemospec import cli
 from runtime.generation import generate
 from runtime.loading import AUTO_COMPILE_MIN_TOKENS, open_checkpoint, resolve_backend
 from runtime.speculative import speculative_generate
-from runtime.tree_draft import TreeShape
+from runtime.tree.draft import TreeShape
 
 RAGGED = [[5, 9, 17, 33, 8, 100, 7], [42], [3, 4, 5, 6]]
 NEW = 16
@@ -101,8 +101,8 @@ def test_confidence_stop_trims_the_one_call_chain_to_a_compiled_verify(models, m
     proposes (same trace, eager); compiled, a prefix of 3 is cut to 2 (verify lengths 2, 3 and 5 are
     graphs, 4 is not; later steps start elsewhere), no step runs the unfused verify, and the ids equal
     target-only greedy."""
-    from runtime import compiled as compiled_module
     from runtime import proposers
+    from runtime.compiled.runner import CompiledRunner
     from runtime.draft_policy import DraftPolicy
     eager, compiled = models
     policy = DraftPolicy(4, confidence_threshold=0.6)
@@ -125,7 +125,7 @@ def test_confidence_stop_trims_the_one_call_chain_to_a_compiled_verify(models, m
     fused, chains = run(eager, True)
     assert fused == step_by_step and no_chain == 0 and chains == len(fused)   # every step one chain call
     assert 3 in fused and 4 in fused, fused          # a prompt where the trim cuts and where it does not
-    monkeypatch.setattr(compiled_module.CompiledRunner, "rollback", lambda *a: pytest.fail("unfused verify"))
+    monkeypatch.setattr(CompiledRunner, "rollback", lambda *a: pytest.fail("unfused verify"))
     lengths, _ = run(compiled, True)
     cut = fused.index(3) + 1                      # the steps agree until the cut (then positions differ)
     assert lengths[:cut] == [2 if n == 3 else n for n in fused[:cut]] and set(lengths) <= {1, 2, 4}, lengths
@@ -190,7 +190,7 @@ def test_warm_up_compiles_every_catch_up_bucket_and_nothing_compiles_after(model
     """A chain pads its catch-up chunk (1..K+1 accepted rows) to 1, 2, 3 or K+1 rows, one graph each:
     warm_up compiles all four whatever its own steps accepted, so a later run compiles nothing mid-run,
     and its greedy ids still equal eager target-only."""
-    from runtime.compiled import warm_up
+    from runtime.compiled.runner import warm_up
     eager, compiled = models
     prompts = RAGGED[:1]
     warm_up(compiled, prompts, 4)
@@ -208,7 +208,8 @@ def test_warm_up_compiles_the_plain_draft_steps_a_prompt_chunk_meets(one_thread)
     5 + 1), a step the warm-up's own prompt (6 tokens: one 5-row chunk) never meets: warm_up compiles
     the plain step's 1-row and K+1-row buckets anyway, so nothing compiles or loads mid-run (a bench's
     eagle and mtp rows once paid 6-12 s of compile inside their timings)."""
-    from runtime.compiled import COMPILE_LOG, warm_up
+    from runtime.compiled.runner import warm_up
+    from runtime.compiled.steps import COMPILE_LOG
     target, draft_dir = embedded.target_dir(), embedded.draft_dir("eagle3")
     fresh = open_checkpoint(target, mode="eagle3", draft_dir=draft_dir, backend="compiled")
     warm_up(fresh, [[5, 9, 17, 33, 8, 100]], 4)
@@ -224,7 +225,7 @@ def test_warm_up_compiles_the_plain_draft_steps_a_prompt_chunk_meets(one_thread)
 
 def test_the_runtime_steps_run_as_direct_calls(models):
     """The steps a speculative and a target-only run repeat (decode, greedy verify, the draft chain)
-    are explained by their recordings and called directly (runtime.direct_call); the greedy ids of
+    are explained by their recordings and called directly (runtime.compiled.direct_call); the greedy ids of
     the tests above went through those calls. New capacities (other max_new_tokens) keep them."""
     eager, compiled = models
     for new in (NEW, 2 * NEW + 3):
@@ -260,7 +261,7 @@ def test_short_prompts_prefill_as_compiled_chunks(models):
     chunks (eagerly an 11-token prompt cost 6.0 ms, compiled 2.2 ms): every row's features come back
     and greedy ids equal eager's, target-only and speculative; a longer chunk, and a batch's prefill,
     stay eager."""
-    from runtime.compiled import PROMPT_COMPILED_MAX, PROMPT_ROWS
+    from runtime.compiled.runner import PROMPT_COMPILED_MAX, PROMPT_ROWS
     from runtime.prefill import prefill
     eager, compiled = models
     torch.manual_seed(0)

@@ -12,7 +12,7 @@ from builder import embedded
 from runtime.generation import generate
 from runtime.loading import open_checkpoint
 from runtime.speculative import speculative_generate
-from runtime.tree_draft import TreeShape
+from runtime.tree.draft import TreeShape
 from test_compiled import NEW, RAGGED
 from tests.tolerances import assert_within
 
@@ -57,7 +57,7 @@ def test_draft_target_warm_up_compiles_every_draft_step(one_thread):
     accepted step, which a short warm-up may not repeat: warm_up compiles it anyway, so a timed run
     never compiles (the bench's draft_target line once paid a 10 s compile inside its first run).
     Greedy ids equal the eager path's."""
-    from runtime.compiled import warm_up
+    from runtime.compiled.runner import warm_up
     target, draft = embedded.target_dir(), embedded.draft_dir("draft_target")
     eager = open_checkpoint(target, mode="draft_target", draft_dir=draft, backend="torch")
     compiled = open_checkpoint(target, mode="draft_target", draft_dir=draft, backend="compiled")
@@ -134,9 +134,9 @@ def test_same_shape_models_keep_their_own_graphs(tmp_path, one_thread):
     (one code object per compiled step, so no cache holds another model's). Two same-shape targets
     with different weights, stepped alternately in one process: each gives its own eager greedy ids,
     and those differ (so a swapped graph would be caught)."""
-    from runtime import compiled as compiled_lib
+    from runtime.compiled.steps import _skip_guards
     from tiny_models import DENSE, make_checkpoint
-    assert compiled_lib._skip_guards()
+    assert _skip_guards()
     dirs = [make_checkpoint(tmp_path / f"m{seed}", DENSE, seed) for seed in (3, 4)]
     eager = [generate(open_checkpoint(d, backend="torch").runner, [RAGGED[0]], NEW).output_ids for d in dirs]
     assert eager[0] != eager[1]

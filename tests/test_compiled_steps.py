@@ -1,4 +1,4 @@
-"""The step compiler's mechanics (runtime.compiled_steps): a recurring key runs compiled, guards off
+"""The step compiler's mechanics (runtime.compiled.steps): a recurring key runs compiled, guards off
 or on; a tensor passed twice; stop_compiling; graphs saved and loaded by a later process, keyed by
 what they close over, compiled again where a saved one cannot run; compile options by device and
 torch; asking for aot_compile imports no inductor. Toy functions: no model to load."""
@@ -21,9 +21,9 @@ def test_steps_run_a_recurring_key_compiled(monkeypatch, check_guards):
     by default the graph is called directly (no dynamo frame, no guards: the key must name the
     shapes), with NEMOSPEC_CHECK_GUARDS=1 through dynamo, where a shape the key does not name still
     computes the right thing (dynamo recompiles)."""
-    from runtime import compiled
+    from runtime.compiled.steps import _Steps
     monkeypatch.setenv("NEMOSPEC_CHECK_GUARDS", check_guards)
-    steps = compiled._Steps(functools.partial(_toy, scale=2.0), "toy")
+    steps = _Steps(functools.partial(_toy, scale=2.0), "toy")
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(3, 8, generator=g), torch.randn(8, 5, generator=g)
     want = _toy(x, w, 2.0)
@@ -48,14 +48,14 @@ def test_a_step_first_called_with_one_tensor_twice_computes_two_tensors_later(tm
     logit rows) must not leave a graph that reads the first input for both: later calls with two
     tensors (a real verify) got the positions as row indices (an index error, or wrong rows). The
     first calls' own result stays right too, and a process that loads the saved step agrees."""
-    from runtime import compiled
+    from runtime.compiled.steps import _Steps
     monkeypatch.setenv("NEMOSPEC_COMPILE_CACHE", str(tmp_path))
     a, b = torch.arange(4.0), torch.full((4,), 10.0)
-    steps = compiled._Steps(_weighted, "weighted")
+    steps = _Steps(_weighted, "weighted")
     for _ in range(4):   # eager, compiled (recorded), recorded, direct
         assert torch.equal(steps(("n", 4), "weighted", 2, a, a), _weighted(a, a))
     if saved:            # a later process: the step loads from the cache, first called with two tensors
-        steps = compiled._Steps(_weighted, "weighted")
+        steps = _Steps(_weighted, "weighted")
         for _ in range(2):
             assert torch.equal(steps(("n", 4), "weighted", 2, a, a), _weighted(a, a))
     assert list(steps.ready) == [("n", 4)]
@@ -66,13 +66,13 @@ def test_a_step_first_called_with_one_tensor_twice_computes_two_tensors_later(tm
 def test_a_batch_step_first_called_with_one_tensor_twice_keeps_its_batch_dynamic():
     """The copy that separates a tensor passed twice keeps the dims marked dynamic (as ``_prepare``
     marks a batch of 2+): the graph captured at batch 2 serves batch 3 with two tensors."""
-    from runtime import compiled
+    from runtime.compiled.steps import _Steps
 
     def batch(n, fill):
         t = torch.arange(4.0).repeat(n, 1) + fill
         torch._dynamo.maybe_mark_dynamic(t, 0)
         return t
-    steps = compiled._Steps(_weighted, "weighted batch")
+    steps = _Steps(_weighted, "weighted batch")
     a2 = batch(2, 0.0)
     for _ in range(3):
         assert torch.equal(steps(("batch", 4), "weighted", 2, a2, a2), _weighted(a2, a2))
@@ -85,14 +85,14 @@ def test_after_stop_compiling_a_new_key_runs_eagerly_and_compiled_ones_stay(monk
     """A server warms up, then stops compiling (``warm_up_for_serving``): a key compiled before keeps
     its graph, a key seen only afterwards runs the function eagerly however often it recurs, so no
     request waits behind a compile."""
-    from runtime import compiled
-    monkeypatch.setitem(compiled._COMPILING, "on", True)
-    steps = compiled._Steps(functools.partial(_toy, scale=2.0), "toy")
+    from runtime.compiled.steps import _COMPILING, _Steps, stop_compiling
+    monkeypatch.setitem(_COMPILING, "on", True)
+    steps = _Steps(functools.partial(_toy, scale=2.0), "toy")
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(3, 8, generator=g), torch.randn(8, 5, generator=g)
     for _ in range(2):
         steps(("rows", 3), "toy", 2, x, w)
-    compiled.stop_compiling()
+    stop_compiling()
     x2 = torch.randn(2, 8, generator=g)
     outs = [steps(("rows", 2), "toy", 2, x2, w) for _ in range(20)]
     assert list(steps.ready) == [("rows", 3)], "nothing compiles once compiling stopped"
@@ -115,7 +115,7 @@ def test_compiled_steps_are_saved_and_a_later_process_loads_them(tmp_path, monke
     """A compiled step is written to the cache directory whole; a new ``_Steps`` over an equal module
     (a later process) loads it instead of compiling and computes the same; a module with other weights
     or a damaged file compiles afresh (with a warning for the file)."""
-    from runtime import compiled
+    from runtime.compiled.steps import _Steps
     monkeypatch.setenv("NEMOSPEC_COMPILE_CACHE", str(tmp_path))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))   # _configure points it there: restored after
     monkeypatch.setenv("NEMOSPEC_CHECK_GUARDS", "0")
@@ -124,7 +124,7 @@ def test_compiled_steps_are_saved_and_a_later_process_loads_them(tmp_path, monke
     bound = 2.0 * (matmul_bound(x, w) + 4 * torch.finfo(torch.float32).eps)
 
     def run(module):
-        steps = compiled._Steps(module.forward, "scaled")
+        steps = _Steps(module.forward, "scaled")
         outs = [steps(("rows", 3), "scaled step", 2, x) for _ in range(3)]
         return steps, outs, capsys.readouterr().err
 
@@ -149,7 +149,7 @@ def test_compiled_steps_are_saved_and_a_later_process_loads_them(tmp_path, monke
 def test_a_saved_step_of_a_closure_is_keyed_by_what_it_closes_over(tmp_path, monkeypatch, capsys):
     """A step function that closes over its module (a component's call): dynamo bakes the weights
     into the graph, so the cell's module names the file; other weights never load that graph."""
-    from runtime import compiled
+    from runtime.compiled.steps import _Steps
     monkeypatch.setenv("NEMOSPEC_COMPILE_CACHE", str(tmp_path))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("NEMOSPEC_CHECK_GUARDS", "0")
@@ -162,7 +162,7 @@ def test_a_saved_step_of_a_closure_is_keyed_by_what_it_closes_over(tmp_path, mon
         return call
 
     for weights, want in ((w, "compiling"), (w + 1.0, "compiling"), (w.clone(), "loaded")):
-        steps = compiled._Steps(closing_over(_Scaled(weights)), "closure")
+        steps = _Steps(closing_over(_Scaled(weights)), "closure")
         out = [steps(("rows", 3), "closure step", 2, x) for _ in range(3)][-1]
         assert f"{want} closure step" in capsys.readouterr().err
         bound = 2.0 * (matmul_bound(x, weights) + 4 * torch.finfo(torch.float32).eps)
@@ -172,7 +172,8 @@ def test_a_saved_step_of_a_closure_is_keyed_by_what_it_closes_over(tmp_path, mon
 def test_a_saved_step_that_cannot_run_here_is_compiled_again(tmp_path, monkeypatch, capsys):
     """A step that loads but fails on its first call (saved by a process that had something this
     one lacks, e.g. a test's patched kernel) is compiled afresh, with a warning naming the file."""
-    from runtime import compiled, compiled_store
+    from runtime.compiled import store
+    from runtime.compiled.steps import _Steps
     monkeypatch.setenv("NEMOSPEC_COMPILE_CACHE", str(tmp_path))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("NEMOSPEC_CHECK_GUARDS", "0")
@@ -186,8 +187,8 @@ def test_a_saved_step_that_cannot_run_here_is_compiled_again(tmp_path, monkeypat
         def __call__(self, *args, **kwargs):
             raise AttributeError("'nemospec.kernel' has no attribute __closure__")
 
-    monkeypatch.setattr(compiled_store, "load", lambda path: Unrunnable())
-    steps = compiled._Steps(_Scaled(w).forward, "unrunnable")
+    monkeypatch.setattr(store, "load", lambda path: Unrunnable())
+    steps = _Steps(_Scaled(w).forward, "unrunnable")
     with pytest.warns(UserWarning, match="saved step did not run .AttributeError"):
         outs = [steps(("rows", 3), "unrunnable step", 2, x) for _ in range(3)]
     assert "compiling unrunnable step" in capsys.readouterr().err and list(steps.ready) == [("rows", 3)]
@@ -200,7 +201,7 @@ def test_compile_options_by_device_and_torch(monkeypatch):
     """CUDA graphs are asked of inductor only on a CUDA device and only with NEMOSPEC_CUDA_GRAPHS=1;
     options the installed torch lacks are dropped (torch 2.11 has no realize_cpu_opcount_threshold),
     a sub-config's dotted name is kept."""
-    from runtime.compiled_steps import _known_options, device_options
+    from runtime.compiled.steps import _known_options, device_options
     monkeypatch.delenv("NEMOSPEC_CUDA_GRAPHS", raising=False)
     assert device_options("cpu") == {} and device_options("cuda") == {}
     monkeypatch.setenv("NEMOSPEC_CUDA_GRAPHS", "1")
@@ -217,7 +218,7 @@ def test_asking_for_aot_compile_imports_no_inductor_and_stubs_read_utf8():
     import subprocess
     import sys
     from serving.tritonserver import Tritonserver, server_env
-    code = ("import sys; from runtime.compiled_steps import _has_aot_compile; _has_aot_compile(); "
+    code = ("import sys; from runtime.compiled.steps import _has_aot_compile; _has_aot_compile(); "
             "assert 'torch._inductor.lowering' not in sys.modules, 'inductor imported'")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LC_", "LANG", "PYTHONUTF8"))}
     run = subprocess.run([sys.executable, "-X", "utf8=0", "-c", code], env=dict(env, LC_ALL="C"),

@@ -1,4 +1,4 @@
-"""Direct calls of compiled steps (runtime.direct_call): after two agreeing recordings a step's graph
+"""Direct calls of compiled steps (runtime.compiled.direct_call): after two agreeing recordings a step's graph
 is called at its innermost function, with the same results as the ordinary call (bitwise: the same
 graph runs), in-place state writes included; a new capacity reads its size from the inputs; what a
 recording cannot explain (a result that is a new view of an input), another layout of the
@@ -7,7 +7,8 @@ arguments, and NEMOSPEC_DIRECT_CALLS=0 keep the ordinary call."""
 import pytest
 import torch
 
-from runtime import compiled, direct_call
+from runtime.compiled import direct_call
+from runtime.compiled.steps import _Steps
 from tests.tolerances import assert_within, matmul_bound
 
 
@@ -52,7 +53,7 @@ def _recorded(seed, capacity=6):
     """A cached step called four times (eager, compiled, recorded twice): (steps, module, generator)."""
     g = torch.Generator().manual_seed(seed)
     module = _Cached(torch.randn(8, 5, generator=g))
-    steps = compiled._Steps(module.forward, "cached")
+    steps = _Steps(module.forward, "cached")
     x, state = _inputs(g, capacity=capacity)
     for p in range(4):
         _call(steps, x, torch.tensor([p, p]), state)
@@ -115,7 +116,7 @@ def test_a_result_the_wrapper_makes_keeps_the_ordinary_call(one_thread, monkeypa
     monkeypatch.setenv("NEMOSPEC_CHECK_GUARDS", "0")
     g = torch.Generator().manual_seed(3)
     module = _Cached(torch.randn(8, 5, generator=g))
-    steps = compiled._Steps(module.view, "view")
+    steps = _Steps(module.view, "view")
     x, state = _inputs(g)
     outs = [steps(("rows", 2), "view", 2, x, state) for _ in range(4)]
     assert not steps.direct and steps.plans[("rows", 2)] == [None, None]

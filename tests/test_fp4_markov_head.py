@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from builder import functional as F
-from builder.backends.trt_backend import NetworkRecorder, SymbolicTensor
+from builder.backends.trt_backend import NetworkRecorder
 from builder.backends.trt_build import build_engine_bytes
 from builder.backends.trt_import import FLAVOUR, HAS_PLUGIN_LAYERS
+from builder.backends.trt_recorder import SymbolicTensor
 from builder.errors import BuildError
 from builder.interpreter import run_network
 from builder.quantization import dequantize_nvfp4, quantize_nvfp4

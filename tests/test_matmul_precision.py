@@ -11,7 +11,8 @@ from builder import embedded
 from builder.backends import torch_backend
 from builder.engine import BuildOptions
 from builder.errors import BuildError, NemospecError
-from runtime import compiled, small_linear
+from runtime import small_linear
+from runtime.compiled.steps import cache_dir
 from runtime.generation import generate
 from runtime.loading import open_checkpoint
 from runtime.speculative import speculative_generate
@@ -25,7 +26,7 @@ def bf16_products():
     AVX2 + FMA), where the compiled path rounds the inputs and calls torch's linear."""
     if not small_linear.supported():
         pytest.skip("the kernel needs an x86-64 CPU with AVX-512F, or AVX2 and FMA")
-    assert small_linear.load(compiled.cache_dir().parent), f"the kernel's {small_linear.choose()} form did not build"
+    assert small_linear.load(cache_dir().parent), f"the kernel's {small_linear.choose()} form did not build"
     return torch.ops.nemospec.small_linear_bf16
 
 
@@ -129,9 +130,9 @@ def test_without_dot_instructions_the_fma_form_gives_the_same_sums(bf16_products
     import sys
     from pathlib import Path
     code = (
-        "import sys, torch; from runtime import compiled, small_linear\n"
+        "import sys, torch; from runtime import small_linear; from runtime.compiled.steps import cache_dir\n"
         "from tests.test_matmul_precision import _fma_products\n"
-        "assert small_linear.load(compiled.cache_dir().parent)\n"
+        "assert small_linear.load(cache_dir().parent)\n"
         "assert not torch.ops.nemospec.small_linear_bf16_hardware()\n"
         "torch.save(_fma_products(), sys.argv[1])\n")
     root = Path(__file__).resolve().parents[1]

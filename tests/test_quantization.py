@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from builder import functional as F
 from builder import quantization as q
 from builder.quantize_checkpoint import quantize_checkpoint
-from builder.backends.trt_backend import NVFP4_LOWERING
+from builder.backends.trt_dense import NVFP4_LOWERING
 from builder.checkpoint import load_checkpoint, load_nvfp4_checkpoint
 from builder.engine import BuildOptions, build, record, target_component
 from builder.errors import CheckpointError

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from builder.backends import torch_backend
-from runtime import compiled, small_linear
+from runtime import small_linear
+from runtime.compiled.steps import _configure, cache_dir
 from tests.tolerances import assert_within, matmul_bound, unit_roundoff
 
 @pytest.fixture(scope="module")
@@ -15,7 +16,7 @@ def op():
     test_unsupported_cpu_keeps_torch_gemm)."""
     if not small_linear.supported():
         pytest.skip("the kernel needs an x86-64 CPU with AVX-512F, or AVX2 and FMA")
-    assert small_linear.load(compiled.cache_dir().parent), f"the kernel's {small_linear.choose()} form did not build"
+    assert small_linear.load(cache_dir().parent), f"the kernel's {small_linear.choose()} form did not build"
     return torch.ops.nemospec.small_linear
 
 
@@ -23,7 +24,7 @@ def op():
 def kernel():
     """What the routing tests hand the torch backend: the kernel where it runs, else torch's linear
     (routing does not depend on which product is behind it)."""
-    if small_linear.supported() and small_linear.load(compiled.cache_dir().parent):
+    if small_linear.supported() and small_linear.load(cache_dir().parent):
         return torch.ops.nemospec.small_linear
     return torch.nn.functional.linear
 
@@ -318,12 +319,12 @@ def test_product_forms_are_routed_only_where_asked(op):
 
 
 def test_compiled_path_installs_it(op):
-    """Every compiled step (``runtime.compiled._Steps``) configures inductor through ``_configure``,
+    """Every compiled step (``runtime.compiled.steps._Steps``) configures inductor through ``_configure``,
     which hands the kernel to the torch backend."""
     previous = torch_backend.small_linear_kernels()
     try:
         torch_backend.use_small_linear(None)
-        compiled._configure()
+        _configure()
         assert torch_backend._small_linear is op
     finally:
         torch_backend.use_small_linear(*previous)

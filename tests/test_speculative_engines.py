@@ -12,7 +12,7 @@ from runtime.generation import generate
 from runtime.loading import open_engine_dir
 from runtime.speculative import speculative_generate
 from runtime.state import chunk_inputs
-from runtime.tree_draft import TreeShape
+from runtime.tree.draft import TreeShape
 from speculative_fixtures import assert_greedy_margin, layer_subset_draft, target_with_mtp
 
 OPTIONS = dict(max_batch_size=4, max_input_len=32, max_seq_len=96, max_draft_len=3)

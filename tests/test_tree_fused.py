@@ -6,12 +6,12 @@ off-chain count equal their host versions on random trees."""
 import pytest
 import torch
 
-from runtime import tree as tree_lib
 from runtime.drafts import EagerDraft
 from runtime.runner import TorchRunner
 from runtime.speculative import speculative_generate
-from runtime.tree_draft import TreeShape
-from runtime.tree_group import _off_chain
+from runtime.tree import paths as tree_paths
+from runtime.tree.draft import TreeShape
+from runtime.tree.group import _off_chain
 from speculative_fixtures import runners, target_with_mtp
 
 PROMPTS = [[5, 9, 17, 33, 4, 8, 11], [7], [12, 13, 14], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51]]
@@ -75,14 +75,14 @@ def test_tensor_greedy_path_equals_greedy_accept_on_random_trees():
     lengths_seen = set()
     for size in (1, 2, 5, 17):
         parents, tokens, best = _random_tree(g, 6, size, 7)
-        anc = tree_lib.ancestors(parents)
+        anc = tree_paths.ancestors(parents)
         depth = int(anc.sum(-1).max()) - 1
-        fixed = tree_lib.ancestors(parents, depth + 2)                 # more levels than needed change nothing
-        assert torch.equal(tree_lib.ancestors(parents, depth), anc) and torch.equal(fixed, anc)
+        fixed = tree_paths.ancestors(parents, depth + 2)                 # more levels than needed change nothing
+        assert torch.equal(tree_paths.ancestors(parents, depth), anc) and torch.equal(fixed, anc)
         logits = torch.nn.functional.one_hot(best, 7).float()
-        want_paths, want_lengths, want_bonus = tree_lib.greedy_accept(tokens, parents, logits)
+        want_paths, want_lengths, want_bonus = tree_paths.greedy_accept(tokens, parents, logits)
         width = depth + 3
-        paths, lengths, bonus = tree_lib.greedy_path(tokens, parents, best, anc, width)
+        paths, lengths, bonus = tree_paths.greedy_path(tokens, parents, best, anc, width)
         padded = torch.cat([want_paths, want_paths[:, -1:].expand(-1, width - want_paths.shape[1])], 1)
         assert torch.equal(paths, padded) and torch.equal(lengths, want_lengths) and torch.equal(bonus, want_bonus)
         lengths_seen |= set(lengths.tolist())
@@ -107,8 +107,8 @@ def test_off_chain_count_equals_the_row_by_row_count():
     for size in (1, 4, 17):
         for _ in range(4):
             parents, tokens, best = _random_tree(g, 5, size, 3)
-            anc = tree_lib.ancestors(parents)
-            paths, lengths, _ = tree_lib.greedy_path(tokens, parents, best, anc, size)
+            anc = tree_paths.ancestors(parents)
+            paths, lengths, _ = tree_paths.greedy_path(tokens, parents, best, anc, size)
             counts.append(_off_chain_loop(parents, paths, lengths))
             assert _off_chain(parents, paths, lengths) == counts[-1]
     assert max(counts) > 0 and min(counts) == 0

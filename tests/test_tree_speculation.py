@@ -5,13 +5,13 @@ keeps the target's distribution (with controls that fail)."""
 import pytest
 import torch
 
-from runtime import tree as tree_lib
 from runtime.batching import PlainGroup, Sequence
 from runtime.generation import generate, run_group
 from runtime.sampling import SamplingParams
 from runtime.speculative import speculative_generate
-from runtime.tree_draft import TreeShape, grow
-from runtime.tree_group import TreeSpeculativeGroup
+from runtime.tree import paths as tree_paths
+from runtime.tree.draft import TreeShape, grow
+from runtime.tree.group import TreeSpeculativeGroup
 from speculative_fixtures import assert_greedy_margin, chi_square_p, runners, target_with_mtp
 from tolerances import assert_within
 
@@ -147,7 +147,7 @@ def test_grow_keeps_the_best_scored_ancestor_closed_nodes():
         logp = lambda logits: torch.log_softmax(logits, -1)  # noqa: E731
         score = {}
         for r in range(1, 10):
-            path = tree_lib.path_to(t.parents[b:b + 1], torch.tensor([r]), 4)[0].tolist()
+            path = tree_paths.path_to(t.parents[b:b + 1], torch.tensor([r]), 4)[0].tolist()
             path = list(dict.fromkeys(path))
             s, prev = 0.0, None
             for depth, row in enumerate(path[1:], start=1):
@@ -218,7 +218,7 @@ def test_recursive_rejection_over_siblings_is_distributed_as_the_target():
         tokens = torch.cat([torch.zeros(1, dtype=torch.long), draws])
         qs = torch.zeros(1 + children, vocab)
         qs[0] = q
-        path, bonus = tree_lib.rejection_accept(tokens, parents, qs, p_logits, params)
+        path, bonus = tree_paths.rejection_accept(tokens, parents, qs, p_logits, params)
         counts["right"][int(tokens[path[1]]) if len(path) > 1 else bonus] += 1
         counts["no_residual"][_no_residual(draws, q, p, g)] += 1
     pvalue, dof = chi_square_p(counts["right"].long(), p)
@@ -260,7 +260,7 @@ def test_tree_sampling_preserves_the_target_distribution(mode, pair, monkeypatch
         p = torch.softmax(logits[path[-1]] / params.temperature, -1)
         return path, int(torch.multinomial(p, 1, generator=params.generator)[0])
 
-    monkeypatch.setattr(tree_lib, "rejection_accept", first_child)
+    monkeypatch.setattr(tree_paths, "rejection_accept", first_child)
     biased = speculative_generate(target, proposer(mode), [prompt] * n, 3, 2, temperature=temperature, seed=11, tree=shape)
     second = torch.tensor([o[1] for o in biased.output_ids])
     pvalue, _ = chi_square_p(torch.bincount(second, minlength=marginal.shape[0]), marginal)
@@ -366,7 +366,7 @@ def test_tree_topk_zero_is_the_draft_kinds_default():
     or given top-k wins, and the node-count ceiling still holds."""
     from types import SimpleNamespace
 
-    from runtime.tree_draft import tree_from
+    from runtime.tree.draft import tree_from
     for mode, k in (("dflash", 8), ("dspark", 8), ("dspark_nvfp4", 8), ("peagle", 8), ("eagle3", 4), ("eagle", 4),
                     ("mtp", 4), (None, 4)):
         assert tree_from(4, {}, None, mode) == TreeShape(16, k, 4), mode

@@ -5,8 +5,8 @@ that path."""
 import pytest
 import torch
 
-from runtime import tree
 from runtime.state import chunk_inputs
+from runtime.tree import paths as tree_paths
 from speculative_fixtures import runners
 from tolerances import assert_within
 
@@ -49,17 +49,17 @@ def _tree_verify(runner, state, tokens, base):
     positions = base + torch.arange(t, dtype=torch.int32)[None]
     index = torch.arange(t, dtype=torch.int32)[None]
     logits, verified, _ = runner.module.forward(ids, positions, torch.full((1,), t, dtype=torch.int32), index,
-                                                _clone(state), verify=True, tree=(parents, tree.ancestors(parents)))
+                                                _clone(state), verify=True, tree=(parents, tree_paths.ancestors(parents)))
     return logits[0], verified, parents
 
 
 def test_ancestors_and_paths():
     parents = torch.tensor([PARENTS])
-    anc = tree.ancestors(parents)[0]
+    anc = tree_paths.ancestors(parents)[0]
     assert anc[7].nonzero()[:, 0].tolist() == [0, 1, 3, 6, 7] and anc[4].nonzero()[:, 0].tolist() == [0, 1, 4]
-    assert tree.path_to(parents.repeat(2, 1), torch.tensor([5, 2]), 5).tolist() == [[0, 2, 5, 5, 5], [0, 2, 2, 2, 2]]
+    assert tree_paths.path_to(parents.repeat(2, 1), torch.tensor([5, 2]), 5).tolist() == [[0, 2, 5, 5, 5], [0, 2, 2, 2, 2]]
     chain = torch.tensor([[-1, 0, 1, 2]])
-    assert torch.equal(tree.ancestors(chain)[0], torch.tril(torch.ones(4, 4, dtype=torch.bool)))
+    assert torch.equal(tree_paths.ancestors(chain)[0], torch.tril(torch.ones(4, 4, dtype=torch.bool)))
 
 
 def test_every_tree_row_scores_like_its_own_path(target):
@@ -69,7 +69,7 @@ def test_every_tree_row_scores_like_its_own_path(target):
     logits, _, parents = _tree_verify(target, state, tokens, base)
     bound = None
     for node in range(len(PARENTS)):
-        path = tree.path_to(parents, torch.tensor([node]), 1 + int(tree.depths(parents)[0, node]))[0].tolist()
+        path = tree_paths.path_to(parents, torch.tensor([node]), 1 + int(tree_paths.depths(parents)[0, node]))[0].tolist()
         want, _ = _decode(target, _clone(state), [tokens[r] for r in path], base)
         bound = 1e-4 * float(want.abs().max())      # the file's whole-network fp32 tolerance
         assert_within(logits[node], want[-1], bound, f"tree row {node} (path {path})")
@@ -83,8 +83,8 @@ def test_state_after_accepting_any_path_equals_decoding_it(target, node):
     tokens = [8, 21, 22, 23, 24, 25, 26, 27]
     state = _prefill(target, PROMPT)
     _, verified, parents = _tree_verify(target, state, tokens, base)
-    path = tree.path_to(parents, torch.tensor([node]), 5)
-    length = 1 + tree.depths(parents)[0, node]
+    path = tree_paths.path_to(parents, torch.tensor([node]), 5)
+    length = 1 + tree_paths.depths(parents)[0, node]
     rolled = target.module.tree_rollback(_clone(state), verified, path, length[None] if length.dim() == 0 else length,
                                          torch.tensor([base]))
     kept = path[0, :int(length)].tolist()
@@ -107,11 +107,11 @@ def test_greedy_acceptance_keeps_the_longest_agreeing_path():
     best = {0: 21, 1: 23, 3: 26, 6: 40, 2: 25, 4: 1, 5: 1, 7: 1}   # rows 0 -> 1 -> 3 -> 6 agree; 7 not
     for r, t in best.items():
         logits[0, r, t] = 1.0
-    paths, lengths, bonus = tree.greedy_accept(tokens, parents, logits)
+    paths, lengths, bonus = tree_paths.greedy_accept(tokens, parents, logits)
     assert lengths.tolist() == [4] and paths[0, :4].tolist() == [0, 1, 3, 6] and bonus.tolist() == [40]
     logits[0, 0] = 0
     logits[0, 0, 9] = 1.0                                           # nothing agrees at the root
-    paths, lengths, bonus = tree.greedy_accept(tokens, parents, logits)
+    paths, lengths, bonus = tree_paths.greedy_accept(tokens, parents, logits)
     assert lengths.tolist() == [1] and bonus.tolist() == [9]
 
 
@@ -134,7 +134,7 @@ def test_tree_verify_network_interprets_like_eager(target):
     base = len(PROMPT)
     case = [torch.tensor([[8, 21, 22, 23, 24, 25, 26, 27]], dtype=torch.int32),
             base + torch.arange(t, dtype=torch.int32)[None], torch.tensor([t], dtype=torch.int32),
-            torch.arange(t, dtype=torch.int32)[None], parents, tree.ancestors(parents),
+            torch.arange(t, dtype=torch.int32)[None], parents, tree_paths.ancestors(parents),
             *[state[k].clone() for k in names]]
     specs = [("ids", torch.int32, (-1, -1)), ("positions", torch.int32, (-1, -1)), ("lengths", torch.int32, (-1,)),
              ("index", torch.int32, (-1, -1)), ("parents", torch.int32, (-1, -1)), ("anc", torch.bool, (-1, -1, -1))]

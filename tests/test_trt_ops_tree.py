@@ -3,7 +3,7 @@ at two tree shapes and batch sizes, and the eager ops reduce to the chain ops on
 import torch
 
 from builder import functional as F
-from runtime import tree
+from runtime.tree import paths as tree_paths
 from test_trt_ops import check, randn
 
 TREES = [[-1, 0, 0, 1, 1, 2, 3, 6], [-1, 0, 1, 0, 3]]
@@ -38,7 +38,7 @@ def test_tree_ssm_scan():
         parents = _parents(bt, t)
         return [randn(bt, t, H, P, seed=3), torch.rand(bt, t, H, generator=torch.Generator().manual_seed(4)) * 0.5,
                 randn(bt, t, G, N, seed=5), randn(bt, t, G, N, seed=6), randn(bt, H, P, N, seed=7),
-                tree.ancestors(parents)]
+                tree_paths.ancestors(parents)]
     check(lambda x, dt, B, C, h, anc: F.tree_ssm_scan(x, dt, A, B, C, D, h, anc),
           [("x", torch.float32, (-1, -1, H, P)), ("dt", torch.float32, (-1, -1, H)), ("B", torch.float32, (-1, -1, G, N)),
            ("C", torch.float32, (-1, -1, G, N)), ("h", torch.float32, (-1, H, P, N)), ("anc", torch.bool, (-1, -1, -1))],
@@ -52,7 +52,7 @@ def test_tree_attention():
         base = torch.tensor([3, 6, 0][:bt], dtype=torch.int32)
         positions = base[:, None] + torch.arange(t, dtype=torch.int32)
         return [randn(bt, t, Hq, Dh, seed=1), randn(bt, S, Hkv, Dh, seed=2), randn(bt, S, Hkv, Dh, seed=3),
-                positions, tree.ancestors(_parents(bt, t))]
+                positions, tree_paths.ancestors(_parents(bt, t))]
     check(lambda q, k, v, pos, anc: F.tree_attention(q, k, v, pos, anc, Dh ** -0.5),
           [("q", torch.float32, (-1, -1, Hq, Dh)), ("k", torch.float32, (-1, S, Hkv, Dh)),
            ("v", torch.float32, (-1, S, Hkv, Dh)), ("pos", torch.int32, (-1, -1)), ("anc", torch.bool, (-1, -1, -1))],
@@ -69,7 +69,7 @@ def test_on_a_chain_the_tree_ops_are_the_chain_ops():
     A, D = -torch.rand(H, generator=torch.Generator().manual_seed(1)) - 0.5, randn(H, seed=2)
     xs, dt = randn(1, t, H, P, seed=3), torch.rand(1, t, H, generator=torch.Generator().manual_seed(4)) * 0.5
     B, Cm, h = randn(1, t, G, N, seed=5), randn(1, t, G, N, seed=6), randn(1, H, P, N, seed=7)
-    torch.testing.assert_close(F.tree_ssm_scan(xs, dt, A, B, Cm, D, h, tree.ancestors(chain)),
+    torch.testing.assert_close(F.tree_ssm_scan(xs, dt, A, B, Cm, D, h, tree_paths.ancestors(chain)),
                                F.ssm_scan(xs, dt, A, B, Cm, D, h, 16)[0], rtol=1e-5, atol=1e-5)
 
 

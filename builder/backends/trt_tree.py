@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from builder.backends import trt_backend as tb
-
-EW, UN = tb.EW, tb.UN
+from builder.backends.trt_dense import _gather_rows
+from builder.backends.trt_dtypes import torch_dtype
+from builder.backends.trt_layers import EW, UN
+from builder.backends.trt_mixers import _HALF, _heads, _ssm_inputs
+from builder.backends.trt_recorder import _int_dtype, _recorder
 
 
 def _broadcast_rows(r, row, like, dtype, what):
@@ -16,11 +18,11 @@ def _broadcast_rows(r, row, like, dtype, what):
 
 
 def tree_conv1d(x, conv_state, weight, bias, parents):
-    r = tb._recorder(x, conv_state, parents)
+    r = _recorder(x, conv_state, parents)
     with r.op("tree_conv1d", "native: K-1 gathers along ancestor links, K taps multiply-added"):
         t, state, par = r.itensor(x), r.itensor(conv_state, "conv_state"), r.itensor(parents, "parents")
-        dtype = tb.torch_dtype(t.dtype)
-        idt = tb._int_dtype(par)
+        dtype = torch_dtype(t.dtype)
+        idt = _int_dtype(par)
         width = int(weight.shape[1])
         padded = r.concat([r.cast(state, dtype, "state_cast"), t], 1, "padded")     # [B, K-1+T, C]
         seq = r.dim(t, 1)
@@ -34,31 +36,31 @@ def tree_conv1d(x, conv_state, weight, bias, parents):
         up = r.concat([before, tree_links], 1, "links")                              # [B, K-1+T]
         index = r.ew(r.reshape(r.iota(seq, idt, start=width - 1, what="self_rows"), [1, -1], "self_row"),
                      r.zeros([r.dim(t, 0), 1], idt, "batch_zeros"), EW.SUM, "self_index")  # [B, T]
-        acc = torch.float32 if dtype in tb._HALF else dtype
+        acc = torch.float32 if dtype in _HALF else dtype
         w = r.cast(r.weight(weight), acc, "weight_cast")                              # [C, K]
         padded = r.cast(padded, acc, "upcast")
         y = None
         for back in range(width):                       # tap ``back`` rows up the path: weight column K-1-back
-            rows = tb._gather_rows(r, padded, index)                                  # [B, T, C]
+            rows = _gather_rows(r, padded, index)                                  # [B, T, C]
             tap = r.reshape(r.slice(w, 1, width - 1 - back, 1, f"tap{back}"), [1, 1, -1], f"tap{back}_row")
             term = r.ew(rows, tap, EW.PROD, f"mul{back}")
             y = term if y is None else r.ew(y, term, EW.SUM, f"acc{back}")
             if back < width - 1:
-                index = r.ew_scalar(tb._gather_rows(r, up, index), 0, EW.MAX, f"up{back}")
+                index = r.ew_scalar(_gather_rows(r, up, index), 0, EW.MAX, f"up{back}")
         if bias is not None:
             y = r.ew(y, r.reshape(r.cast(r.weight(bias, "bias"), acc), [1, 1, -1], "bias_row"), EW.SUM, "add_bias")
         return r.wrap(r.cast(y, dtype, "downcast"))
 
 
 def tree_ssm_scan(x, dt, A, B, C, D, state, ancestors):
-    r = tb._recorder(x, dt, B, C, state, ancestors)
+    r = _recorder(x, dt, B, C, state, ancestors)
     with r.op("tree_ssm_scan", "native: path-summed log decay, ancestor-masked quadratic form"):
         tx = r.itensor(x)
-        dtype = tb.torch_dtype(tx.dtype)
+        dtype = torch_dtype(tx.dtype)
         heads = int(A.shape[0])
         f32 = torch.float32
-        xf, a, u, Bf, h0 = tb._ssm_inputs(r, x, dt, A, B, state)
-        Cf = tb._heads(r, r.cast(r.itensor(C, "C"), f32, "C_fp32"), heads, "C_heads")
+        xf, a, u, Bf, h0 = _ssm_inputs(r, x, dt, A, B, state)
+        Cf = _heads(r, r.cast(r.itensor(C, "C"), f32, "C_fp32"), heads, "C_heads")
         mask = r.itensor(ancestors, "ancestors")                                      # [B, T, T] bool
         path = r.matmul(r.cast(mask, f32, "ancestors_fp32"), a, what="path_log_decay")  # [B, T, H]
         ph = r.transpose(path, [0, 2, 1], "path_heads_first")                         # [B, H, T]
@@ -77,11 +79,11 @@ def tree_ssm_scan(x, dt, A, B, C, D, state, ancestors):
 
 
 def tree_attention(q, k_cache, v_cache, positions, ancestors, scale):
-    r = tb._recorder(q, k_cache, positions, ancestors)
+    r = _recorder(q, k_cache, positions, ancestors)
     with r.op("tree_attention", "native: matmul + (rows before the chunk | ancestor rows) mask + fp32 softmax + matmul"):
         tq, k, vt, scores, dtype, q_heads, dim = _scores(r, q, k_cache, v_cache, scale)
         pos, mask = r.itensor(positions, "positions"), r.itensor(ancestors, "ancestors")
-        pdt = tb._int_dtype(pos)
+        pdt = _int_dtype(pos)
         seq = r.dim(tq, 1)
         keys = r.reshape(r.iota(r.dim(k, 1), pdt, what="keys"), [1, -1], "keys_row")       # [1, S]
         rel = r.ew(keys, r.slice(pos, 1, 0, 1, "base"), EW.SUB, "rel")                    # [B, S]: key - base
@@ -91,7 +93,7 @@ def tree_attention(q, k_cache, v_cache, positions, ancestors, scale):
         inside = r.ew(rel, end, EW.LESS, "below_end")
         inside = r.ew(r.unary(before, UN.NOT, "not_before"), inside, EW.AND, "in_chunk")
         column = r.select(inside, rel, r.scalar(0, pdt, 2, "zero_column"), "chunk_column")
-        by_key = tb._gather_rows(r, r.transpose(r.cast(mask, torch.int32, "mask_int"), [0, 2, 1], "mask_by_row"),
+        by_key = _gather_rows(r, r.transpose(r.cast(mask, torch.int32, "mask_int"), [0, 2, 1], "mask_by_row"),
                                  column)                                                     # [B, S, T]
         ancestor = r.ew(r.transpose(by_key, [0, 2, 1], "mask_by_query"), r.scalar(0, torch.int32, 3, "zero_int"),
                         EW.GREATER, "is_ancestor")                                          # [B, T, S]
@@ -102,7 +104,7 @@ def tree_attention(q, k_cache, v_cache, positions, ancestors, scale):
 
 
 def masked_attention(q, k_cache, v_cache, visible, scale):
-    r = tb._recorder(q, k_cache, visible)
+    r = _recorder(q, k_cache, visible)
     with r.op("masked_attention", "native: matmul + given visibility mask + fp32 softmax + matmul"):
         _, _, vt, scores, dtype, q_heads, dim = _scores(r, q, k_cache, v_cache, scale)
         mask = r.itensor(visible, "visible")
@@ -114,7 +116,7 @@ def masked_attention(q, k_cache, v_cache, visible, scale):
 def _scores(r, q, k_cache, v_cache, scale):
     """GQA's scaled q.k [B, Hkv, g, T, S] and the values [B, Hkv, 1, S, D] it will weigh."""
     tq, k, v = r.itensor(q), r.itensor(k_cache, "k_cache"), r.itensor(v_cache, "v_cache")
-    dtype = tb.torch_dtype(tq.dtype)
+    dtype = torch_dtype(tq.dtype)
     q_heads, dim, kv_heads = tq.shape[2], tq.shape[3], k.shape[2]
     group = q_heads // kv_heads
     qg = r.transpose(r.reshape(tq, [0, 0, kv_heads, group, dim], "q_groups"), [0, 2, 3, 1, 4], "q")

@@ -83,7 +83,7 @@ class TritonPythonModel:
         if self.loaded.speculative:  # the engine directory's adaptive draft length, flags on top
             self.loaded.draft_policy = policy_from(self.loaded.max_draft_len, self.loaded.build_options,
                                                    decode_policy(_param(config, "draft_policy", "")))
-        from runtime.compiled import warm_up_for_serving   # the compiled path: no compile inside a request
+        from runtime.compiled.runner import warm_up_for_serving   # the compiled path: no compile inside a request
         try:   # the stub's embedded Python reads files as ASCII; inductor's templates are UTF-8
             locale.setlocale(locale.LC_CTYPE, "C.UTF-8")
         except locale.Error:

@@ -11,7 +11,7 @@ kept set is closed under ancestors) and lists them parents first.
 Sampled sequences draw a node's children without replacement from the draft's sampling
 distribution q (Gumbel top-k, in draw order) and keep candidates in creation order (depth, frontier
 rank, draw order) rather than by their own scores: which children a node has then never depends on
-their own values, which is what lets :func:`runtime.tree.rejection_accept` keep the target's
+their own values, which is what lets :func:`runtime.tree.paths.rejection_accept` keep the target's
 distribution exactly. Every sequence of a batch grows the same number of candidates, so a batch's
 trees have one size.
 """
@@ -224,6 +224,8 @@ TREE_FLAGS = {  # flag -> (type, build default, help)
 }
 
 
+AUTO_NODES_CAP = 32    # the largest tree --max_tree_nodes auto tries where the engine directory records none
+
 # Children per node by draft kind (--tree_topk 0). A block draft scores every depth in its one forward
 # whatever k is, so a wider top-k costs it nothing but verify rows, which --max_tree_nodes fixes; at 16
 # nodes (embedded model, 6 prompts x 128, greedy) top-8 accepted dflash +0.65 over its chain against
@@ -253,8 +255,22 @@ def add_tree_args(parser, build: bool) -> None:
                            help="verify a token tree per step instead of a chain (every draft kind; torch and "
                                 "compiled backends, and engine backends of a directory built with --tree_engines)")
     for flag, (kind, default, text) in TREE_FLAGS.items():
-        group.add_argument(f"--{flag}", type=kind, default=default if build else None,
-                           help=text + ("" if build else " (default: the engine directory's)"))
+        sized = flag == "max_tree_nodes" and not build     # generate, serve: `auto` sizes the tree here
+        group.add_argument(f"--{flag}", type=_nodes_arg if sized else kind, default=default if build else None,
+                           help=text + ("" if build else " (default: the engine directory's)") + (
+                               "; auto (generate): the size, or the chain, whose measured costs and acceptance "
+                               "predict the most tokens/s here (a calibration run of each on the first prompt)"
+                               if sized else ""))
+
+
+def _nodes_arg(text: str):
+    """argparse type of --max_tree_nodes at generate: a positive int, or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"expected a positive integer or 'auto', got {text!r}") from None
 
 
 def tree_from(max_draft_len: int, recorded: dict, overrides=None, mode: str | None = None) -> TreeShape:
@@ -267,6 +283,8 @@ def tree_from(max_draft_len: int, recorded: dict, overrides=None, mode: str | No
         given = getattr(overrides, f, None) if overrides is not None else None
         if given is not None:
             values[f] = given
+    if values["max_tree_nodes"] == "auto":   # the largest size auto may pick (runtime.tree.sizing)
+        values["max_tree_nodes"] = built if "max_tree_nodes" in recorded else AUTO_NODES_CAP
     if "max_tree_nodes" in recorded and int(values["max_tree_nodes"]) > built:
         raise ValueError(f"--max_tree_nodes: expected at most {built} (the engine directory's), "
                          f"got {values['max_tree_nodes']}")

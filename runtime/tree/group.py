@@ -1,9 +1,9 @@
 """Tree speculation: each step verifies a token tree in one target forward instead of a chain.
 
-The draft grows a tree (``runtime.tree_draft``); the target scores every node along its own root
+The draft grows a tree (``runtime.tree.draft``); the target scores every node along its own root
 path (``NemotronH.forward(..., tree=...)``: tree attention mask, Mamba scan and conv along ancestor
 paths); acceptance keeps the longest agreeing root path (greedy) or walks the tree by recursive
-rejection sampling (``runtime.tree``); the target's state is rolled back to that path
+rejection sampling (``runtime.tree.paths``); the target's state is rolled back to that path
 (``tree_rollback``: Mamba states from the path's kept inputs, attention rows compacted into place).
 The draft is then told what was kept exactly as after a chain step (the path's tokens and the
 target's features along it), so every proposer's catch-up works unchanged.
@@ -18,11 +18,11 @@ from collections import Counter
 
 import torch
 
-from runtime import tree as tree_lib
 from runtime.batching import SpeculativeGroup, _logprobs
 from runtime.logits_shaping import shape_tree
 from runtime.step_costs import Stopwatch
-from runtime.tree_draft import DraftTree, TreeShape
+from runtime.tree import paths as tree_paths
+from runtime.tree.draft import DraftTree, TreeShape
 
 
 class TreeSpeculativeGroup(SpeculativeGroup):
@@ -67,14 +67,14 @@ class TreeSpeculativeGroup(SpeculativeGroup):
             paths, lengths, bonus = paths.cpu(), lengths.cpu(), bonus.cpu()
             verify, accept = watch.lap(), 0.0
         else:
-            anc = tree_lib.ancestors(parents)
+            anc = tree_paths.ancestors(parents)
             logits, verified, features = self.target.forward(
                 ids, positions, torch.full((n,), size, dtype=torch.int32, device=dev), rows.expand(n, -1), self.state,
                 verify=True, tree=(parents.to(dev), anc.to(dev)))
             verify = watch.lap()
             depth = tree.depth.cpu()
             logits = shape_tree(logits, self.seqs, tokens, parents, depth)
-            paths, lengths, bonus = tree_lib.accept(DraftTree(tokens, parents, depth, tree.q), logits, params, anc)
+            paths, lengths, bonus = tree_paths.accept(DraftTree(tokens, parents, depth, tree.q), logits, params, anc)
             width = self.shape.depth + 1                                        # one path width per shape
             if paths.shape[1] < width:
                 paths = torch.cat([paths, paths[:, -1:].expand(-1, width - paths.shape[1])], 1)

@@ -16,7 +16,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from builder.backends import torch_backend
-from runtime import compiled_store, direct_call
+from runtime.compiled import direct_call, store
 from runtime.small_linear import install as install_small_linear
 
 def device_options(device) -> dict:
@@ -148,9 +148,9 @@ class _Steps:
         if not self.check_guards:  # none is checked, so none is built (nor pickled: aot_compile saves its guards)
             options["guard_filter_fn"] = _no_guards
         self.compiler = torch.compile(_own_code(func), dynamic=False, fullgraph=True, options=options)
-        # what names a saved step beside its key and inputs (runtime.compiled_store)
+        # what names a saved step beside its key and inputs (runtime.compiled.store)
         self.identity = dict(options, function=f"{func.__module__}.{func.__qualname__}", product_form=product_form,
-                             keywords=compiled_store.fingerprint([self.keywords]))
+                             keywords=store.fingerprint([self.keywords]))
         self.identity.pop("guard_filter_fn", None)
         self._lead_digest = None
         # a closure's cells count as the module they hold (a component's call closes over its module,
@@ -169,12 +169,12 @@ class _Steps:
         return self.graphs.keys()
 
     def _saved_path(self, key, args, kwargs):
-        """Where this step is saved (``runtime.compiled_store``); None when it cannot be named (then it
+        """Where this step is saved (``runtime.compiled.store``); None when it cannot be named (then it
         compiles in memory only)."""
         try:
             if self._lead_digest is None:
-                self._lead_digest = compiled_store.fingerprint(self.lead + self._captured)
-            return compiled_store.step_path(cache_dir(), self.what, key, self.identity, self._lead_digest, args, kwargs)
+                self._lead_digest = store.fingerprint(self.lead + self._captured)
+            return store.step_path(cache_dir(), self.what, key, self.identity, self._lead_digest, args, kwargs)
         except Exception as e:
             warnings.warn(f"{self.what}: compiled step not saved ({type(e).__name__}: {str(e)[:120]})", stacklevel=3)
             return None
@@ -204,7 +204,7 @@ class _Steps:
         start = time.perf_counter()
         args, kwargs = _unaliased((args, kwargs))
         path = None if self.check_guards else self._saved_path(key, args, kwargs)
-        saved = compiled_store.load(path) if path is not None else None
+        saved = store.load(path) if path is not None else None
         if saved is not None:   # compiled by an earlier process
             graph = functools.partial(saved, *self.lead)
             try:
@@ -233,7 +233,7 @@ class _Steps:
                     graph = functools.partial(captured, *self.lead)
                 out = graph(*args, **self.keywords, **kwargs)
             if path is not None:
-                compiled_store.save(captured, path)
+                store.save(captured, path)
         except Exception as e:  # a graph break or a lowering inductor lacks: eager from now on
             print(" failed", file=sys.stderr, flush=True)
             warnings.warn(f"{self.what}: torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
@@ -250,7 +250,7 @@ class _Steps:
 
     def _add(self, key, graph):
         """A graph for ``key``; its next two calls are recorded for a direct call
-        (``runtime.direct_call``) unless guards are checked or direct calls are off."""
+        (``runtime.compiled.direct_call``) unless guards are checked or direct calls are off."""
         self.graphs[key] = graph
         if not self.check_guards and direct_call.enabled():
             self.plans[key] = []

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]   # the repository
 _CODE_DIRS = ("builder", "runtime", "plugins")
 _code_digest: list[str] = []
 

@@ -32,10 +32,9 @@ import torch
 
 from builder.backends import torch_backend
 from runtime.acceptance import greedy
+from runtime.compiled.steps import _Steps, device_options, product_form, stop_compiling
 from runtime.drafts import EagerDraft
 from runtime.runner import TorchRunner, verify_greedy, verify_tree_greedy
-from runtime.compiled_steps import (COMPILE_LOG, _COMPILING, _Steps, _configure, _known_options, _own_code,  # noqa: F401
-                                    _skip_guards, cache_dir, device_options, product_form, stop_compiling)
 
 HEADROOM = 16          # extra KV slots per sequence: the longest compiled chunk
 MAX_TOKENS = 16        # chunks longer than this always run eagerly (prefill)
