@@ -70,10 +70,10 @@ def rss_kib(pid: int) -> int | None:
 class Server:
     """`nemospec serve` as a child process on free loopback ports."""
 
-    def __init__(self, engine_dir, log_path, threads):
+    def __init__(self, engine_dir, log_path, threads, *extra):
         self.ports = {k: free_port() for k in ("http_port", "grpc_port", "metrics_port", "health_port")}
         cmd = [sys.executable, "-m", "nemospec.cli", "serve", "--engine_dir", str(engine_dir),
-               *[a for k, v in self.ports.items() for a in (f"--{k}", str(v))], "--openai_port", "0"]
+               *[a for k, v in self.ports.items() for a in (f"--{k}", str(v))], "--openai_port", "0", *extra]
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
         self.log_path = log_path
         with open(log_path, "w") as log:
@@ -331,6 +331,25 @@ def report(records, events, rss_start, rss_restart, rss_end, active, sigterm_s, 
             "processes_left": left}
 
 
+def engine_dir_for(given: str | None, scratch: Path) -> Path:
+    """``--engine_dir``, or the embedded model's eagle3 engines built under ``scratch``."""
+    if given:
+        return Path(given)
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_serving", ROOT / "benchmarks" / "serving.py")
+    bench_serving = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_serving)
+    return bench_serving.build_engine(scratch, "eagle3")
+
+
+def print_report(result: dict, output: str | None) -> None:
+    """Prints the report as JSON, and writes it to ``output`` if given."""
+    text = json.dumps(result, indent=2)
+    print(text)
+    if output:
+        Path(output).write_text(text + "\n")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--minutes", type=float, required=True)
@@ -346,19 +365,8 @@ def main():
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="nemospec-soak-") as scratch:
         scratch = Path(scratch)
-        if args.engine_dir:
-            engine_dir = Path(args.engine_dir)
-        else:
-            import importlib.util
-            spec = importlib.util.spec_from_file_location("bench_serving", ROOT / "benchmarks" / "serving.py")
-            bench_serving = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(bench_serving)
-            engine_dir = bench_serving.build_engine(scratch, "eagle3")
-        result = soak(args, engine_dir, scratch)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.output:
-        Path(args.output).write_text(text + "\n")
+        result = soak(args, engine_dir_for(args.engine_dir, scratch), scratch)
+    print_report(result, args.output)
     goals = {"0 unexpected errors": not result["errors_unexpected"], "0 wrong greedy answers": not result["wrong_greedy_answers"],
              "0 active sequences after": result["active_sequences_after"] == 0,
              "RSS growth < 10%": all(g < 10 for g in result["rss_growth_percent"].values()),

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from serving import health, launch
+from serving import health, launch, readiness_check
 from test_serving import HAVE_TRITON, PROMPTS, _grpc_inputs, engine_dir, generate, offline  # noqa: F401
 
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="needs tritonserver and tritonclient (pip install -e '.[dev]')")
@@ -230,67 +230,29 @@ def test_tritonserver_killed(serve, engine_dir):
     _kill_and_recover(serve, engine_dir, serve.state()["tritonserver_pid"], "tritonserver")
 
 
-def _openai_health(serve):
-    """The OpenAI frontend's readiness URL, from its endpoint line (printed once it is up)."""
-    deadline = time.monotonic() + 30
-    while not (lines := [line for line in serve.log().splitlines() if line.split()[:1] == ["openai"]]):
-        assert time.monotonic() < deadline, serve.log()
-        time.sleep(0.1)
-    return lines[0].split()[1].removesuffix("/v1") + "/health/ready"
-
-
 def test_no_probe_answers_ready_while_a_killed_stub_cannot_serve(serve, engine_dir):
     """Readiness is read at the moment of the probe (issue 40): three probers ask every ~10 ms (the
     supervisor's /health/ready, Triton's /v2/health/ready and the ensemble's ready through the HTTP
     guard, the OpenAI frontend's /health/ready) while short requests go back to back, and the speculative
-    stub is killed, twice. No probe that began once the stub was gone answered 200 before a request
-    that then failed; each cycle serves again."""
-    openai = _openai_health(serve)
+    stub is killed, twice (``serving.readiness_check``; ``benchmarks/readiness_soak.py`` runs more
+    cycles). No probe that began once the stub was gone answered 200 before a request that then failed;
+    each cycle serves again."""
     guard = f"http://{serve.http_url}"
-    urls = [serve.ready_url, f"{guard}/v2/health/ready", f"{guard}/v2/models/ensemble/ready", openai]
+    urls = [serve.ready_url, f"{guard}/v2/health/ready", f"{guard}/v2/models/ensemble/ready",
+            readiness_check.openai_ready_url(serve.log)]
     for cycle in range(2):
         assert serve.wait_ready(60)
-        probes, requests, stop = [], [], threading.Event()
-
-        def probe(url):
-            while not stop.is_set():
-                start = time.monotonic()
-                status = _get(url, timeout=2)[0]
-                probes.append((start, time.monotonic(), url, status))
-                time.sleep(0.01)
-
-        def request():
-            while not stop.is_set():
-                start = time.monotonic()
-                status, _ = _http_generate(serve, 2)
-                requests.append((start, time.monotonic(), status == 200))
-
-        threads = [threading.Thread(target=probe, args=(u,), daemon=True) for u in urls]
-        threads.append(threading.Thread(target=request, daemon=True))
-        for t in threads:
-            t.start()
-        time.sleep(1.0)
-        assert all(ok for _, _, ok in requests) and requests, "requests were served before the kill"
-        pid = next(int(p) for p, model in serve.state()["stub_pids"].items() if model == "speculative")
-        os.kill(pid, signal.SIGKILL)
-        while health.process_alive(pid):
-            time.sleep(0.0005)
-        gone = time.monotonic()
-        assert serve.wait_ready(60), serve.log()[-2000:]
-        deadline = time.monotonic() + 30      # a request served after the restart ends the cycle
-        while not any(ok and s > gone for s, _, ok in requests) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        stop.set()
-        for t in threads:
-            t.join(10)
-        failed = [s for s, _, ok in requests if not ok and s > gone]
-        assert failed, "some request failed while the stub was dead (else the test saw nothing)"
-        lies = [(url, round(start - gone, 3)) for start, end, url, status in probes
-                if status == 200 and start >= gone and any(f >= end for f in failed)]
-        assert not lies, f"cycle {cycle}: ready answered while requests failed after it: {lies[:5]}"
-        seen = {url for start, _, url, status in probes if start >= gone and status != 200}
-        assert seen == set(urls), f"every endpoint said not ready after the kill: {sorted(set(urls) - seen)}"
-        MEASURED[f"probe_cycle{cycle}_probes"] = len(probes)
+        result = readiness_check.kill_cycle(
+            urls, lambda: _http_generate(serve, 2)[0] == 200, ready=serve.ready,
+            find_pid=lambda: next(int(p) for p, model in serve.state()["stub_pids"].items() if model == "speculative"))
+        assert result.served_before and not result.failed_before, "requests were served before the kill"
+        assert result.ready_again_s is not None, serve.log()[-2000:]
+        assert result.failed_after, "some request failed while the stub was dead (else the test saw nothing)"
+        assert not result.lies, f"cycle {cycle}: ready answered while requests failed after it: {result.lies[:5]}"
+        assert result.said_not_ready == set(urls), \
+            f"every endpoint said not ready after the kill: {sorted(set(urls) - result.said_not_ready)}"
+        MEASURED[f"probe_cycle{cycle}_probes"] = result.probes
+        MEASURED[f"probe_cycle{cycle}_ready_again_s"] = result.ready_again_s
 
 
 def test_sigterm_with_streams_in_flight(serve):
