@@ -27,7 +27,7 @@ if __name__ == "__main__":   # timed on the allocator the commands use (runtime.
 
 def _measure(blocks: int, iters: int) -> dict:
     import torch
-    from runtime.compiled.runner import STEP_CALLS
+    from runtime.compiled.shapes import STEP_CALLS
     from builder.embedded.sources import resolve_sources
     from runtime.loading import open_checkpoint
     target_dir, draft_dir = resolve_sources(None, "eagle3", None, None)

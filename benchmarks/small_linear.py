@@ -15,7 +15,7 @@ The kernel runs both ways in each: with its packed weight copies (the default) a
 (``nemospec::small_linear_packing(False)``), switched at run time in the same graphs. The products
 alone pay a Python dispatch per call (~2.5 us) that a compiled graph's C++ wrapper does not.
 
-The kernel's form (AVX-512 or AVX2, ``runtime.small_linear.form``) is printed first.
+The kernel's form (AVX-512 or AVX2, ``runtime.compiled.small_linear.form``) is printed first.
 
     python benchmarks/small_linear.py [--threads 1] [--blocks 7] [--widened]
 """
@@ -167,7 +167,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     from builder.embedded.sources import resolve_sources
-    from runtime import small_linear
+    from runtime.compiled import small_linear
     from runtime.compiled.steps import _configure, cache_dir
     from runtime.loading import open_checkpoint
     if not small_linear.load(cache_dir().parent):

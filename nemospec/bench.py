@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from runtime import allocator, small_linear
+from runtime import allocator
+from runtime.compiled import small_linear
 
 _err = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -175,7 +176,7 @@ def _offline(engine_dir: Path, prompts: list[list[int]], new_tokens: int, k: int
     generate(loaded.runner, prompts[:1], 8)
     trees = _TreeRuns(loaded, tree, k) if tree is not None else None
     compiled_before = len(COMPILE_LOG)
-    from runtime.small_linear import moe_counts
+    from runtime.compiled.small_linear import moe_counts
     moe_before = moe_counts()
     spec_s = plain_s = 0.0
     tokens = forwards = 0
@@ -392,7 +393,7 @@ def run_bench(args) -> dict:
             _log(f"bench: {mode} tree ({t['max_nodes']} nodes): mean accepted {t['mean_accepted_tokens']:.2f} "
                  f"({t['over_chain_accepted']:+.2f} vs chain), {t['tokens_per_second']} tokens/s "
                  f"({t['over_chain']:.2f}x the chain, {t['speedup']:.2f}x target-only)")
-    # the small-row kernel's form the compiled runs used (runtime.small_linear), None: torch's GEMM
+    # the small-row kernel's form the compiled runs used (runtime.compiled.small_linear), None: torch's GEMM
     report["machine"]["small_linear"] = small_linear.form() if backend == "compiled" else None
     _log("bench: peers (transformers generate, assisted generation)")
     draft_target = (resolve_sources(None, "draft_target", None, None, embedded_model, factor)[1]

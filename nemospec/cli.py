@@ -358,7 +358,7 @@ def cmd_generate(args):
         cost = cost_model(result.extra["cost"].summary(), plain.extra["cost"].summary())
         err.print(cost_line(cost), markup=False)
     if args.json:
-        from runtime import small_linear
+        from runtime.compiled import small_linear
         single = len(prompts) == 1
         record = {
             "output_ids": result.output_ids[0] if single else result.output_ids,

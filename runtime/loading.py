@@ -101,7 +101,8 @@ def _eager_proposer(draft, vocab_size: int, device, chunk: int, compiled: bool =
     compiled, its weights rounded to bf16 there with ``weight_dtype="bfloat16"``, its products'
     inputs with ``matmul_precision="medium"``)."""
     if compiled:
-        from runtime.compiled.runner import CompiledDraft, CompiledRunner
+        from runtime.compiled.draft import CompiledDraft
+        from runtime.compiled.runner import CompiledRunner
         draft = quantization.dequantized_module(draft)   # FP4 weights once, not per call: one graph per step
     if _draft_kind(draft) == "draft_target":
         runner = (CompiledRunner(draft, device, weight_dtype=weight_dtype, matmul_precision=matmul_precision)

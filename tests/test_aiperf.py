@@ -15,7 +15,7 @@ only checked to lie between 1 and K + 1. Under both, the totals must agree exact
 histogram against the server's per-position acceptance counters.
 
 The venv is made on first use by ``benchmarks/aiperf_run.py``'s ``ensure_venv`` (``pip install
-aiperf==0.13.0`` from the configured package index) under ``build/aiperf-venv`` (the
+aiperf==0.13.0`` from the configured package index) under ``~/.cache/nemospec/aiperf-venv-0.13.0`` (beside the compile cache, so a fresh clone reuses it; the
 ``NEMOSPEC_AIPERF_VENV`` environment variable overrides) and kept for later runs; the test is skipped
 when it cannot be made.
 """
@@ -52,7 +52,7 @@ def _aiperf_run():
 def aiperf():
     """(the aiperf_run module, aiperf's binary in its own venv)."""
     module = _aiperf_run()
-    venv = Path(os.environ.get("NEMOSPEC_AIPERF_VENV") or ROOT / "build" / "aiperf-venv")
+    venv = Path(os.environ.get("NEMOSPEC_AIPERF_VENV") or Path.home() / ".cache" / "nemospec" / "aiperf-venv-0.13.0")
     try:
         return module, module.ensure_venv(venv)
     except (subprocess.CalledProcessError, OSError) as e:

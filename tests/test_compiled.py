@@ -261,7 +261,7 @@ def test_short_prompts_prefill_as_compiled_chunks(models):
     chunks (eagerly an 11-token prompt cost 6.0 ms, compiled 2.2 ms): every row's features come back
     and greedy ids equal eager's, target-only and speculative; a longer chunk, and a batch's prefill,
     stay eager."""
-    from runtime.compiled.runner import PROMPT_COMPILED_MAX, PROMPT_ROWS
+    from runtime.compiled.shapes import PROMPT_COMPILED_MAX, PROMPT_ROWS
     from runtime.prefill import prefill
     eager, compiled = models
     torch.manual_seed(0)
@@ -330,7 +330,7 @@ def test_bf16_draft_weights_keep_the_target_output(models, monkeypatch, tmp_path
     still emits the target's greedy output. Its graphs are saved apart (``tmp_path``): they hold the
     patched kernel that counts the calls."""
     from builder.backends import torch_backend
-    from runtime import small_linear
+    from runtime.compiled import small_linear
     monkeypatch.setenv("NEMOSPEC_COMPILE_CACHE", str(tmp_path))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     eager, _ = models

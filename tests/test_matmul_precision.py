@@ -11,7 +11,7 @@ from builder import embedded
 from builder.backends import torch_backend
 from builder.engine import BuildOptions
 from builder.errors import BuildError, NemospecError
-from runtime import small_linear
+from runtime.compiled import small_linear
 from runtime.compiled.steps import cache_dir
 from runtime.generation import generate
 from runtime.loading import open_checkpoint
@@ -130,7 +130,7 @@ def test_without_dot_instructions_the_fma_form_gives_the_same_sums(bf16_products
     import sys
     from pathlib import Path
     code = (
-        "import sys, torch; from runtime import small_linear; from runtime.compiled.steps import cache_dir\n"
+        "import sys, torch; from runtime.compiled import small_linear; from runtime.compiled.steps import cache_dir\n"
         "from tests.test_matmul_precision import _fma_products\n"
         "assert small_linear.load(cache_dir().parent)\n"
         "assert not torch.ops.nemospec.small_linear_bf16_hardware()\n"

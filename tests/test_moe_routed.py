@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from builder.backends import torch_backend
-from runtime import small_linear
+from runtime.compiled import small_linear
 from runtime.compiled.steps import cache_dir
 from tests.tolerances import assert_within, gamma, unit_roundoff
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from builder.backends import torch_backend
-from runtime import small_linear
+from runtime.compiled import small_linear
 from runtime.compiled.steps import _configure, cache_dir
 from tests.tolerances import assert_within, matmul_bound, unit_roundoff
 

@@ -37,7 +37,7 @@ _product_form = "float32"
 def use_small_linear(kernel, bf16_weights_kernel=None, bf16: bool = False, bf16_products_kernel=None,
                      moe_kernel=None) -> None:
     """Sets the kernel (x [..., K], w [N, K] -> x @ w^T) that compiled graphs use for fp32
-    products of few rows (``runtime.small_linear``), its form with w rounded to bf16 and its form
+    products of few rows (``runtime.compiled.small_linear``), its form with w rounded to bf16 and its form
     with x and w rounded to bf16 (for graphs traced under ``product_form``); ``bf16``: the kernel
     also multiplies bf16 x by bf16 w (a bf16 model; bf16 dot products, fp32 sums); ``moe_kernel``:
     the routed experts of a few-row MoE step on the same products (``nemospec::moe_routed``).

@@ -17,7 +17,7 @@ from torch.utils import _pytree as pytree
 
 from builder.backends import torch_backend
 from runtime.compiled import direct_call, store
-from runtime.small_linear import install as install_small_linear
+from runtime.compiled.small_linear import install as install_small_linear
 
 def device_options(device) -> dict:
     """Compile options for where the steps run: on a CUDA device with NEMOSPEC_CUDA_GRAPHS=1, inductor
