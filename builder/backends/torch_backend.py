@@ -10,6 +10,8 @@ import contextlib
 import torch
 import torch.nn.functional as tf
 
+from builder.backends import gpu as _gpu
+
 _ACTIVATIONS = {
     "relu2": lambda x: torch.square(torch.relu(x)),
     "relu": torch.relu,
@@ -191,6 +193,10 @@ def conv_window(conv_state, x, lengths):
 
 
 def causal_conv1d(x, conv_state, weight, bias, lengths):
+    if _gpu.active(x):
+        out = _gpu.dispatch("causal_conv1d", x, conv_state, weight, bias, lengths)
+        if out is not None:
+            return out
     width = weight.shape[1]
     seq = x.shape[1]
     padded = torch.cat([conv_state.to(x.dtype), x], dim=1)  # [B, K-1+T, C]
@@ -265,6 +271,10 @@ def _ssm_states(h, x, dt, A, B):
 
 
 def ssm_scan(x, dt, A, B, C, D, state, chunk_size):
+    if _gpu.active(x):
+        out = _gpu.dispatch("ssm_scan", x, dt, A, B, C, D, state, chunk_size)
+        if out is not None:
+            return out
     dtype = x.dtype
     heads = x.shape[2]
     xf, dtf, Af = x.float(), dt.float(), A.float()
@@ -278,6 +288,10 @@ def ssm_scan(x, dt, A, B, C, D, state, chunk_size):
 
 
 def ssm_state(x, dt, A, B, state):
+    if _gpu.active(x):
+        out = _gpu.dispatch("ssm_state", x, dt, A, B, state)
+        if out is not None:
+            return out
     xf, dtf = x.float(), dt.float()
     Bf = _heads(B.float(), x.shape[2])
     if x.shape[1] <= RECURRENT_TOKENS:   # a verify chunk's rollback: decode's recurrence, row by row
@@ -325,6 +339,10 @@ def gqa_mix(probs, v_cache):
 
 
 def attention(q, k_cache, v_cache, positions, scale, window=None, sinks=None):
+    if _gpu.active(q):
+        out = _gpu.dispatch("attention", q, k_cache, v_cache, positions, scale, window, sinks)
+        if out is not None:
+            return out
     batch, seq, q_heads, _ = q.shape
     kv_heads = k_cache.shape[2]
     group = q_heads // kv_heads
@@ -522,6 +540,10 @@ from plugins.fp4_markov_head import fp4_markov_head_reference as _fp4_markov_hea
 def linear_nvfp4(x, packed, scale, scale_2, shape, bias=None):
     """Dequantize on the fly, in x's dtype (block scales, then weights, each rounded to it, as the
     TensorRT lowering does), then a plain linear."""
+    if _gpu.active(x):
+        out = _gpu.dispatch("linear_nvfp4", x, packed, scale, scale_2, shape, bias)
+        if out is not None:
+            return out
     w = _dequantize_nvfp4(packed, scale, scale_2, shape, x.dtype)
     return tf.linear(x, w.to(x.device), bias)
 

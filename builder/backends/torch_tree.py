@@ -3,10 +3,15 @@ from __future__ import annotations
 
 import torch
 
+from builder.backends import gpu as _gpu
 from builder.backends.torch_backend import gqa_mix, gqa_scores
 
 
 def tree_conv1d(x, conv_state, weight, bias, parents):
+    if _gpu.active(x):
+        out = _gpu.dispatch("tree_conv1d", x, conv_state, weight, bias, parents)
+        if out is not None:
+            return out
     batch, seq, _ = x.shape
     width = weight.shape[1]
     padded = torch.cat([conv_state.to(x.dtype), x], dim=1)                  # [B, K-1+T, C]
@@ -27,6 +32,10 @@ def tree_conv1d(x, conv_state, weight, bias, parents):
 
 
 def tree_ssm_scan(x, dt, A, B, C, D, state, ancestors):
+    if _gpu.active(x):
+        out = _gpu.dispatch("tree_ssm_scan", x, dt, A, B, C, D, state, ancestors)
+        if out is not None:
+            return out
     dtype, heads = x.dtype, x.shape[2]
     xf, dtf = x.float(), dt.float()
     Bf = B.float().repeat_interleave(heads // B.shape[2], dim=2)
@@ -43,6 +52,10 @@ def tree_ssm_scan(x, dt, A, B, C, D, state, ancestors):
 
 
 def tree_attention(q, k_cache, v_cache, positions, ancestors, scale):
+    if _gpu.active(q):
+        out = _gpu.dispatch("tree_attention", q, k_cache, v_cache, positions, ancestors, scale)
+        if out is not None:
+            return out
     batch, seq = q.shape[:2]
     keys = torch.arange(k_cache.shape[1], device=q.device)
     base = positions.long()[:, :1]                                           # [B, 1]: the root's row
@@ -53,6 +66,10 @@ def tree_attention(q, k_cache, v_cache, positions, ancestors, scale):
 
 
 def masked_attention(q, k_cache, v_cache, visible, scale):
+    if _gpu.active(q):
+        out = _gpu.dispatch("masked_attention", q, k_cache, v_cache, visible, scale)
+        if out is not None:
+            return out
     scores = gqa_scores(q, k_cache, scale)
     scores = scores.masked_fill(~visible.to(torch.bool)[:, None, None], float("-inf"))
     return gqa_mix(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v_cache)
