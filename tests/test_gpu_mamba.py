@@ -289,3 +289,19 @@ def test_kernels_compile_to_a_cubin_without_a_gpu():
     run = subprocess.run([sys.executable, "-c", COMPILE], cwd=Path(__file__).resolve().parents[1], env=env,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]
+
+
+def test_a_kernel_that_fails_on_cuda_falls_back_to_the_torch_op_once(monkeypatch, caplog):
+    """A kernel raising outside tests (an older Triton on the device that cannot compile it) is
+    dropped for the process: the torch op answers, and the log says why, once."""
+    from builder.backends import gpu
+
+    def broken(*args):
+        raise RuntimeError("cannot compile")
+    monkeypatch.setitem(gpu._KERNELS, "ssm_state", broken)
+    monkeypatch.setattr(gpu, "_loaded", True)
+    assert gpu.dispatch("ssm_state", None) is None
+    assert "ssm_state" not in gpu._KERNELS
+    assert gpu.dispatch("ssm_state", None) is None
+    assert [r.getMessage() for r in caplog.records].count(
+        "ssm_state: Triton kernel not used (RuntimeError: cannot compile); running the torch op") == 1

@@ -72,7 +72,14 @@ def dispatch(op: str, *args, **kwargs) -> Optional[object]:
     kernel = _KERNELS.get(op)
     if kernel is None:
         return None
-    return kernel(*args, **kwargs)
+    try:
+        return kernel(*args, **kwargs)
+    except Exception as e:  # a Triton that cannot compile it (the device image's is older): torch from now on
+        if _forced:          # tests: a kernel's error is the finding
+            raise
+        del _KERNELS[op]
+        fallback(op, f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
+        return None
 
 
 @contextlib.contextmanager
