@@ -198,11 +198,13 @@ def test_a_saved_step_that_cannot_run_here_is_compiled_again(tmp_path, monkeypat
 
 
 def test_compile_options_by_device_and_torch(monkeypatch):
-    """CUDA graphs are asked of inductor only on a CUDA device and only with NEMOSPEC_CUDA_GRAPHS=1;
-    options the installed torch lacks are dropped (torch 2.11 has no realize_cpu_opcount_threshold),
-    a sub-config's dotted name is kept."""
+    """CUDA graphs are asked of inductor on a CUDA device unless NEMOSPEC_CUDA_GRAPHS=0, never on the
+    CPU; options the installed torch lacks are dropped (torch 2.11 has no
+    realize_cpu_opcount_threshold), a sub-config's dotted name is kept."""
     from runtime.compiled.steps import _known_options, device_options
     monkeypatch.delenv("NEMOSPEC_CUDA_GRAPHS", raising=False)
+    assert device_options("cpu") == {} and device_options("cuda") == {"triton.cudagraphs": True}
+    monkeypatch.setenv("NEMOSPEC_CUDA_GRAPHS", "0")
     assert device_options("cpu") == {} and device_options("cuda") == {}
     monkeypatch.setenv("NEMOSPEC_CUDA_GRAPHS", "1")
     assert device_options("cpu") == {} and device_options("cuda") == {"triton.cudagraphs": True}
