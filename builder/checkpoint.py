@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from builder import quantization
+from builder import nvfp4_format, quantization
 from builder.config import NemotronHConfig, load_config
 from builder.errors import CheckpointError
 from builder.safetensors_io import mmap_tensors
@@ -439,7 +439,7 @@ def load_nvfp4_checkpoint(checkpoint_dir: str | os.PathLike, keep_quantized: boo
 
     Returns ``(config, weights)`` with canonical names like :func:`builder.checkpoint.load_checkpoint`.
     Dequantized weights are in the config's dtype; with ``keep_quantized`` packed weights are
-    :class:`quantization.NVFP4Weight` objects (compute dtype: the config's) for the FP4 TensorRT lowering.
+    :class:`nvfp4_format.NVFP4Weight` objects (compute dtype: the config's) for the FP4 TensorRT lowering.
     Raises :class:`CheckpointError` with one line naming the file and tensor.
     """
     config = load_config(checkpoint_dir)
@@ -487,11 +487,11 @@ def load_nvfp4_checkpoint(checkpoint_dir: str | os.PathLike, keep_quantized: boo
         raise CheckpointError(f"{where_of.get(unknown[0], layout.where)}: unexpected tensor {unknown[0]!r} is not part "
                               f"of a NemotronH model with layers {config.hybrid_override_pattern!r}")
     for name, w in weights.items():
-        if isinstance(w, quantization.NVFP4Weight):
+        if isinstance(w, nvfp4_format.NVFP4Weight):
             continue
         if w.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise CheckpointError(f"{where_of.get(name, layout.where)}: tensor {name!r} has dtype "
-                                  f"{quantization._dtype_name(w.dtype)}, expected float32, float16 or bfloat16 (or uint8 packed "
+                                  f"{nvfp4_format._dtype_name(w.dtype)}, expected float32, float16 or bfloat16 (or uint8 packed "
                                   "FP4 with its scales)")
         want = shapes.get(name)
         if want is not None and tuple(w.shape) != tuple(want):

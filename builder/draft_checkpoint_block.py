@@ -100,7 +100,7 @@ def load_block_draft_checkpoint(checkpoint_dir: str | os.PathLike, keep_quantize
 
     A ModelOpt NVFP4 checkpoint (``hf_quant_config.json`` or ``quantization_config``; packed uint8
     ``X.weight`` + ``X.weight_scale`` + ``X.weight_scale_2``) gives
-    :class:`builder.quantization.NVFP4Weight` objects for its packed weights (the draft modules bind
+    :class:`builder.nvfp4_format.NVFP4Weight` objects for its packed weights (the draft modules bind
     them like tensors; ``F.linear`` dequantizes on the fly eagerly and lowers to FP4 constants in
     TensorRT; DSpark's W2 goes to the fused Markov-head op), or plain dequantized tensors with
     ``keep_quantized=False``. The logical shape of each packed weight comes from the config."""

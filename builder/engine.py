@@ -479,7 +479,7 @@ def write_target_weights(directory: Path, weights: dict, dtype: torch.dtype, pac
     """Writes ``weights/target.safetensors`` and returns (the weights to build from, the file's tensors).
 
     Dense weights are built from the written file's mapping (experts back to back, every constant a view
-    of it; the checkpoint's mapping is released). NVFP4 weights (:class:`builder.quantization.NVFP4Weight`)
+    of it; the checkpoint's mapping is released). NVFP4 weights (:class:`builder.nvfp4_format.NVFP4Weight`)
     are written ``packed`` as ModelOpt stores them (``--strip_plan``: the engines read the FP4 bytes from
     the file) and rebound to the mapping; otherwise dequantized (the TorchRunner's) while the engines keep
     FP4 constants of the checkpoint's bytes."""

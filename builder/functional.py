@@ -28,7 +28,7 @@ def _backend(*xs):
 
 # --- dense algebra -------------------------------------------------------------------------------
 def linear(x, weight, bias=None):
-    """x [..., in] @ weight[out, in].T + bias. An NVFP4 weight (builder.quantization.NVFP4Weight) goes
+    """x [..., in] @ weight[out, in].T + bias. An NVFP4 weight (builder.nvfp4_format.NVFP4Weight) goes
     to :func:`linear_nvfp4`."""
     if getattr(weight, "is_nvfp4", False):
         return linear_nvfp4(x, weight.packed, weight.scale, weight.scale_2, weight.shape, bias)
@@ -202,13 +202,13 @@ def where(cond, a, b):
     return _backend(cond, a, b).where(cond, a, b)
 
 
-# --- NVFP4 weights (builder/quantization.py) and the DSpark Markov head (plugins/fp4_markov_head.py) ---
+# --- NVFP4 weights (builder/nvfp4_format.py) and the DSpark Markov head (plugins/fp4_markov_head.py) ---
 def linear_nvfp4(x, packed, scale, scale_2, shape, bias=None):
     """x [..., in] @ W.T + bias for an NVFP4 weight W of logical ``shape`` [out, in] in ModelOpt's
     layout: ``packed`` uint8 [out, in/2] (E2M1 codes, element 2i in the low nibble), ``scale``
     float8_e4m3fn [out, in/16], ``scale_2`` float32 scalar. W is dequantized in x's dtype (block scale
     ``fp8 * scale_2`` then ``e2m1 * block scale``). TensorRT: FP4 constant + FP8 block scales + global
-    scale -> dequantize -> matmul. ``linear`` routes an :class:`~builder.quantization.NVFP4Weight` here."""
+    scale -> dequantize -> matmul. ``linear`` routes an :class:`~builder.nvfp4_format.NVFP4Weight` here."""
     return _backend(x).linear_nvfp4(x, packed, scale, scale_2, tuple(int(d) for d in shape), bias)
 
 

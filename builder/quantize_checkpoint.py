@@ -9,7 +9,8 @@ from typing import Sequence
 
 from builder.checkpoint import load_checkpoint
 from builder.errors import CheckpointError
-from builder.quantization import (BLOCK_SIZE, CONFIG_FILE, HF_QUANT_CONFIG, QUANT_ALGO, QuantConfig, _module, _read_json,
+from builder.nvfp4_format import BLOCK_SIZE
+from builder.quantization import (CONFIG_FILE, HF_QUANT_CONFIG, QUANT_ALGO, QuantConfig, _module, _read_json,
                                   choose_quantized, quantize_tensors, read_quant_config)
 
 __all__ = ["quantize_checkpoint"]

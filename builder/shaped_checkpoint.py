@@ -173,7 +173,7 @@ def _zeros_value(name: str, shape, dtype) -> torch.Tensor | None:
 def stored_tensors(config: NemotronHConfig, dtype: torch.dtype, quantize: bool, fill: str = "random",
                    seed: int = 0) -> tuple[dict, callable, list[str]]:
     """(stored name -> (dtype, shape) in file order, produce(name) -> tensor or None, excluded modules)."""
-    from builder.quantization import quantize_nvfp4
+    from builder.nvfp4_format import quantize_nvfp4
     logical = logical_tensors(config)
     packed, excluded = quantized_names(logical) if quantize else ([], [])
     packed_set = set(packed)

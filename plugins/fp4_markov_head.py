@@ -7,7 +7,7 @@ each block position by a low-rank function of the token chosen before it:
 (an embedding table over the verifier vocabulary, kept in high precision) and
 ``W2 = markov_w2.weight [V, r]`` (a linear layer over the draft vocabulary, NVFP4-quantized in the
 ModelOpt W4A16 layout: ``w2_packed`` uint8 ``[V, r/2]`` with element 2i in the low nibble,
-``w2_scale`` float8_e4m3fn ``[V, r/16]``, ``w2_scale_2`` float32 scalar; see builder/quantization.py).
+``w2_scale`` float8_e4m3fn ``[V, r/16]``, ``w2_scale_2`` float32 scalar; see builder/nvfp4_format.py).
 Everything is computed in fp32: the gathered W1 rows, the dequantized W2 (``e2m1 * (fp8 scale *
 scale_2)``), their product and the sum with the fp32 logits.
 

@@ -243,7 +243,7 @@ def _sync(device) -> None:
 def plugin_kernels(deadline: float) -> dict:
     """Both Triton kernels at full width, timed and checked against their torch references."""
     import torch
-    from builder.quantization import quantize_nvfp4
+    from builder.nvfp4_format import quantize_nvfp4
     from plugins.fp4_markov_head import fp4_markov_head_reference, fp4_markov_head_triton
     from plugins.hidden_capture import hidden_capture_reference, hidden_capture_triton
     dev = "cuda"

@@ -219,7 +219,7 @@ def _nvfp4_dspark(tmp_path):
 def test_nvfp4_dspark_uses_the_fused_markov_head(tmp_path):
     """Packed weights load as NVFP4Weight; the backbone runs them through F.linear's NVFP4 path and
     the Markov step through F.fp4_markov_head, matching the dequantized draft run with plain ops."""
-    from builder.quantization import NVFP4Weight
+    from builder.nvfp4_format import NVFP4Weight
     path = _nvfp4_dspark(tmp_path)
     ref = load_file(str(FIXTURES / "dspark_speculators" / "reference.safetensors"))
     emb = ref["target_embedding"].float()

@@ -84,7 +84,8 @@ def test_nvfp4_block_draft_compiles_with_its_weights_dequantized_once(one_thread
     """The NVFP4 DSpark draft on the compiled path: its FP4 weights are dequantized once at load
     (the per-call FP4 subclass broke the graph: the step ran eagerly, 5x its bf16 twin's cost), the
     step compiles, and greedy ids equal the eager path's, whose module keeps the FP4 weights."""
-    from builder.quantization import NVFP4Weight, dequantized_module
+    from builder.nvfp4_format import NVFP4Weight
+    from builder.quantization import dequantized_module
     target, draft = embedded.target_dir(), embedded.target_dir().parent / "dspark_nvfp4"
     eager = open_checkpoint(target, mode="dspark", draft_dir=draft, backend="torch")
     compiled = open_checkpoint(target, mode="dspark", draft_dir=draft, backend="compiled")

@@ -18,7 +18,7 @@ from builder.backends.trt_import import FLAVOUR, HAS_PLUGIN_LAYERS
 from builder.backends.trt_recorder import SymbolicTensor
 from builder.errors import BuildError
 from builder.interpreter import run_network
-from builder.quantization import dequantize_nvfp4, quantize_nvfp4
+from builder.nvfp4_format import dequantize_nvfp4, quantize_nvfp4
 from plugins import fp4_markov_head as mh
 from tolerances import assert_within, sum_bound
 
@@ -76,7 +76,7 @@ def test_spec():
 # --- torch reference ---------------------------------------------------------------------------------
 def test_reference_semantics():
     w1, packed, scale, scale_2 = head()
-    # the plugin decodes W2 exactly as builder.quantization (ModelOpt layout) does
+    # the plugin decodes W2 exactly as builder.nvfp4_format (ModelOpt layout) does
     w2 = dequantize_nvfp4(packed, scale, scale_2, (80, 32))
     assert torch.equal(mh.dequantize_w2(packed, scale, scale_2), w2)
     assert torch.equal(mh.dequantize_w2(packed, scale.view(torch.uint8), scale_2), w2)

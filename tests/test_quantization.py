@@ -11,6 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from builder import functional as F
+from builder import nvfp4_format as fmt
 from builder import quantization as q
 from builder.quantize_checkpoint import quantize_checkpoint
 from builder.backends.trt_dense import NVFP4_LOWERING
@@ -43,7 +44,7 @@ def randn(*shape, seed=0, scale=1.0):
 
 # --- the number format ------------------------------------------------------------------------------
 def test_bit_exact_with_modelopt():
-    packed, scale, scale_2 = q.quantize_nvfp4(golden_w())
+    packed, scale, scale_2 = fmt.quantize_nvfp4(golden_w())
     assert packed.dtype == torch.uint8 and packed.shape == (2, 16)
     assert scale.dtype == torch.float8_e4m3fn and scale.shape == (2, 2)
     assert scale_2.dtype == torch.float32 and scale_2.dim() == 0
@@ -54,13 +55,13 @@ def test_bit_exact_with_modelopt():
 
 def test_codes_nibble_order_ties_and_saturation():
     # element 2i in the low nibble (ModelOpt's (q[1::2] << 4) | q[0::2]; TensorRT's FP4 byte order)
-    assert q.pack_fp4(torch.tensor([1, 2, 15, 0], dtype=torch.uint8)).tolist() == [0x21, 0x0F]
-    assert q.unpack_fp4(torch.tensor([0x21, 0x0F], dtype=torch.uint8)).tolist() == [1, 2, 15, 0]
+    assert fmt.pack_fp4(torch.tensor([1, 2, 15, 0], dtype=torch.uint8)).tolist() == [0x21, 0x0F]
+    assert fmt.unpack_fp4(torch.tensor([0x21, 0x0F], dtype=torch.uint8)).tolist() == [1, 2, 15, 0]
     x = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.26, 7.0, 1e9, -0.1, -6.0])
     want = [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 0.5, 6.0, 6.0, -0.0, -6.0]  # ties to the even code
-    got = q.fp4_decode(q.fp4_encode(x))
+    got = fmt.fp4_decode(fmt.fp4_encode(x))
     assert got.tolist() == want and torch.signbit(got[10])
-    assert q.fp4_decode(torch.arange(16, dtype=torch.uint8)).tolist() == q.E2M1_VALUES.tolist()
+    assert fmt.fp4_decode(torch.arange(16, dtype=torch.uint8)).tolist() == fmt.E2M1_VALUES.tolist()
 
 
 @pytest.mark.parametrize("case", ["normal", "heavy_tail", "experts_3d", "zero_blocks", "tiny", "outlier"])
@@ -72,10 +73,10 @@ def test_round_trip_within_the_error_bound(case):
          "tiny": lambda: randn(8, 32, seed=5, scale=1e-7),  # block scales clamp at 2**-9 of the global scale
          "outlier": lambda: randn(16, 64, seed=6).index_put_((torch.tensor(0), torch.tensor(0)), torch.tensor(1e4)),
          }[case]()
-    packed, scale, scale_2 = q.quantize_nvfp4(w)
+    packed, scale, scale_2 = fmt.quantize_nvfp4(w)
     assert packed.shape == w.shape[:-1] + (w.shape[-1] // 2,) and scale.shape == w.shape[:-1] + (w.shape[-1] // 16,)
-    dq = q.dequantize_nvfp4(packed, scale, scale_2, w.shape)
-    err, bound = (w - dq).abs(), q.quantization_error_bound(w, scale, scale_2)
+    dq = fmt.dequantize_nvfp4(packed, scale, scale_2, w.shape)
+    err, bound = (w - dq).abs(), fmt.quantization_error_bound(w, scale, scale_2)
     assert bool((err <= bound).all()), (err - bound).max()
     # the bound is per block at most one effective block scale (the largest half step, 1 unit at 4..6,
     # saturation after FP8 rounding adds < 0.4): it is not vacuous, and it is reached
@@ -93,20 +94,20 @@ def test_values_on_the_grid_round_trip_exactly():
     codes = torch.randint(0, 16, (8, 64), generator=g, dtype=torch.uint8)
     codes[:, ::16] = 7  # +6 in every block
     block = 3.0 * 2.0 ** -torch.randint(0, 6, (8, 4), generator=g).float()
-    w = q.fp4_decode(codes) * block.repeat_interleave(16, -1)
-    packed, scale, scale_2 = q.quantize_nvfp4(w)
-    assert torch.equal(q.dequantize_nvfp4(packed, scale, scale_2, w.shape), w)
-    assert torch.equal(q.unpack_fp4(packed), torch.where(codes == 8, torch.zeros_like(codes), codes))
+    w = fmt.fp4_decode(codes) * block.repeat_interleave(16, -1)
+    packed, scale, scale_2 = fmt.quantize_nvfp4(w)
+    assert torch.equal(fmt.dequantize_nvfp4(packed, scale, scale_2, w.shape), w)
+    assert torch.equal(fmt.unpack_fp4(packed), torch.where(codes == 8, torch.zeros_like(codes), codes))
 
 
 def test_dequantize_in_half_types_is_two_rounding_steps():
     w = randn(16, 48, seed=7)
-    packed, scale, scale_2 = q.quantize_nvfp4(w)
-    fp32 = q.dequantize_nvfp4(packed, scale, scale_2, w.shape)
+    packed, scale, scale_2 = fmt.quantize_nvfp4(w)
+    fp32 = fmt.dequantize_nvfp4(packed, scale, scale_2, w.shape)
     for dtype in (torch.bfloat16, torch.float16):
-        got = q.dequantize_nvfp4(packed, scale, scale_2, w.shape, dtype)
+        got = fmt.dequantize_nvfp4(packed, scale, scale_2, w.shape, dtype)
         block = (scale.float() * scale_2).to(dtype).float().repeat_interleave(16, -1)
-        want = (q.fp4_decode(q.unpack_fp4(packed)) * block).to(dtype)
+        want = (fmt.fp4_decode(fmt.unpack_fp4(packed)) * block).to(dtype)
         assert got.dtype == dtype and torch.equal(got, want)
         torch.testing.assert_close(got.float(), fp32, rtol=1e-2, atol=1e-6)
 
@@ -138,7 +139,7 @@ def test_quantize_and_dequantize_tensors_for_drafts():
         assert list(back) == list(tensors)
         for name, t in tensors.items():
             if name in names:
-                bound = q.quantization_error_bound(t, out[name + "_scale"], out[name + "_scale_2"])
+                bound = fmt.quantization_error_bound(t, out[name + "_scale"], out[name + "_scale_2"])
                 assert bool(((back[name] - t).abs() <= bound).all())
             else:
                 assert back[name] is t
@@ -146,7 +147,7 @@ def test_quantize_and_dequantize_tensors_for_drafts():
     assert q.dequantize_tensors(out)["markov_head.markov_w2.weight"].shape == (48, 16)
     kept = q.nvfp4_weights(out, qc, shapes, torch.bfloat16)
     w2 = kept["markov_head.markov_w2.weight"]
-    assert isinstance(w2, q.NVFP4Weight) and w2.shape == (48, 16) and w2.dtype == torch.bfloat16
+    assert isinstance(w2, fmt.NVFP4Weight) and w2.shape == (48, 16) and w2.dtype == torch.bfloat16
 
 
 def test_tensor_dict_errors_name_the_tensor():
@@ -174,7 +175,7 @@ def test_tensor_dict_errors_name_the_tensor():
 
 
 def test_bound_weight_computes_like_its_dequantized_tensor():
-    w = q.NVFP4Weight.quantize(randn(24, 32, seed=8), "w")
+    w = fmt.NVFP4Weight.quantize(randn(24, 32, seed=8), "w")
     half = w.to(torch.bfloat16)
     assert half.packed is w.packed and half.dtype == torch.bfloat16 and half.shape == (24, 32)
     x = randn(2, 3, 32, seed=9)
@@ -315,7 +316,7 @@ def test_quantize_cli_writes_modelopt_layout(checkpoints, tmp_path, capsys):
 
 def test_nvfp4_engine_builds_and_its_network_interprets_like_eager(checkpoints, quantized, tmp_path):
     config, weights = load_nvfp4_checkpoint(quantized["dense"], keep_quantized=True)
-    assert sum(isinstance(w, q.NVFP4Weight) for w in weights.values()) == 16
+    assert sum(isinstance(w, fmt.NVFP4Weight) for w in weights.values()) == 16
     module = NemotronH(config, weights, torch.float32)
     options = BuildOptions(max_batch_size=2, max_input_len=8, max_seq_len=16, max_draft_len=7)  # one profile
     component = target_component(module, options)
@@ -368,7 +369,7 @@ def test_bad_nvfp4_checkpoint_exits_2_naming_the_tensor(damage, tensor, message,
     elif damage == "scale_dtype":
         tensors[name + "_scale"] = tensors[name + "_scale"].float()
     else:
-        tensors[name] = q.dequantize_nvfp4(tensors[name], tensors[name + "_scale"], tensors[name + "_scale_2"],
+        tensors[name] = fmt.dequantize_nvfp4(tensors[name], tensors[name + "_scale"], tensors[name + "_scale_2"],
                                            (128, 64))
     save_file(tensors, str(bad / "model.safetensors"))
     for argv in (["build", "--checkpoint_dir", str(bad), "--output_dir", str(tmp_path / "engine")],

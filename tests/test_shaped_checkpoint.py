@@ -15,7 +15,7 @@ import torch
 
 from builder.checkpoint import INDEX_FILE, load_checkpoint
 from builder.checkpoint import load_nvfp4_checkpoint
-from builder.quantization import NVFP4Weight
+from builder.nvfp4_format import NVFP4Weight
 from builder.safetensors_io import mmap_tensors, read_header
 from builder.shaped_checkpoint import init_tensor, write_shaped_checkpoint
 

@@ -21,7 +21,8 @@ from builder.backends.trt_build import probe_strip_plan
 from builder.checkpoint import load_checkpoint
 from builder.engine import BuildOptions, _write_weights, build, convert_weights, draft_components, record, \
     target_component
-from builder.interpreter import _raw_weights, run_network
+from builder.interpreter import run_network
+from builder.interpreter.weights import _raw_weights
 from builder.models.mtp import MTPDraft
 from builder.models.nemotron_h import NemotronH
 from builder.refit import Provenance, refit_tensors
@@ -191,7 +192,7 @@ def test_nvfp4_moe_experts_stack_stays_fp4(checkpoints, tmp_path):
     """NVFP4 experts stack into one FP4 weight [E, out, in] (no dequantized copy); its values are the
     experts' dequantized weights."""
     from builder.checkpoint import load_nvfp4_checkpoint
-    from builder.quantization import NVFP4Weight
+    from builder.nvfp4_format import NVFP4Weight
     from builder.quantize_checkpoint import quantize_checkpoint
     quantize_checkpoint(checkpoints["moe"], tmp_path / "q", log=lambda m: None)
     config, weights = load_nvfp4_checkpoint(tmp_path / "q", keep_quantized=True)

@@ -18,7 +18,7 @@ from builder.checkpoint import convert_weights, load_nvfp4_checkpoint
 from builder.engine import BuildOptions, build, record, target_component, write_target_weights
 from builder.interpreter import run_network
 from builder.models.nemotron_h import NemotronH
-from builder.quantization import NVFP4Weight
+from builder.nvfp4_format import NVFP4Weight
 from builder.refit import Provenance, network_shape, read_refit_map, refit_tensors
 from builder.safetensors_io import mmap_tensors
 from runtime.state import chunk_inputs

@@ -401,6 +401,11 @@ def _moe_branch_free(x, index, weights, up, down, act, few_rows=False):
 
 def moe(router_input, x, router_weight, router_bias, up, down, top_k, n_group, topk_group,
         norm_topk_prob, routed_scaling_factor, act):
+    if _gpu.active(x):
+        out = _gpu.dispatch("moe", router_input, x, router_weight, router_bias, up, down, top_k, n_group, topk_group,
+                            norm_topk_prob, routed_scaling_factor, act)
+        if out is not None:
+            return out
     shape = x.shape
     up, down = (w.dequantize() if getattr(w, "is_nvfp4", False) else w for w in (up, down))  # NVFP4 stacks
     router_input, x = router_input.reshape(-1, router_input.shape[-1]), x.reshape(-1, shape[-1])
@@ -532,8 +537,8 @@ def where(cond, a, b):
     return torch.where(cond if cond.dtype == torch.bool else cond != 0, a, b)
 
 
-# --- NVFP4 weights (builder/quantization.py) and the FP4 Markov head (plugins/fp4_markov_head.py) -----
-from builder.quantization import dequantize_nvfp4 as _dequantize_nvfp4  # noqa: E402
+# --- NVFP4 weights (builder/nvfp4_format.py) and the FP4 Markov head (plugins/fp4_markov_head.py) -----
+from builder.nvfp4_format import dequantize_nvfp4 as _dequantize_nvfp4  # noqa: E402
 from plugins.fp4_markov_head import fp4_markov_head_reference as _fp4_markov_head_reference  # noqa: E402
 
 

@@ -287,7 +287,7 @@ class Recorder(LayerHelpers):
     def wrap(self, t) -> SymbolicTensor:
         return SymbolicTensor(t, self)
 
-    # low-precision constants (NVFP4 weights, builder/quantization.py) ---------------------------------
+    # low-precision constants (NVFP4 weights, builder/nvfp4_format.py) ---------------------------------
     def low_precision(self, t: torch.Tensor, kind: str, shape, what: str):
         """FP4 or FP8 (``kind``) ITensor of logical ``shape`` over the bytes of ``t`` as they are (FP4: two
         values a byte, element 2i in the low nibble, as ModelOpt packs them): under ``--strip_plan`` an engine
@@ -311,7 +311,7 @@ class Recorder(LayerHelpers):
     def nvfp4_weight(self, packed, scale, scale_2, shape, dtype: torch.dtype, what: str = "weight"):
         """``[out, in]`` (or a stack ``[E, out, in]``, one global scale per matrix) ITensor in ``dtype`` of an
         NVFP4 weight (ModelOpt layout): FP4 codes, FP8 block scales dequantized by the FP32 global scale
-        (:func:`builder.quantization.dequantize_nvfp4`'s two steps), and a block dequantize of the codes
+        (:func:`builder.nvfp4_format.dequantize_nvfp4`'s two steps), and a block dequantize of the codes
         (last axis, blocks of 16). One set of layers per (packed tensor, dtype)."""
         cache = self.__dict__.setdefault("_nvfp4_layers", {})
         key = (id(packed), dtype)
@@ -323,7 +323,7 @@ class Recorder(LayerHelpers):
             raise BuildError(f"NVFP4 weight {what}: expected a 2-D logical shape (3-D for stacked experts), got {list(shape)}")
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise BuildError(f"NVFP4 weight {what}: cannot dequantize to {dtype}")
-        from builder.quantization import BLOCK_SIZE, _check_layout, global_scale_shape
+        from builder.nvfp4_format import BLOCK_SIZE, _check_layout, global_scale_shape
         try:
             _check_layout(packed, scale, scale_2, shape, BLOCK_SIZE, what)
         except ValueError as exc:

@@ -108,7 +108,7 @@ def load(directory: Path, layout: Layout, data: dict, where: str, read: bool, ke
          quantized: bool = True):
     """(cfg, canonical name -> tensor) of the draft in ``directory`` stored in ``layout`` (config
     ``data`` read from ``where``). ``quantized``: a ModelOpt NVFP4 quantization config is honoured
-    (packed weights become :class:`builder.quantization.NVFP4Weight`, or plain tensors with
+    (packed weights become :class:`builder.nvfp4_format.NVFP4Weight`, or plain tensors with
     ``keep_quantized=False``); with ``read=False`` only headers are read."""
     from builder.quantization import _SCALE_SUFFIXES
     qc = _quant_config(directory) if quantized else None

@@ -26,7 +26,7 @@ choose d_j (argmax, or sample and keep the distribution for rejection sampling),
 (as a target id). Only the vanilla head is implemented; ``gated`` / ``rnn`` are refused when the
 checkpoint is read (``markov_head_type``).
 
-Quantized W2: when ``markov_head.markov_w2.weight`` is a :class:`builder.quantization.NVFP4Weight`
+Quantized W2: when ``markov_head.markov_w2.weight`` is a :class:`builder.nvfp4_format.NVFP4Weight`
 (``load_block_draft_checkpoint`` of a ModelOpt NVFP4 checkpoint keeps it packed: uint8 [Vd, r/2],
 FP8 block scales [Vd, r/16], FP32 global scale), ``markov_logits`` calls the fused plugin op
 ``F.fp4_markov_head(logits, prev_ids, w1, w2_packed, w2_scale, w2_scale_2)``
@@ -53,7 +53,7 @@ class DSparkDraft(DFlashDraft):
         self.markov_w1 = self.markov_w2 = None
         if self.markov_rank > 0:
             self.markov_w1 = weights[W1].to(dtype)
-            self.markov_w2 = weights[W2].to(dtype)  # a tensor, or a builder.quantization.NVFP4Weight
+            self.markov_w2 = weights[W2].to(dtype)  # a tensor, or a builder.nvfp4_format.NVFP4Weight
 
     @property
     def has_markov(self) -> bool:

@@ -8,7 +8,8 @@ wrong answer. Tests run the kernels on CPU tensors under ``TRITON_INTERPRET=1`` 
 :func:`forced`. ``NEMOSPEC_TRITON_KERNELS=0`` turns the dispatch off.
 
 Modules: ``mamba`` (conv and selective-state updates for 1..K+1 tokens, chain and tree),
-``attention`` (query rows over the KV cache, tree and visibility masks), ``nvfp4`` (W4A16 products).
+``attention`` (query rows over the KV cache, tree and visibility masks), ``nvfp4`` (W4A16 products),
+``moe`` (fused routing and the routed experts of a few rows).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import torch
 
 log = logging.getLogger("nemospec.gpu")
 
-MODULES = ("mamba", "attention", "nvfp4")
+MODULES = ("mamba", "attention", "nvfp4", "moe")
 _KERNELS: Dict[str, Callable] = {}
 _loaded = False
 _forced = False
