@@ -9,7 +9,8 @@ the project's modules import), then, within --budget_s (default 8 minutes), runs
 2. the two plugin kernels (hidden_capture, fp4_markov_head; Triton) at full width, timed with CUDA
    events, checked against their torch references, with the bytes they move over the time against the
    device's copy bandwidth (a large clone, measured here);
-3. where TensorRT is importable: `nemospec build` of the embedded model (plain and --strip_plan) and
+3. each Triton op of builder/backends/gpu at full width against its torch op (scripts/gpu_kernels.py);
+4. where TensorRT is importable: `nemospec build` of the embedded model (plain and --strip_plan) and
    generation with --backend tensorrt against the torch backend.
 
 One JSON report (--output). ``--dry_run`` probes only. Run from the checkout root:
@@ -34,6 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 FULL_WIDTH_CONFIGS = ("nemotron-h-8b-base-8k", "nemotron-3-nano-30b-a3b-bf16")
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+from gpu_kernels import triton_kernels  # noqa: E402
 PROJECT_MODULES = ("builder.checkpoint", "builder.engine", "builder.safetensors_io", "runtime.loading",
                    "runtime.generation", "runtime.speculative", "plugins.hidden_capture", "plugins.fp4_markov_head")
 
@@ -200,10 +202,10 @@ def embedded_model_trees(deadline: float, device: str = "cuda", new: int = 64) -
     return embedded_model(deadline, device, new, modes=("eagle3", "dflash", "mtp"), tree_nodes=16)
 
 
-def embedded_model_cuda_graphs(deadline: float, device: str = "cuda", new: int = 64) -> dict:
-    """The compiled path with each step replayed as a CUDA graph (NEMOSPEC_CUDA_GRAPHS=1,
-    runtime.compiled.steps.device_options), eagle3: what the host's kernel launches cost the plain compiled path."""
-    os.environ["NEMOSPEC_CUDA_GRAPHS"] = "1"
+def embedded_model_no_cuda_graphs(deadline: float, device: str = "cuda", new: int = 64) -> dict:
+    """The compiled path with CUDA graphs off (NEMOSPEC_CUDA_GRAPHS=0; they are on by default on CUDA,
+    runtime.compiled.steps.device_options), eagle3: what the graphs save the host's kernel launches."""
+    os.environ["NEMOSPEC_CUDA_GRAPHS"] = "0"
     try:
         return embedded_model_compiled(deadline, device, new)
     finally:
@@ -240,6 +242,13 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
+def copy_bandwidth() -> float:
+    """The device's copy bandwidth, bytes/s (read + write of a 256 MiB clone)."""
+    import torch
+    big = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
+    return 2 * big.numel() / _cuda_time(lambda: big.clone(), 10)
+
+
 def plugin_kernels(deadline: float) -> dict:
     """Both Triton kernels at full width, timed and checked against their torch references."""
     import torch
@@ -247,9 +256,7 @@ def plugin_kernels(deadline: float) -> dict:
     from plugins.fp4_markov_head import fp4_markov_head_reference, fp4_markov_head_triton
     from plugins.hidden_capture import hidden_capture_reference, hidden_capture_triton
     dev = "cuda"
-    big = torch.empty(1 << 28, dtype=torch.uint8, device=dev)
-    copy_s = _cuda_time(lambda: big.clone(), 10)
-    copy_bw = 2 * big.numel() / copy_s
+    copy_bw = copy_bandwidth()
     out = {"copy_bandwidth_gb_s": round(copy_bw / 1e9, 1)}
     # hidden capture: 8 sequences x 5 tokens of a 4096-wide residual stream into 3 capture slots
     H, slots = 4096, 3
@@ -321,14 +328,16 @@ MODES = ("eagle3", "dflash", "mtp", "eagle", "dspark", "peagle", "draft_target")
 PROMPTS = ("def __init__(self, name, value=None):\n        self.", "import os\nimport sys\n\n\ndef main(",
            "    for i in range(len(items)):\n        if ", "class Error(Exception):\n    \"\"\"")
 # cheapest first; the compiled path's compile is the longest and runs last
-SECTIONS = {"plugin_kernels": plugin_kernels, "embedded_model": embedded_model, "full_width": full_width,
+SECTIONS = {"plugin_kernels": plugin_kernels,
+            "triton_kernels": functools.partial(triton_kernels, copy_bandwidth=copy_bandwidth),
+            "embedded_model": embedded_model, "full_width": full_width,
             "tensorrt": tensorrt_engines,
             "full_width_graphs": functools.partial(full_width, configs=FULL_WIDTH_CONFIGS[:1], graphs=True),
             "embedded_model_trees": embedded_model_trees,
             "embedded_model_compiled": embedded_model_compiled,
-            "embedded_model_cuda_graphs": embedded_model_cuda_graphs}
-DEVICE_SECTIONS = ("embedded_model", "full_width", "full_width_graphs", "embedded_model_trees",
-                   "embedded_model_compiled", "embedded_model_cuda_graphs")
+            "embedded_model_no_cuda_graphs": embedded_model_no_cuda_graphs}
+DEVICE_SECTIONS = ("triton_kernels", "embedded_model", "full_width", "full_width_graphs", "embedded_model_trees",
+                   "embedded_model_compiled", "embedded_model_no_cuda_graphs")
 
 
 def main(argv=None) -> int:
@@ -340,6 +349,8 @@ def main(argv=None) -> int:
     p.add_argument("--sections", nargs="*", default=list(SECTIONS), choices=list(SECTIONS))
     p.add_argument("--new_tokens", type=int, default=64)
     args = p.parse_args(argv)
+    if args.device == "cpu" and "triton_kernels" in args.sections:   # before the probe imports triton: its
+        os.environ["TRITON_INTERPRET"] = "1"                        # own @jit helpers (tl.sum) are made then
     started = time.time()
     report = {"created": time.strftime("%Y-%m-%d %H:%M:%S"), "probe": probe(), "dry_run": args.dry_run}
     if not args.dry_run:

@@ -13,10 +13,11 @@ def markdown(report: dict) -> str:
     if report.get("runs"):
         lines += ["", report["runs"] + "."]
     lines += _plugins(report.get("plugin_kernels"))
+    lines += _triton(report.get("triton_kernels"))
     for key, title in (("embedded_model", "Embedded model, eager (TorchRunner)"),
                        ("embedded_model_trees", "Embedded model, eager, tree speculation beside the chain"),
                        ("embedded_model_compiled", "Embedded model, compiled (runtime.compiled: inductor)"),
-                       ("embedded_model_cuda_graphs", "Embedded model, compiled, steps replayed as CUDA graphs")):
+                       ("embedded_model_no_cuda_graphs", "Embedded model, compiled, CUDA graphs off")):
         lines += _embedded(report.get(key), title)
     lines += _full_width(report.get("full_width"), "steps", "projection",
                          "Full width, eager (one random layer per kind, bf16; op by op, launch-bound)")
@@ -35,6 +36,31 @@ def _plugins(p) -> list[str]:
         if k:
             ok = k.get("exact", k.get("close"))
             out.append(f"| {name} | {k['us']:.1f} | {k['gb_s']:.1f} | {k['of_copy_bandwidth']:.3f} | {ok} |")
+    return out
+
+
+def _triton(section) -> list[str]:
+    """The triton_kernels section: each op's kernel against its torch op."""
+    if not section or not section.get("rows"):
+        return []
+    bw = section.get("copy_bandwidth_gb_s")
+    where = " under TRITON_INTERPRET (tiny shapes)" if section.get("interpreted") else ""
+    out = ["", "## Triton kernels of the op surface (builder/backends/gpu) against their torch ops", "",
+           f"{section['dtype']} on {section['device']}{where}; medians; copy bandwidth "
+           f"{f'{bw:.0f} GB/s' if bw else 'not measured'}."
+           + (" Stopped at the budget." if section.get("stopped") else ""), "",
+           "| op | shape | kernel us | torch us | torch / kernel | max abs diff | within bound (diff / bound) "
+           "| of copy bandwidth | fallback |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in section["rows"]:
+        if "error" in r:
+            out.append(f"| {r['op']} | {r['error'][:80]} | | | | | | | |")
+        elif r.get("fallback"):
+            out.append(f"| {r['op']} | {r['shape']} | | {r['torch_us']:.1f} | | | | | {r['fallback_reason'][:80]} |")
+        else:
+            frac = r.get("of_copy_bandwidth")
+            out.append(f"| {r['op']} | {r['shape']} | {r['kernel_us']:.1f} | {r['torch_us']:.1f} | "
+                       f"{r['torch_over_kernel']:.2f}x | {r['max_abs_diff']:.3g} | {r['within_bound']} "
+                       f"({r['diff_over_bound']:.3f}) | {'' if frac is None else f'{frac:.3f}'} | no |")
     return out
 
 

@@ -84,3 +84,18 @@ def test_tree_section_reports_trees_beside_the_chain(tmp_path):
         assert row["tree"]["max_nodes"] == 16 and row["tree_mean_accepted"] >= 1.0
     page = (tmp_path / "report.md").read_text()
     assert "| mode | tree (nodes, top-k, depth) |" in page and "| eagle3 | 16, 4, 4 |" in page
+
+
+def test_triton_kernels_section_runs_every_kernel_within_its_bound(tmp_path):
+    """The triton_kernels section on the CPU (tiny shapes, TRITON_INTERPRET=1 inside gpu.forced()): each
+    row ran its kernel (no fallback, no error), is within its bound, and the page shows the table."""
+    report = _run(tmp_path, "--device", "cpu", "--sections", "triton_kernels")
+    section = report["triton_kernels"]
+    assert section["interpreted"] is True and "stopped" not in section
+    ops = [row["op"] for row in section["rows"]]
+    assert {"ssm_scan", "causal_conv1d", "tree_ssm_scan", "tree_conv1d", "attention", "tree_attention",
+            "linear_nvfp4"} <= set(ops)
+    for row in section["rows"]:
+        assert "error" not in row and row["fallback"] is False, row
+        assert row["within_bound"] is True and row["kernel_us"] > 0 and row["torch_us"] > 0, row
+    assert "| op | shape | kernel us |" in (tmp_path / "report.md").read_text()
