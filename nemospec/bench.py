@@ -54,6 +54,9 @@ def add_bench_args(p) -> None:
     p.add_argument("--runs", type=int, default=2, help="timed runs per prompt (median)")
     p.add_argument("--no_serving", action="store_true", help="skip the Triton measurement")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--serving_threads", type=int, default=None,
+                   help="the served model's torch threads (default: the server's, a quarter of the cores: "
+                        "the rest serve Triton, its stubs and the client)")
     p.add_argument("--draft_weight_dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="engines built with this --draft_weight_dtype (the compiled path's draft weights)")
     p.add_argument("--matmul_precision", default="highest", choices=["highest", "medium"],
@@ -310,7 +313,7 @@ def _serving(engine_dir: Path, texts: list[str], new_tokens: int, runs: int, off
     spec_s = plain_s = 0.0
     tokens = 0
     means = []
-    # the offline runs' path and threads (compiled: warmed up before the server is ready)
+    # the offline runs' path (compiled: warmed up before the server is ready); the server's threads
     with serving(engine_dir, backend=backend, torch_threads=threads, ready_timeout=1200, **ports) as server:
         stream_generate(server.grpc_url, texts[0], 8)                     # warm-up
         for text in texts:
@@ -405,7 +408,7 @@ def run_bench(args) -> dict:
         _log(f"bench: serving the best mode ({best}) through Triton")
         try:
             report["serving"] = _serving(root / report["modes"][best]["engine_dir"], texts, new_tokens, runs,
-                                         report["modes"][best]["tokens_per_second"], backend, args.threads or 0)
+                                         report["modes"][best]["tokens_per_second"], backend, args.serving_threads or 0)
         except Exception as e:   # the offline results stand; the report says what failed
             report["serving"] = {"mode": best, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
             _log(f"bench: serving failed: {report['serving']['error']}")
