@@ -34,3 +34,60 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# --- where the suite's time goes, by test file (make test prints it beside --durations) -------------
+_compile_seconds: dict = {}   # test file -> [seconds compiling or loading steps, steps compiled, loaded]
+_file_seconds: dict = {}      # test file -> [seconds in setup/call/teardown, workers that ran it]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    steps = sys.modules.get("runtime.compiled.steps")
+    before = len(steps.COMPILE_LOG) if steps else 0
+    yield
+    steps = sys.modules.get("runtime.compiled.steps")
+    if steps is None:
+        return
+    row = _compile_seconds.setdefault(item.location[0], [0.0, 0, 0])
+    for entry in steps.COMPILE_LOG[before:]:   # "compiled LABEL (S s)" / "loaded LABEL (S s)"
+        row[0] += float(entry.rsplit("(", 1)[1].split()[0])
+        row[1 if entry.startswith("compiled") else 2] += 1
+
+
+def pytest_runtest_logreport(report):
+    """Runs where the report arrives: in the controller for every worker's tests under xdist."""
+    row = _file_seconds.setdefault(report.location[0], [0.0, set()])
+    row[0] += report.duration
+    node = getattr(report, "node", None)
+    row[1].add(getattr(getattr(node, "gateway", None), "id", "main"))
+
+
+def pytest_sessionfinish(session):
+    if hasattr(session.config, "workeroutput"):   # an xdist worker: hand its compile table to the controller
+        import json
+        session.config.workeroutput["nemospec_compile_seconds"] = json.dumps(_compile_seconds)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    import json
+    for path, (seconds, compiled, loaded) in json.loads(
+            getattr(node, "workeroutput", {}).get("nemospec_compile_seconds", "{}")).items():
+        row = _compile_seconds.setdefault(path, [0.0, 0, 0])
+        row[0] += seconds
+        row[1] += compiled
+        row[2] += loaded
+
+
+def pytest_terminal_summary(terminalreporter):
+    rows = sorted(_file_seconds.items(), key=lambda kv: -kv[1][0])
+    if not rows:
+        return
+    terminalreporter.section("slowest test files (seconds in their tests; of that, compiling or loading steps)")
+    for path, (seconds, workers) in rows[:12]:
+        compiled = _compile_seconds.get(path, [0.0, 0, 0])
+        terminalreporter.write_line(f"{seconds:8.1f}s  {path} ({', '.join(sorted(workers))}): compiling "
+                                    f"{compiled[0]:.1f}s, {compiled[1]} steps compiled, {compiled[2]} loaded")
+    terminalreporter.write_line(f"{sum(r[0] for _, r in rows):8.1f}s  all {len(rows)} files; compiling "
+                                f"{sum(r[0] for r in _compile_seconds.values()):.1f}s")

@@ -1,12 +1,14 @@
 """The compiled CPU path (runtime.compiled): greedy ids identical to the eager path, target-only and
 speculative (eagle3 on the embedded model), ragged batches with a 1-token prompt, K=1 and K=4; and
-no graph compiled beyond the shapes the runtime uses (a new capacity reuses them).
+no graph compiled beyond the shapes the runtime uses (a new capacity reuses them). Trees:
+test_compiled_trees.py.
 
 Compiling is the cost here (a cold inductor cache: tens of seconds per graph), so one module-scoped
 pair of loaded models serves every test and the prompts keep to few shapes: prefill chunks are
 eager; decode compiles for batch 2+, verify and rollback for K+1 = 5 (batch 2+, and batch 1 when a
 ragged batch's last sequence runs alone; K=3 pads its verify to 5) and K+1 = 2 (batch 1), the draft
-for 1 and 5 rows, its chain for catch-up chunks of 1, 2, 3 and 5 rows; trees build their fused draft tree and greedy tree verify per tree shape; a bf16 copy of the target compiles its batch-1 decode.
+for 1 and 5 rows, its chain for catch-up chunks of 1, 2, 3 and 5 rows; a bf16 copy of the target
+compiles its batch-1 decode.
 """
 import io
 import json
@@ -21,27 +23,14 @@ from nemospec import cli
 from runtime.generation import generate
 from runtime.loading import AUTO_COMPILE_MIN_TOKENS, open_checkpoint, resolve_backend
 from runtime.speculative import speculative_generate
-from runtime.tree.draft import TreeShape
-
-RAGGED = [[5, 9, 17, 33, 8, 100, 7], [42], [3, 4, 5, 6]]
-NEW = 16
-
-
-def _graphs():
-    from torch._dynamo.utils import counters
-    return counters["stats"]["unique_graphs"]
-
+from compiled_helpers import NEW, RAGGED, eager_and_compiled, graphs as _graphs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def models(one_thread):
-    target, draft = embedded.target_dir(), embedded.draft_dir("eagle3")
-    eager = open_checkpoint(target, mode="eagle3", draft_dir=draft, backend="torch")
-    compiled = open_checkpoint(target, mode="eagle3", draft_dir=draft, backend="compiled")
-    assert compiled.backend == "compiled" and type(compiled.runner).__name__ == "CompiledRunner"
-    return eager, compiled
+    return eager_and_compiled()
 
 
 def _compiled_keys(loaded):
@@ -129,61 +118,6 @@ def test_confidence_stop_trims_the_one_call_chain_to_a_compiled_verify(models, m
     lengths, _ = run(compiled, True)
     cut = fused.index(3) + 1                      # the steps agree until the cut (then positions differ)
     assert lengths[:cut] == [2 if n == 3 else n for n in fused[:cut]] and set(lengths) <= {1, 2, 4}, lengths
-
-
-def _tree_steps(loaded, prompts, shape):
-    """Output ids and every tree step's (step, sequence, tree tokens, parents, accepted path)."""
-    records = []
-    out = speculative_generate(loaded.runner, loaded.proposer(), prompts, NEW, shape.depth, tree=shape,
-                               trace=records.append)
-    return out, [(r["step"], r["sequence"], tuple(r["tree_tokens"]), tuple(r["tree_parents"]),
-                  tuple(r["accepted_path"])) for r in records if "tree_parents" in r]
-
-
-def _unfused_tree_steps(loaded, prompts, shape, monkeypatch):
-    """``_tree_steps`` on the step-by-step path (the fused calls removed)."""
-    from runtime.drafts import EagerDraft
-    from runtime.runner import TorchRunner
-    for name, owner in (("tree_chain", EagerDraft), ("verify_tree_greedy", TorchRunner)):
-        monkeypatch.delattr(owner, name)
-    out = _tree_steps(loaded, prompts, shape)
-    monkeypatch.undo()
-    return out
-
-
-@pytest.mark.parametrize("nodes, topk, depth", [(1, 1, 1), (6, 2, 3)])
-def test_compiled_fused_trees_equal_the_eager_step_by_step_trees_on_a_ragged_batch(models, monkeypatch, nodes, topk,
-                                                                                    depth):
-    """Batch 2+ (and batch 1 once the ragged batch's other sequences finished): the compiled fused
-    draft tree and fused verify grow the trees and keep the paths the eager step-by-step path does."""
-    eager, compiled = models
-    shape = TreeShape(nodes, topk, depth)
-    want, want_steps = _unfused_tree_steps(eager, RAGGED, shape, monkeypatch)
-    got, steps = _tree_steps(compiled, RAGGED, shape)
-    assert got.output_ids == want.output_ids == generate(eager.runner, RAGGED, NEW).output_ids
-    assert steps == want_steps
-    assert [k for k in compiled.runner._verify_tree_greedy.ready if not k[0]]           # a batch 2+ graph
-    assert [k for k in compiled.proposer().draft._trees.ready if not k[0]]
-
-
-def test_eagle3_tree_greedy_ids_equal_eager(models, monkeypatch):
-    """Tree speculation on the compiled path: the draft's whole tree (catch-up, tree steps, top-k
-    selection) is one graph and the tree verify + greedy accept + tree rollback another; the trees
-    grown and paths kept equal the eager step-by-step path's, and so do the ids; a second run with
-    another max_new_tokens builds no graph."""
-    eager, compiled = models
-    shape = TreeShape(6, 2, 3)
-    prompts = RAGGED[:1]
-    want = generate(eager.runner, prompts, NEW).output_ids
-    _, want_steps = _unfused_tree_steps(eager, prompts, shape, monkeypatch)
-    got, steps = _tree_steps(compiled, prompts, shape)
-    assert got.output_ids == want and got.extra["acceptance"]["tree"]["steps_by_size"] == {
-        "7": got.extra["acceptance"]["num_verify_forwards"]}
-    assert steps == want_steps
-    assert compiled.runner._verify_tree_greedy.ready and compiled.proposer().draft._trees.ready
-    before = _graphs()
-    again = speculative_generate(compiled.runner, compiled.proposer(), prompts, NEW + 7, 3, tree=shape)
-    assert again.output_ids == generate(eager.runner, prompts, NEW + 7).output_ids and _graphs() == before
 
 
 def test_warm_up_compiles_every_catch_up_bucket_and_nothing_compiles_after(models):
