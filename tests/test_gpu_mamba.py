@@ -251,46 +251,6 @@ def test_declined_inputs_run_the_torch_op_and_say_so_once(case, launches, monkey
     assert len(said) == 1 and said[0].startswith(f"{op}: ") and reason in said[0], said
 
 
-
-COMPILE = """
-import inspect, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from builder.backends.gpu import mamba
-FP32 = ("a_ptr", "d_ptr", "h0_ptr", "h_ptr", "hs_ptr")
-for kernel, consts in [
-        ("_conv_kernel", dict(WIDTH=4, HAS_BIAS=True, TREE=False, BLOCK_T=32, BLOCK_W=4, BLOCK_C=128)),
-        ("_conv_kernel", dict(T=1, WIDTH=2, HAS_BIAS=False, TREE=True, BLOCK_T=1, BLOCK_W=1, BLOCK_C=256)),
-        ("_ssm_kernel", dict(WRITE_Y=True, WRITE_STATES=False, BLOCK_P=16, BLOCK_N=128)),
-        ("_ssm_kernel", dict(T=1, heads_per_group=1, WRITE_Y=False, WRITE_STATES=True, BLOCK_P=16, BLOCK_N=128)),
-        ("_tree_ssm_kernel", dict(BLOCK_P=16, BLOCK_N=128))]:
-    fn = getattr(mamba, kernel)
-    names = list(inspect.signature(fn).parameters)
-    types = {n: "constexpr" if n in consts else "*fp32" if n in FP32 else
-             "*i64" if n in ("len_ptr", "par_ptr") else "*u8" if n == "anc_ptr" else
-             "*bf16" if n.endswith("_ptr") else "i32" for n in names}
-    source = ASTSource(triton.jit(fn), types, {(names.index(k),): v for k, v in consts.items()})
-    assert "cubin" in triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm, kernel
-print("compiled")
-"""
-
-
-def test_kernels_compile_to_a_cubin_without_a_gpu():
-    """The interpreter runs plain Python; this compiles what a GPU would run (sm_90, bf16 activations,
-    fp32 A/D/state, int64 lengths/parents, T = 1 specialised), so a construct only the compiler
-    refuses fails here. Its own process: triton's stdlib, once jitted for the interpreter, cannot
-    be compiled."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    run = subprocess.run([sys.executable, "-c", COMPILE], cwd=Path(__file__).resolve().parents[1], env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]
-
-
 def test_a_kernel_that_fails_on_cuda_falls_back_to_the_torch_op_once(monkeypatch, caplog):
     """A kernel raising outside tests (an older Triton on the device that cannot compile it) is
     dropped for the process: the torch op answers, and the log says why, once."""

@@ -126,7 +126,7 @@ if tl is not None:
                 tl.store(hs_ptr + ((b64 * T + t) * H + head) * P * N + pn, h, mask=pn_ok)
             if WRITE_Y:
                 cv = tl.load(c_ptr + b64 * sc_b + t * sc_t + g * sc_g + ns, mask=n_ok, other=0.0).to(tl.float32)
-                y = tl.sum(h * cv[None, :], axis=1) + xv * d
+                y = tl.reduce(h * cv[None, :], 1, tl.standard._sum_combine) + xv * d
                 tl.store(y_ptr + ((b64 * T + t) * H + head) * P + ps, y.to(y_ptr.dtype.element_ty), mask=p_ok)
         tl.store(h_ptr + (b64 * H + head) * P * N + pn, h, mask=pn_ok)
 
@@ -160,7 +160,7 @@ if tl is not None:
                 h = h * decay + (dt_on * xv)[:, None] * bv[None, :]
             xi = tl.load(x_ptr + b64 * sx_b + i * sx_t + head * sx_h + ps, mask=p_ok, other=0.0).to(tl.float32)
             cv = tl.load(c_ptr + b64 * sc_b + i * sc_t + g * sc_g + ns, mask=n_ok, other=0.0).to(tl.float32)
-            y = tl.sum(h * cv[None, :], axis=1) + xi * d
+            y = tl.reduce(h * cv[None, :], 1, tl.standard._sum_combine) + xi * d
             tl.store(y_ptr + ((b64 * T + i) * H + head) * P + ps, y.to(y_ptr.dtype.element_ty), mask=p_ok)
 else:  # pragma: no cover
     _conv_kernel = _ssm_kernel = _tree_ssm_kernel = None
