@@ -265,3 +265,15 @@ def test_a_kernel_that_fails_on_cuda_falls_back_to_the_torch_op_once(monkeypatch
     assert gpu.dispatch("ssm_state", None) is None
     assert [r.getMessage() for r in caplog.records].count(
         "ssm_state: Triton kernel not used (RuntimeError: cannot compile); running the torch op") == 1
+
+
+def test_the_kernels_stay_out_of_compiled_graphs(monkeypatch):
+    """While torch.compile traces, the ops keep their torch lowering (inductor's), even for tensors
+    that would take a kernel: a whole-graph capture of the Python launchers is unproven on a device."""
+    from builder.backends import gpu
+
+    x = torch.zeros(2)
+    with gpu.forced():
+        assert gpu.active(x)
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        assert not gpu.active(x)

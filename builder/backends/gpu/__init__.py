@@ -63,8 +63,11 @@ def interpreting() -> bool:
 
 
 def active(x) -> bool:
-    """True when an op on ``x`` should try its kernel: a CUDA tensor, or a CPU one inside forced()."""
-    return ENABLED and isinstance(x, torch.Tensor) and (x.is_cuda or _forced)
+    """True when an op on ``x`` should try its kernel: a CUDA tensor, or a CPU one inside forced();
+    never while ``torch.compile`` traces (the compiled steps keep inductor's lowering of the torch ops
+    until a device run has shown these kernels inside whole-graph captures)."""
+    return (ENABLED and isinstance(x, torch.Tensor) and (x.is_cuda or _forced)
+            and not torch.compiler.is_compiling())
 
 
 def dispatch(op: str, *args, **kwargs) -> Optional[object]:
