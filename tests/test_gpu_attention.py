@@ -15,6 +15,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from gpu_kernel_helpers import count_launches  # noqa: E402
 
 from builder.backends import gpu, torch_backend, torch_tree  # noqa: E402
 from builder.backends.gpu import attention as ga  # noqa: E402
@@ -30,15 +31,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered in div
 @pytest.fixture
 def launches(monkeypatch):
     """Names of the kernels launched (so no test passes through the torch fallback)."""
-    names = []
-    real = ga._launch
-
-    def counting(kernel, grid, *args, **meta):
-        names.append(kernel.__name__)
-        return real(kernel, grid, *args, **meta)
-
-    monkeypatch.setattr(ga, "_launch", counting)
-    return names
+    return count_launches(monkeypatch, ga)
 
 
 def _inputs(dtype, rows, seed=0):

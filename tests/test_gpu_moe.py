@@ -17,6 +17,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from gpu_kernel_helpers import count_launches  # noqa: E402
 
 from builder.backends import gpu, torch_backend  # noqa: E402
 from builder.backends.gpu import moe as gm  # noqa: E402
@@ -31,16 +32,8 @@ ACTS = {"relu2": lambda z: torch.relu(z) ** 2, "relu": torch.relu, "silu": torch
 
 @pytest.fixture
 def launches(monkeypatch):
-    """Kernel launches counted, so no test passes through the torch fallback."""
-    names = []
-    real = gm._launch
-
-    def counting(kernel, grid, *args, **meta):
-        names.append(kernel.__name__)
-        return real(kernel, grid, *args, **meta)
-
-    monkeypatch.setattr(gm, "_launch", counting)
-    return names
+    """Names of the kernels launched (so no test passes through the torch fallback)."""
+    return count_launches(monkeypatch, gm)
 
 
 def _inputs(rows, dtype, seed, lead=()):

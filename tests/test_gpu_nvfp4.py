@@ -13,29 +13,19 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from gpu_kernel_helpers import count_launches  # noqa: E402
 
 from builder.backends import gpu, torch_backend  # noqa: E402
 from builder.backends.gpu import nvfp4 as gn  # noqa: E402
 from tolerances import assert_within, gamma, unit_roundoff  # noqa: E402
 
-try:  # NVFP4's number format moved from builder.quantization to builder.nvfp4_format
-    from builder.nvfp4_format import dequantize_nvfp4, quantize_nvfp4
-except ImportError:  # pragma: no cover
-    from builder.quantization import dequantize_nvfp4, quantize_nvfp4
+from builder.nvfp4_format import dequantize_nvfp4, quantize_nvfp4  # noqa: E402
 
 
 @pytest.fixture
 def launches(monkeypatch):
-    """Kernel launches counted, so no test passes through the torch fallback."""
-    names = []
-    real = gn._launch
-
-    def counting(kernel, grid, *args, **meta):
-        names.append(kernel.__name__)
-        return real(kernel, grid, *args, **meta)
-
-    monkeypatch.setattr(gn, "_launch", counting)
-    return names
+    """Names of the kernels launched (so no test passes through the torch fallback)."""
+    return count_launches(monkeypatch, gn)
 
 
 def _weight(n, k, seed=0):
