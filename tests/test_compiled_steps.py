@@ -228,3 +228,51 @@ def test_asking_for_aot_compile_imports_no_inductor_and_stubs_read_utf8():
     assert run.returncode == 0, run.stderr[-1500:]
     from pathlib import Path
     assert server_env(Tritonserver(binary=Path("tritonserver")))["PYTHONUTF8"] == "1"
+
+
+def test_the_step_store_keeps_the_most_recently_used_within_its_bound(tmp_path, monkeypatch):
+    """Saved steps beyond $NEMOSPEC_COMPILE_CACHE_GB go least recently used first (a load counts as
+    a use), the step just saved always stays, and a reserve of free disk is kept the same way."""
+    import os
+    import shutil
+    from collections import namedtuple
+    from runtime.compiled import store
+    steps = tmp_path / "steps"
+    steps.mkdir()
+    names = [steps / f"{i}.bin" for i in range(5)]
+    for i, p in enumerate(names):
+        p.write_bytes(b"x" * 1024)
+        os.utime(p, (1000 + i, 1000 + i))
+    os.utime(names[0], (2000, 2000))                         # the oldest, but used last
+    monkeypatch.setenv("NEMOSPEC_COMPILE_CACHE_GB", str(3.5 * 1024 / 2**30))   # room for three and a half
+    monkeypatch.setenv("NEMOSPEC_COMPILE_CACHE_RESERVE_GB", "0")
+    removed = store.prune(tmp_path, keep=names[1])
+    assert sorted(removed) == [names[2], names[3]]           # 1 kept though old, 4 and 0 the newest
+    assert sorted(p.name for p in steps.iterdir()) == ["0.bin", "1.bin", "4.bin"]
+    # a nearly full disk: steps go until the reserve is free, even under the size bound
+    monkeypatch.setenv("NEMOSPEC_COMPILE_CACHE_GB", "16")
+    monkeypatch.setenv("NEMOSPEC_COMPILE_CACHE_RESERVE_GB", str(1.5 * 1024 / 2**30))
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(store.shutil, "disk_usage", lambda d: usage(1 << 30, 1 << 30, 0))
+    assert store.prune(tmp_path, keep=names[0]) == [names[1], names[4]]
+    monkeypatch.setattr(store.shutil, "disk_usage", shutil.disk_usage)
+    monkeypatch.setenv("NEMOSPEC_COMPILE_CACHE_GB", "lots")
+    with pytest.raises(ValueError, match=r"NEMOSPEC_COMPILE_CACHE_GB: expected a number of gigabytes, got 'lots'"):
+        store.prune(tmp_path)
+
+
+def test_a_step_that_cannot_be_saved_leaves_no_partial_file(tmp_path, monkeypatch):
+    """A full disk while saving: a warning naming the file, and no half-written file left behind."""
+    from runtime.compiled import store
+
+    class FillsTheDisk:
+        def save_compiled_function(self, name):
+            with open(name, "wb") as f:
+                f.write(b"partial")
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setenv("NEMOSPEC_COMPILE_CACHE_RESERVE_GB", "0")
+    path = tmp_path / "steps" / "abc.bin"
+    with pytest.warns(UserWarning, match=r"abc.bin: compiled step not saved \(OSError"):
+        store.save(FillsTheDisk(), path)
+    assert list((tmp_path / "steps").iterdir()) == []

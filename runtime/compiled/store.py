@@ -8,11 +8,18 @@ the CPU's instruction set, the torch thread count, the compile options, the step
 shapes of its inputs (dims marked dynamic left out), and the modules it runs, weights included
 (weights are graph inputs, but a digest over their bytes keeps a graph from ever meeting a model it
 was not traced for). A file that fails to load is ignored and the step compiles as before.
+
+The store is bounded: a step whose weights are baked in as constants is as large as its model (the
+wide benchmark target's steps were 3.5 GB each), and every change of code names new files, so after
+each save the least recently used steps go until the store is within ``$NEMOSPEC_COMPILE_CACHE_GB``
+(default 16) and the disk keeps ``$NEMOSPEC_COMPILE_CACHE_RESERVE_GB`` (default 4) free. A load
+marks a step used.
 """
 from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import sys
 import warnings
 import weakref
@@ -142,6 +149,7 @@ def load(path: Path):
         with open(path, "rb") as f:
             fn = torch.compiler.load_compiled_function(f)
         fn.disable_guard_check()
+        os.utime(path)   # used: the last to go when the store is pruned
         return fn
     except Exception as e:  # another torch, a truncated file: compile instead
         warnings.warn(f"{path}: compiled step not loaded ({type(e).__name__}: {str(e)[:120]}); compiling it",
@@ -149,12 +157,57 @@ def load(path: Path):
         return None
 
 
+def _gigabytes(variable: str, default: float) -> int:
+    try:
+        return int(float(os.environ.get(variable) or default) * 2**30)
+    except ValueError:
+        raise ValueError(f"${variable}: expected a number of gigabytes, got {os.environ[variable]!r}") from None
+
+
+def prune(directory: Path, keep: Path | None = None) -> list[Path]:
+    """Removes the least recently used saved steps under ``directory`` until the rest fit in
+    ``$NEMOSPEC_COMPILE_CACHE_GB`` and the disk has ``$NEMOSPEC_COMPILE_CACHE_RESERVE_GB`` free;
+    ``keep`` (the step just saved) stays. Returns what it removed."""
+    limit = _gigabytes("NEMOSPEC_COMPILE_CACHE_GB", 16)
+    reserve = _gigabytes("NEMOSPEC_COMPILE_CACHE_RESERVE_GB", 4)
+    files = []
+    for p in (Path(directory) / "steps").glob("*.bin"):
+        try:
+            st = p.stat()
+        except FileNotFoundError:   # another process pruned it
+            continue
+        files.append((st.st_mtime, st.st_size, p))
+    files.sort(key=lambda f: f[0])
+    total = sum(size for _, size, _ in files)
+    free = shutil.disk_usage(directory).free
+    removed = []
+    for _, size, p in files:
+        if total <= limit and free >= reserve:
+            break
+        if keep is not None and p == keep:
+            continue
+        try:
+            p.unlink()
+        except FileNotFoundError:
+            continue
+        total -= size
+        free += size
+        removed.append(p)
+    return removed
+
+
 def save(captured, path: Path) -> None:
-    """Writes a freshly compiled step (atomically); a step that cannot be saved stays in memory only."""
+    """Writes a freshly compiled step (atomically), then prunes the store; a step that cannot be
+    saved (a full disk) stays in memory only, and its partial file is removed."""
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
         captured.save_compiled_function(str(tmp))
         os.replace(tmp, path)
     except Exception as e:
+        tmp.unlink(missing_ok=True)
         warnings.warn(f"{path}: compiled step not saved ({type(e).__name__}: {str(e)[:120]})", stacklevel=3)
+    removed = prune(path.parent.parent, keep=path)
+    if removed:
+        print(f"compiled-step store: removed {len(removed)} least recently used step(s) "
+              "($NEMOSPEC_COMPILE_CACHE_GB bounds it)", file=sys.stderr, flush=True)
