@@ -11,7 +11,7 @@ import torch
 from test_trt_ops import F32, HALF, check, gen, randn
 
 from builder import functional as F
-from builder.backends.torch_backend import rope_inv_freq
+from builder.rope_frequencies import rope_inv_freq
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 64}

@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from builder.backends.torch_backend import rope_attention_scale as _rope_attention_scale
-from builder.backends.torch_backend import rope_inv_freq as _rope_inv_freq
+from builder.rope_frequencies import rope_attention_scale as _rope_attention_scale
+from builder.rope_frequencies import rope_inv_freq as _rope_inv_freq
 from builder.backends.trt_dense import _gather_rows
 from builder.backends.trt_dtypes import torch_dtype
 from builder.backends.trt_import import trt
