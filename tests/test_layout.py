@@ -37,3 +37,13 @@ def test_no_two_modules_import_each_other():
     graph, _ = _imports()
     pairs = sorted({tuple(sorted((m, d))) for m, deps in graph.items() for d in deps if m in graph.get(d, ())})
     assert not pairs, pairs
+
+
+def test_no_source_file_far_past_500_lines():
+    """A file past ~500 lines is split along its seam before it grows (the style rule)."""
+    long = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            if (n := len(path.read_text().splitlines())) > 560:
+                long[str(path.relative_to(ROOT))] = n
+    assert not long, f"split along the seam: {long}"
