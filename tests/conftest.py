@@ -50,6 +50,9 @@ def pytest_runtest_protocol(item, nextitem):
     if steps is None:
         return
     row = _compile_seconds.setdefault(item.location[0], [0.0, 0, 0])
+    if steps.COMPILE_LOG[before:] and os.environ.get("NEMOSPEC_TEST_COMPILE_LOG"):   # which test compiled what
+        with open(os.environ["NEMOSPEC_TEST_COMPILE_LOG"], "a") as f:
+            f.writelines(f"{item.nodeid}\t{entry}\n" for entry in steps.COMPILE_LOG[before:])
     for entry in steps.COMPILE_LOG[before:]:   # "compiled LABEL (S s)" / "loaded LABEL (S s)"
         row[0] += float(entry.rsplit("(", 1)[1].split()[0])
         row[1 if entry.startswith("compiled") else 2] += 1
