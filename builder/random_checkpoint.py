@@ -225,12 +225,15 @@ def main(argv=None) -> int:
     p.add_argument("--max_shard_gb", type=float, default=4.0)
     p.add_argument("--pattern", default=None, help="tests: replace the layer pattern (e.g. '*': one attention block)")
     p.add_argument("--no_mtp", action="store_true", help="drop the config's MTP layers")
+    p.add_argument("--routable_experts", type=int, default=None,
+                   help="the router chooses among the first N experts only; the rest are sparse holes "
+                        "(a full-width MoE layer in N/n_routed_experts of its disk)")
     args = p.parse_args(argv)
     try:
         summary = write_shaped_checkpoint(args.config, args.output_dir, args.num_layers, args.dtype, args.quantize,
                                           args.vocab_size, args.fill, args.seed, args.max_shard_gb,
                                           log=lambda m: print(m, file=sys.stderr), pattern=args.pattern,
-                                          mtp=not args.no_mtp)
+                                          mtp=not args.no_mtp, routable_experts=args.routable_experts)
     except NemospecError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -15,6 +15,11 @@ and writes ``hf_quant_config.json`` and ``quantization_config``. ``--fill zeros`
 that is all structure (weights 0, norms and block scales 1): its files are sparse, so a 5 GB MoE layer
 costs no disk and no time; loaders validate it like any other.
 
+``--routable_experts N`` keeps a MoE layer at full width but lets its router choose among the first N
+experts only (their correction bias raised by 2, beyond any sigmoid score): the other experts are
+all-zero holes of a sparse file, so a 512-expert layer costs N/512 of its disk and memory while the
+router, the expert choice and the routed products still run at the shipped shapes.
+
 The experts of a MoE layer are written back to back (all ``up_proj`` in expert order, then all
 ``down_proj``), so a memory-mapped reader can stack them without a copy (:func:`builder.safetensors_io.stack`).
 """
@@ -23,6 +28,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 import zlib
 from pathlib import Path
 from typing import Iterator
@@ -170,8 +176,17 @@ def _zeros_value(name: str, shape, dtype) -> torch.Tensor | None:
     return None
 
 
+_EXPERT = re.compile(r"\.mixer\.experts\.(\d+)\.")
+
+
+def _unroutable(name: str, routable_experts: int | None) -> bool:
+    """Whether ``name`` is a weight of an expert the router can never choose (left a hole)."""
+    m = _EXPERT.search(name) if routable_experts is not None else None
+    return m is not None and int(m.group(1)) >= routable_experts
+
+
 def stored_tensors(config: NemotronHConfig, dtype: torch.dtype, quantize: bool, fill: str = "random",
-                   seed: int = 0) -> tuple[dict, callable, list[str]]:
+                   seed: int = 0, routable_experts: int | None = None) -> tuple[dict, callable, list[str]]:
     """(stored name -> (dtype, shape) in file order, produce(name) -> tensor or None, excluded modules)."""
     from builder.nvfp4_format import quantize_nvfp4
     logical = logical_tensors(config)
@@ -193,7 +208,7 @@ def stored_tensors(config: NemotronHConfig, dtype: torch.dtype, quantize: bool, 
         base = name
         if base in packed_set:
             shape = logical[base]
-            if fill == "zeros":
+            if fill == "zeros" or _unroutable(base, routable_experts):
                 pending[base + "_scale"] = torch.full(specs[base + "_scale"][1], 1.0).to(torch.float8_e4m3fn)
                 pending[base + "_scale_2"] = torch.tensor(1.0)
                 return None
@@ -203,7 +218,12 @@ def stored_tensors(config: NemotronHConfig, dtype: torch.dtype, quantize: bool, 
         shape = logical[name]
         if fill == "zeros":
             return _zeros_value(name, shape, dtype)
-        return init_tensor(name, shape, dtype, seed)
+        if _unroutable(name, routable_experts):
+            return None
+        value = init_tensor(name, shape, dtype, seed)
+        if routable_experts is not None and name.endswith("e_score_correction_bias"):
+            value[:routable_experts] += 2.0   # a sigmoid score is below 1: these always win
+        return value
     return specs, produce, excluded
 
 
@@ -244,7 +264,7 @@ def _units(specs: dict) -> Iterator[list[str]]:
 def write_shaped_checkpoint(config_path, output_dir, num_layers: int | None = None, dtype: str = "bfloat16",
                             quantize: str | None = None, vocab_size: int | None = None, fill: str = "random",
                             seed: int = 0, max_shard_gb: float = 4.0, log=print, pattern: str | None = None,
-                            mtp: bool = True) -> dict:
+                            mtp: bool = True, routable_experts: int | None = None) -> dict:
     """Writes the checkpoint (under a temporary name, renamed into place at the end); returns a summary."""
     from builder.quantization import FORMAT_NAME, HF_QUANT_CONFIG, QUANT_ALGO, QuantConfig
     if fill not in FILLS:
@@ -255,7 +275,11 @@ def write_shaped_checkpoint(config_path, output_dir, num_layers: int | None = No
         raise CheckpointError(f"--dtype: expected float32, float16 or bfloat16, got {dtype}")
     raw, config = sliced_config(read_source_config(config_path), num_layers, vocab_size, dtype, str(config_path),
                                 pattern, mtp)
-    specs, produce, excluded = stored_tensors(config, getattr(torch, dtype), quantize is not None, fill, seed)
+    if routable_experts is not None and not (config.num_experts_per_tok <= routable_experts <= config.n_routed_experts):
+        raise CheckpointError(f"--routable_experts: expected {config.num_experts_per_tok}..{config.n_routed_experts} "
+                              f"(the config's num_experts_per_tok..n_routed_experts), got {routable_experts}")
+    specs, produce, excluded = stored_tensors(config, getattr(torch, dtype), quantize is not None, fill, seed,
+                                              routable_experts)
     shards = plan_shards(specs, int(max_shard_gb * 2 ** 30))
     total = sum(tensor_bytes(*s) for s in specs.values())
     qc = QuantConfig(QUANT_ALGO, 16, tuple(sorted(set(excluded)))) if quantize else None

@@ -147,3 +147,30 @@ def test_bad_input_exits_2_and_leaves_nothing(tmp_path):
                           "--output_dir", str(tmp_path / "y")], capture_output=True, text=True, cwd=ROOT)
     assert run.returncode == 2 and "bad.json" in run.stderr and "'hidden_size'" in run.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.json"]
+
+
+def test_routable_experts_leave_the_rest_as_holes_the_router_never_chooses(tmp_path):
+    """``--routable_experts 24`` on the Nano's 128-expert layer: experts 24.. are all-zero holes (no
+    disk blocks), the rest drawn as usual, and the router (our route op on the stored weights, over
+    random inputs) only ever picks among the first 24; fewer than top-k routable experts is refused."""
+    import os
+    from builder.backends.torch_backend import route
+    config = ROOT / "benchmarks/configs/nemotron-3-nano-30b-a3b-bf16.json"
+    out = tmp_path / "moe"
+    write_shaped_checkpoint(config, out, vocab_size=VOCAB, pattern="E", mtp=False, log=lambda m: None,
+                            routable_experts=24)
+    cfg, weights = load_checkpoint(out)
+    prefix = "backbone.layers.0.mixer."
+    kept = weights[prefix + "experts.3.up_proj.weight"]
+    assert torch.equal(kept, init_tensor(prefix + "experts.3.up_proj.weight", tuple(kept.shape), torch.bfloat16))
+    assert not weights[prefix + "experts.24.down_proj.weight"].any() and not weights[prefix + "experts.127.up_proj.weight"].any()
+    dense = cfg.n_routed_experts * 2 * cfg.hidden_size * cfg.moe_intermediate_size * 2
+    on_disk = sum(os.stat(p).st_blocks * 512 for p in out.glob("*.safetensors"))
+    assert on_disk < dense * 0.3   # 24 of 128 experts' blocks, and the rest of the layer
+    x = torch.randn(64, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    index, _ = route(x, weights[prefix + "gate.weight"], weights[prefix + "gate.e_score_correction_bias"],
+                     cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
+    assert index.max() < 24 and len(index.unique()) > cfg.num_experts_per_tok   # a choice among them, none beyond
+    with pytest.raises(Exception, match=r"--routable_experts: expected 6\.\.128 .* got 4"):
+        write_shaped_checkpoint(config, tmp_path / "few", pattern="E", mtp=False, log=lambda m: None, routable_experts=4)
+    assert not (tmp_path / "few").exists()
