@@ -13,11 +13,14 @@ import torch
 from runtime.sampling import SamplingParams, probabilities
 
 
-def greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor):
-    """draft_tokens [B, K], target_logits [B, K+1, V] -> (accepted drafts m [B], next token [B])."""
+def greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor, limit: torch.Tensor | None = None):
+    """draft_tokens [B, K], target_logits [B, K+1, V] -> (accepted drafts m [B], next token [B]).
+    ``limit`` [B]: at most this many drafts count (a chunk right-padded past its real drafts)."""
     best = target_logits.argmax(-1)                                   # [B, K+1]
     agree = (draft_tokens == best[:, :-1]).long()
     m = agree.cumprod(1).sum(1)
+    if limit is not None:
+        m = torch.minimum(m, limit.to(m.dtype))
     return m, best.gather(1, m[:, None])[:, 0]
 
 

@@ -230,8 +230,8 @@ class SpeculativeGroup(PlainGroup):
     def _verify_width(self, k: int, width: int) -> int:
         """Drafts verified by a step whose confident drafts were ``k`` of ``width``: ``k``, or where
         the target runs compiled verify steps for some lengths only (``verify_buckets``, in tokens)
-        and k + 1 is not one, the longest shorter one; a length between two buckets would run the
-        unfused verify, which costs more than verifying the extra drafts would save."""
+        and k + 1 is not one, the longest shorter one; a length between two buckets would run padded
+        to the next (``CompiledRunner.verify_greedy``), paying its rows for fewer drafts."""
         buckets = getattr(self.target, "verify_buckets", None)
         if k >= width or not buckets or k + 1 in buckets:
             return k

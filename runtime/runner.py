@@ -43,7 +43,7 @@ def verify_greedy(module, input_ids, positions, lengths, logit_index, state):
     rolled-back state, the verify's features)."""
     from runtime.acceptance import greedy
     logits, verified, features = module.forward(input_ids, positions, lengths, logit_index, state, True)
-    m, nxt = greedy(input_ids[:, 1:].long(), logits)
+    m, nxt = greedy(input_ids[:, 1:].long(), logits, lengths - 1)   # rows past ``lengths``: padding
     return m, nxt, logits, module.rollback(state, verified, m), features
 
 

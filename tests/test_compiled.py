@@ -5,7 +5,7 @@ test_compiled_trees.py.
 
 Compiling is the cost here (a cold inductor cache: tens of seconds per graph), so one module-scoped
 pair of loaded models serves every test and the prompts keep to few shapes: prefill chunks are
-eager; decode compiles for batch 2+, verify and rollback for K+1 = 5 (batch 2+, and batch 1 when a
+eager; decode compiles for batch 2+, the fused greedy verify for K+1 = 5 (batch 2+, and batch 1 when a
 ragged batch's last sequence runs alone; K=3 pads its verify to 5) and K+1 = 2 (batch 1), the draft
 for 1 and 5 rows, its chain for catch-up chunks of 1, 2, 3 and 5 rows; a bf16 copy of the target
 compiles its batch-1 decode.
@@ -49,10 +49,14 @@ def test_target_only_greedy_ids_equal_eager(models):
 
 
 @pytest.mark.parametrize("k", [4, 3, 1])
-def test_eagle3_greedy_ids_equal_eager(models, k):
-    """K=3: its verify chunk of 4 tokens is padded to 5 and runs K=4's graphs (two copies of one prompt:
-    they finish together, so the batch never shrinks to 1, which would build batch-1 graphs)."""
+def test_eagle3_greedy_ids_equal_eager(models, k, monkeypatch):
+    """K=3: its verify chunk of 4 tokens is padded to 5 and runs K=4's fused greedy verify, the accept
+    capped at the 3 real drafts, never the unfused verify (two copies of one prompt: they finish
+    together, so the batch never shrinks to 1, which would build batch-1 graphs)."""
+    from runtime.compiled.runner import CompiledRunner
     eager, compiled = models
+    if k == 3:
+        monkeypatch.setattr(CompiledRunner, "rollback", lambda *a: pytest.fail("unfused verify"))
     prompts = {4: RAGGED, 3: RAGGED[:1] * 2, 1: RAGGED[:1]}[k]
     want = generate(eager.runner, prompts, NEW).output_ids
     assert speculative_generate(eager.runner, eager.proposer(), prompts, NEW, k).output_ids == want

@@ -126,6 +126,9 @@ def test_greedy_acceptance_rule():
     assert m.tolist() == [2, 1] and nxt.tolist() == [3, 0]
     m, nxt = acceptance.greedy(torch.tensor([[1, 2, 3]]), logits[:1])
     assert m.tolist() == [3] and nxt.tolist() == [4]
+    # a chunk padded past its real drafts: the accept stops at the limit, the next token is that row's
+    m, nxt = acceptance.greedy(torch.tensor([[1, 2, 3], [6, 0, 0]]), logits, torch.tensor([2, 3], dtype=torch.int32))
+    assert m.tolist() == [2, 3] and nxt.tolist() == [3, 7]
 
 
 def test_rejection_sampling_step_is_distributed_as_the_target():

@@ -130,16 +130,29 @@ class CompiledRunner(TorchRunner):
 
     @torch.no_grad()
     def verify_greedy(self, input_ids, positions, lengths, logit_index, state):
-        """Verify + greedy accept + rollback as one graph per chunk length (a length outside
-        ``verify_buckets`` runs the three as separate steps)."""
+        """Verify + greedy accept + rollback as one graph per chunk length. A length between buckets
+        (K = 3 where the engine's K is 4) is right-padded to the next bucket past ``lengths``, which
+        caps the accept at the real drafts; one with fewer logit rows, or past every bucket, runs
+        the three as separate steps."""
         batch, tokens = input_ids.shape
-        if tokens not in self.verify_buckets or logit_index.shape[1] != tokens:
+        pad = next((b for b in self.verify_buckets if b >= tokens), None)
+        if pad is None or logit_index.shape[1] != tokens:
             logits, verified, features = self.forward(input_ids, positions, lengths, logit_index, state, verify=True)
             m, nxt = greedy(input_ids[:, 1:].long(), logits)
             return m, nxt, logits, self.rollback(state, verified, m), features
-        return self._verify_greedy((batch == 1, tokens), f"greedy verify step ({tokens} tokens, {_batch_label(batch)})",
-                                   STEP_CALLS, *(_prepare(a, batch, {}) for a in (input_ids, positions, lengths, logit_index)),
-                                   _prepare(state, batch, self.capacity_dims))
+        if pad > tokens:   # padded rows are past ``lengths``: never accepted, cut off below
+            feeds = _pad_rows({"input_ids": input_ids, "positions": positions}, batch, tokens, pad)
+            input_ids, positions = feeds["input_ids"], feeds["positions"]
+            logit_index = torch.cat([logit_index, logit_index[:, -1:] + torch.arange(
+                1, pad - tokens + 1, dtype=logit_index.dtype, device=logit_index.device)], 1)
+        m, nxt, logits, state, features = self._verify_greedy(
+            (batch == 1, pad), f"greedy verify step ({pad} tokens, {_batch_label(batch)})", STEP_CALLS,
+            *(_prepare(a, batch, {}) for a in (input_ids, positions, lengths, logit_index)),
+            _prepare(state, batch, self.capacity_dims))
+        if pad > tokens:
+            logits = logits[:, :tokens]
+            features = {k: v[:, :tokens] if v.dim() > 1 and v.shape[1] == pad else v for k, v in features.items()}
+        return m, nxt, logits, state, features
 
     @torch.no_grad()
     def verify_tree_greedy(self, input_ids, positions, state, parents, base, depth):
