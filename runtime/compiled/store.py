@@ -12,8 +12,8 @@ was not traced for). A file that fails to load is ignored and the step compiles 
 The store is bounded: a step whose weights are baked in as constants is as large as its model (the
 wide benchmark target's: ~95 MB each; one machine's store had grown to 39 GB), and every change of
 code names new files, so after each save the least recently used steps go until the store is within
-``$NEMOSPEC_COMPILE_CACHE_GB`` (default 16) and the disk keeps ``$NEMOSPEC_COMPILE_CACHE_RESERVE_GB`` (default 4) free. A load
-marks a step used.
+``$NEMOSPEC_COMPILE_CACHE_GB`` (default 16) and the disk keeps ``$NEMOSPEC_COMPILE_CACHE_RESERVE_GB``
+(default 4) free. A load marks a step used.
 """
 from __future__ import annotations
 
