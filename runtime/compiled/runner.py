@@ -140,19 +140,12 @@ class CompiledRunner(TorchRunner):
             logits, verified, features = self.forward(input_ids, positions, lengths, logit_index, state, verify=True)
             m, nxt = greedy(input_ids[:, 1:].long(), logits)
             return m, nxt, logits, self.rollback(state, verified, m), features
-        if pad > tokens:   # padded rows are past ``lengths``: never accepted, cut off below
-            feeds = _pad_rows({"input_ids": input_ids, "positions": positions}, batch, tokens, pad)
-            input_ids, positions = feeds["input_ids"], feeds["positions"]
-            logit_index = torch.cat([logit_index, logit_index[:, -1:] + torch.arange(
-                1, pad - tokens + 1, dtype=logit_index.dtype, device=logit_index.device)], 1)
+        input_ids, positions, logit_index = _padded_verify_feeds(input_ids, positions, logit_index, pad)
         m, nxt, logits, state, features = self._verify_greedy(
             (batch == 1, pad), f"greedy verify step ({pad} tokens, {_batch_label(batch)})", STEP_CALLS,
             *(_prepare(a, batch, {}) for a in (input_ids, positions, lengths, logit_index)),
             _prepare(state, batch, self.capacity_dims))
-        if pad > tokens:
-            logits = logits[:, :tokens]
-            features = {k: v[:, :tokens] if v.dim() > 1 and v.shape[1] == pad else v for k, v in features.items()}
-        return m, nxt, logits, state, features
+        return m, nxt, logits[:, :tokens], state, _unpadded_features(features, tokens, pad)
 
     @torch.no_grad()
     def verify_tree_greedy(self, input_ids, positions, state, parents, base, depth):
@@ -165,14 +158,9 @@ class CompiledRunner(TorchRunner):
 
     def _padded_verify(self, input_ids, positions, lengths, logit_index, state, pad):
         tokens, rows = input_ids.shape[1], logit_index.shape[1]
-        feeds = _pad_rows({"input_ids": input_ids, "positions": positions}, input_ids.shape[0], tokens, pad)
-        if rows == tokens:  # logits of every row (the usual verify): the padded rows' too, cut off below
-            logit_index = torch.cat([logit_index, logit_index[:, -1:] + torch.arange(
-                1, pad - tokens + 1, dtype=logit_index.dtype, device=logit_index.device)], 1)
-        logits, new_state, features = self.forward(feeds["input_ids"], feeds["positions"], lengths, logit_index,
-                                                   state, verify=True)
-        features = {k: v[:, :tokens] if v.dim() > 1 and v.shape[1] == pad else v for k, v in features.items()}
-        return logits[:, :rows], new_state, features
+        input_ids, positions, logit_index = _padded_verify_feeds(input_ids, positions, logit_index, pad)
+        logits, new_state, features = self.forward(input_ids, positions, lengths, logit_index, state, verify=True)
+        return logits[:, :rows], new_state, _unpadded_features(features, tokens, pad)
 
     @torch.no_grad()
     def tree_rollback(self, state, verified, paths, lengths, base):
@@ -270,3 +258,23 @@ def warm_up_for_serving(loaded, draft_len: int, log=None) -> float:
         seconds += warm_up(loaded, prompts, 0, max_seq_len=loaded.max_seq_len)
     stop_compiling()
     return seconds
+
+
+def _padded_verify_feeds(input_ids, positions, logit_index, pad: int):
+    """A verify chunk right-padded to ``pad`` rows past ``lengths`` (positions continue, ids are 0);
+    logit rows that cover every row (the usual verify) cover the padded rows too, cut off after."""
+    batch, tokens = input_ids.shape
+    if pad == tokens:
+        return input_ids, positions, logit_index
+    feeds = _pad_rows({"input_ids": input_ids, "positions": positions}, batch, tokens, pad)
+    if logit_index.shape[1] == tokens:
+        logit_index = torch.cat([logit_index, logit_index[:, -1:] + torch.arange(
+            1, pad - tokens + 1, dtype=logit_index.dtype, device=logit_index.device)], 1)
+    return feeds["input_ids"], feeds["positions"], logit_index
+
+
+def _unpadded_features(features: dict, tokens: int, pad: int) -> dict:
+    """A padded verify's features cut back to its real rows."""
+    if pad == tokens:
+        return features
+    return {k: v[:, :tokens] if v.dim() > 1 and v.shape[1] == pad else v for k, v in features.items()}
