@@ -17,32 +17,26 @@ server's ``nemospec_mean_accepted_tokens`` measures), ``spec_decode_overall_draf
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from own_venv import make_once  # noqa: E402
+
 AIPERF = "aiperf==0.13.0"
 
 
 def ensure_venv(venv: Path) -> Path:
-    """aiperf's binary in ``venv``, made there first if missing (under a lock: two test workers or a
-    test and a benchmark may ask at once). The binary is installed last, so its presence means done."""
+    """aiperf's binary in ``venv``, made there first if missing (its presence means done)."""
     venv = Path(venv)
     binary = venv / "bin" / "aiperf"
-    if binary.is_file():
-        return binary
-    venv.parent.mkdir(parents=True, exist_ok=True)
-    with open(venv.parent / f".{venv.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if binary.is_file():
-            return binary
-        print(f"making the aiperf venv at {venv} ({AIPERF}) ...", file=sys.stderr)
-        subprocess.run(["python3", "-m", "venv", str(venv)], check=True)
-        subprocess.run([str(venv / "bin" / "pip"), "install", "--quiet", AIPERF], check=True)
+    if not binary.is_file():
+        make_once(venv, binary, [[AIPERF]], f"the aiperf venv ({AIPERF})")
+        # torchvision / torchaudio, if pulled in, break beside the CPU torch wheel
         subprocess.run([str(venv / "bin" / "pip"), "uninstall", "--quiet", "-y", "torchvision", "torchaudio"],
-                       check=False)
+                       check=False, capture_output=True)
     return binary
 
 

@@ -25,7 +25,9 @@ Offline and served single-stream runs alternate, so load from other work on the 
 alike; --threads sets torch's threads here and (OMP_NUM_THREADS) in the server's model process.
 
 Without --engine_dir the embedded trained model's engines for --mode (eagle3) are built first, with
-max_batch_size 16 so that 16 streams can share one batch.
+max_batch_size 16 so that 16 streams can share one batch: the wide model by default (the memory-bound
+instrument; its served warm-up compiles the batch-1 and batch-2+ steps first, minutes on 2 cores),
+``--embedded small`` for the shipped one.
 """
 from __future__ import annotations
 
@@ -56,11 +58,12 @@ from serving.launch import free_port  # noqa: E402
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Parser(object):", "# utilities\nfrom re import"]
 
 
-def build_engine(root: Path, mode: str) -> Path:
-    """The embedded trained target + its ``mode`` draft, max_batch_size 16 (so 16 streams share a batch)."""
+def build_engine(root: Path, mode: str, embedded: str = "wide", factor: int | None = None) -> Path:
+    """The embedded trained target (``embedded``: wide, the memory-bound instrument, or small) + its
+    ``mode`` draft, max_batch_size 16 (so 16 streams share a batch)."""
     from builder.engine import BuildOptions, build
     from builder.embedded.sources import resolve_sources
-    target, draft = resolve_sources(None, mode)
+    target, draft = resolve_sources(None, mode, embedded=embedded, embedded_factor=factor)
     options = BuildOptions(max_batch_size=16, max_input_len=64, max_seq_len=512, max_draft_len=4,
                            speculative_decoding_mode=mode)
     build(target, root / "engine", options, log=lambda m: None, draft_dir=draft)
@@ -184,6 +187,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engine_dir", default=None, help="default: build the embedded model's engines for --mode first")
     p.add_argument("--mode", default="eagle3", help="speculative mode of the default engine directory")
+    from builder.embedded.sources import add_embedded_args
+    add_embedded_args(p, default="wide")
     p.add_argument("--new_tokens", type=int, default=64)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--streams", default="1,4,16")
@@ -198,7 +203,8 @@ def main():
     torch.set_num_threads(args.threads)
     streams = [int(s) for s in args.streams.split(",")]
     with tempfile.TemporaryDirectory(prefix="nemospec-bench-") as scratch:
-        engine_dir = Path(args.engine_dir) if args.engine_dir else build_engine(Path(scratch), args.mode)
+        engine_dir = Path(args.engine_dir) if args.engine_dir else build_engine(Path(scratch), args.mode, args.embedded,
+                                                                                 args.embedded_factor)
         run(args, engine_dir, streams)
 
 
