@@ -12,6 +12,7 @@ from pathlib import Path
 from builder.checkpoint import checkpoint_hash, convert_weights, load_checkpoint, validate_mtp
 from builder.config import NemotronHConfig
 from builder.errors import BuildError, DraftError
+from builder.safetensors_io import own_storage as _copy_if_view
 from builder.draft_checkpoint import draft_config_from_dict, draft_hash, load_draft_checkpoint, validate_against_target
 from builder.draft_checkpoint_block import (block_draft_config_from_dict, load_block_draft_checkpoint,
                                             validate_block_draft)
@@ -57,9 +58,25 @@ def _bind_quantized(stored: dict, dtype):
     return nvfp4_weights(stored, None, None, dtype)
 
 
+def _own_storages(mode, target_weights: dict, draft_weights: dict | None, own: bool) -> dict | None:
+    """With ``own`` (the compiled path: a draft step bakes the draft's weights in and saves them with
+    its guards), the draft's weights and the target tensors it reads (its embedding and LM head; mtp:
+    its ``mtp.*`` layers), each with a storage of its own (``own_storage``). The target's are
+    replaced in ``target_weights`` itself, so the target module built next shares the copy instead of
+    holding a second one. Without, nothing is copied (a build streams a mapped checkpoint)."""
+    if not own or mode == "draft_target":    # a draft NemotronH runs as a target does: weights are inputs
+        return draft_weights
+    shared = [n for n in target_weights if n in ("backbone.embeddings.weight", "lm_head.weight")
+              or (mode == "mtp" and n.startswith("mtp."))]
+    for name in shared:
+        target_weights[name] = _copy_if_view(target_weights[name])
+    return None if draft_weights is None else {k: _copy_if_view(v) for k, v in draft_weights.items()}
+
+
 def load_draft(mode, target_cfg: NemotronHConfig, target_weights: dict, draft_dir, dtype, log=print,
-               quantization=None, token_map=None) -> LoadedDraft:
-    """``token_map``: a file of target token ids the draft's LM head is cut to (``builder.token_map``)."""
+               quantization=None, token_map=None, own_storage: bool = False) -> LoadedDraft:
+    """``token_map``: a file of target token ids the draft's LM head is cut to (``builder.token_map``);
+    ``own_storage``: the compiled path's copies (``_own_storages``)."""
     ids = None
     if token_map is not None:
         token_maps.check_mode(mode)
@@ -73,6 +90,7 @@ def load_draft(mode, target_cfg: NemotronHConfig, target_weights: dict, draft_di
         if draft_dir is not None:
             raise BuildError("--draft_dir: mtp mode uses the target checkpoint's own MTP layers; drop --draft_dir")
         validate_mtp(target_cfg, target_weights, "target checkpoint")
+        _own_storages(mode, target_weights, None, own_storage)
         return LoadedDraft(MTPDraft(target_cfg, target_weights, dtype), None, {"final_hidden": True},
                            {"mode": mode})
     directory = _need_draft_dir(mode, draft_dir)
@@ -92,7 +110,7 @@ def load_draft(mode, target_cfg: NemotronHConfig, target_weights: dict, draft_di
             raise DraftError(f"{directory / 'config.json'}: this is an {cfg.kind} draft, not {mode}; "
                              f"pass --speculative_decoding_mode {cfg.kind}")
         cfg = validate_against_target(cfg, target_cfg)
-        weights = convert_weights(weights, dtype)
+        weights = _own_storages(mode, target_weights, convert_weights(weights, dtype), own_storage)
         if ids is not None:
             cfg, weights = token_maps.prune_draft_head(mode, cfg, weights, target_weights, ids, str(token_map))
             log(f"draft vocabulary cut to {cfg.draft_vocab_size} tokens by {token_map}")
@@ -115,6 +133,7 @@ def load_draft(mode, target_cfg: NemotronHConfig, target_weights: dict, draft_di
             cfg, stored = token_maps.prune_draft_head(mode, cfg, stored, target_weights, ids, str(token_map))
             log(f"draft vocabulary cut to {cfg.draft_vocab_size} tokens by {token_map}")
         stored, kept = _rtx_workaround(stored, mode, dtype, log)
+        stored = _own_storages(mode, target_weights, stored, own_storage)
         module = _block_draft(cfg, _bind_quantized(stored, dtype), target_weights, dtype)
         meta = {"mode": mode, "draft": cfg.to_dict(), "draft_sha256": checkpoint_hash(directory),
                 "quantization": quantization or ("nvfp4_w4a16" if any(n.endswith("weight_scale_2") for n in stored)
@@ -182,8 +201,10 @@ def _feature_draft(cfg, weights, target_weights, dtype):
     return EagleDraft(cfg, weights, embedding, head, dtype)
 
 
-def draft_from_engine_dir(meta: dict, target_cfg: NemotronHConfig, target_weights: dict, draft_weights, dtype):
+def draft_from_engine_dir(meta: dict, target_cfg: NemotronHConfig, target_weights: dict, draft_weights, dtype,
+                          own_storage: bool = False):
     mode = meta["mode"]
+    draft_weights = _own_storages(mode, target_weights, draft_weights, own_storage)
     if mode == "mtp":
         return MTPDraft(target_cfg, target_weights, dtype)
     if mode == "draft_target":

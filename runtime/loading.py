@@ -144,7 +144,7 @@ def open_checkpoint(checkpoint_dir, dtype="auto", device=None, mode=None, draft_
     draft = spec = proposer = None
     if mode is not None:
         draft = load_draft(mode, config, weights, draft_dir, torch_dtype, log=lambda m: None, quantization=quantization,
-                           token_map=token_map)
+                           token_map=token_map, own_storage=backend == "compiled")
         spec = draft.meta
         proposer = _eager_proposer(draft.module, config.vocab_size, device, prefill_chunk, backend == "compiled",
                                    max_draft_len, draft_weight_dtype, matmul_precision)
@@ -197,7 +197,7 @@ def open_engine_dir(engine_dir, backend="auto", device=None, matmul_precision: s
     if spec:
         draft_file = engine_dir / "weights" / "draft.safetensors"
         draft_weights = load_file(str(draft_file)) if draft_file.is_file() else None
-        draft = draft_from_engine_dir(spec, config, weights, draft_weights, dtype)
+        draft = draft_from_engine_dir(spec, config, weights, draft_weights, dtype, own_storage=backend == "compiled")
     target = NemotronH(config, weights, dtype, **(_target_features(draft) if draft is not None else {}))
     if backend in ("torch", "compiled"):
         _place_modules(device, target, draft)

@@ -169,6 +169,59 @@ def test_a_saved_step_of_a_closure_is_keyed_by_what_it_closes_over(tmp_path, mon
         assert_within(out, _Scaled(weights).forward(x), bound, "closure step")
 
 
+def test_a_saved_closure_step_holds_its_weights_not_the_storage_they_view(tmp_path, monkeypatch, capsys):
+    """A closure's weights are saved with the step: a weight viewing a larger storage (every tensor
+    of a mapped checkpoint views the whole file) writes all of that storage; ``own_storage``, which
+    the compiled path applies to a draft's weights (builder.drafts), writes the weight alone."""
+    from builder.safetensors_io import own_storage
+    from runtime.compiled.steps import _Steps
+    monkeypatch.setenv("NEMOSPEC_COMPILE_CACHE", str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("NEMOSPEC_CHECK_GUARDS", "0")
+    g = torch.Generator().manual_seed(4)
+    mapped = torch.randn(2_000_000, generator=g)          # 8 MB, as a file's one storage
+    x = torch.randn(3, 8, generator=g)
+
+    def saved_bytes(weight, tag):
+        module = _Scaled(weight)
+
+        def call(x):
+            return module.forward(x)
+        steps = _Steps(call, tag)
+        for _ in range(3):
+            steps(("rows", 3), f"{tag} step", 2, x)
+        assert f"compiling {tag} step" in capsys.readouterr().err
+        files = sorted((tmp_path / "steps").glob("*.bin"), key=lambda p: p.stat().st_mtime)
+        return files[-1].stat().st_size
+
+    view = mapped[1000:1040].view(8, 5)
+    owned = own_storage(mapped[2000:2040].view(8, 5))
+    assert own_storage(owned) is owned and owned.untyped_storage().nbytes() == 40 * 4
+    assert saved_bytes(view, "view") > mapped.numel() * 4, "the control: the whole storage is saved"
+    assert saved_bytes(owned, "owned") < mapped.numel() * 4 / 4
+
+
+def test_draft_weights_own_their_storage_on_the_compiled_path():
+    """builder.drafts copies a draft's mapped weights (and the target tensors it reads) only for the
+    compiled path; a build keeps the views (it streams the mapped checkpoint)."""
+    from builder import embedded
+    from builder.checkpoint import load_checkpoint
+    from builder.drafts import load_draft
+
+    def views(weights):
+        return [n for n, t in weights.items() if isinstance(t, torch.Tensor)
+                and t.untyped_storage().nbytes() > t.numel() * t.element_size()]
+    for own in (False, True):
+        config, target = load_checkpoint(embedded.target_dir())
+        draft = load_draft("eagle3", config, target, embedded.draft_dir("eagle3"), torch.float32,
+                           log=lambda m: None, own_storage=own)
+        shared = {n: target[n] for n in ("backbone.embeddings.weight", "lm_head.weight")}
+        if own:
+            assert not views(draft.weights) and not views(shared)
+        else:   # the fp32 target's tensors view its mapped file (the bf16 draft's are converted copies)
+            assert len(views(shared)) == 2
+
+
 def test_a_saved_step_that_cannot_run_here_is_compiled_again(tmp_path, monkeypatch, capsys):
     """A step that loads but fails on its first call (saved by a process that had something this
     one lacks, e.g. a test's patched kernel) is compiled afresh, with a warning naming the file."""

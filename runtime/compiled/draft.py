@@ -35,10 +35,12 @@ class CompiledDraft(EagerDraft):
         super().__init__(module, target_vocab, device)
         self.pad_to = max_draft_len + 1
         self.parallel_width = 2 * max_draft_len   # P-EAGLE: K+1 verified rows at most, K-1 placeholders
-        # a chain's catch-up chunk (the rows the last verify accepted, 1..K+1) padded to the next of
-        # these: a 5-row draft chunk computes 5 rows however few are real, and in an eagle3 run on the
-        # embedded model 45% of steps accept 0 or 1 drafts (1 or 2 rows)
-        self.catch_up_rows = sorted({r for r in (1, 2, 3) if r < self.pad_to} | {self.pad_to})
+        # a chain's catch-up chunk (the rows the last verify accepted, 1..K+1) padded to 2 or K+1 rows:
+        # in an eagle3 run on the embedded model 45% of steps accept 0 or 1 drafts (1 or 2 rows), and
+        # 36% all K (K+1 rows). Two graphs per chain, not four (1, 2, 3, K+1): each is a compile of
+        # 13-16 s (wide model, Zen 4) in every warm-up, and a padded row of a ~1 M-parameter draft
+        # costs ~0.02 ms against a 5.5 ms step
+        self.catch_up_rows = sorted({min(2, self.pad_to), self.pad_to})
         self._feature = None       # (width, dtype) of the target features a chain was fed (``warm_chain``)
         self.capacity_dims = {"past." + k: v for k, v in _dims(module.state_spec).items()}
         steps = functools.partial(_Steps, options={**DRAFT_OPTIONS, **device_options(device)},
