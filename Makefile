@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 DEMO   := build/demo
 MODE   ?= eagle3
-EMBEDDED ?= small
+EMBEDDED ?= wide
 
 .PHONY: setup test demo clean
 

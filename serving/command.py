@@ -14,7 +14,7 @@ from builder.integrity import verify_engine_dir
 from runtime.draft_policy import POLICY_FLAGS, add_policy_args
 from serving.launch import API_KEY_HEADER, GRPC_API_KEY_HEADER, _client_host, start_server
 from serving.limits import LIMITS, add_limit_args, limits_from
-from serving.repository import BACKENDS
+from serving.repository import BACKENDS, WARM_UPS
 from serving.supervisor import Supervisor, serve_health
 
 
@@ -37,6 +37,11 @@ def add_serve_args(p) -> None:
                         "saved); torch: eager, ready at once but several times slower")
     p.add_argument("--torch_threads", type=int, default=0,
                    help="CPU threads of the speculative model's steps (0: a quarter of the cores, at least one)")
+    p.add_argument("--warm_up", default="all", choices=list(WARM_UPS),
+                   help="compiled path: the steps compiled before the server is ready; all: greedy and sampled, "
+                        "one sequence and batches; greedy: greedy only (about half the first-time compile); "
+                        "single: greedy, one sequence at a time (a quarter). A request outside what was warmed "
+                        "runs its steps eagerly: exact, slower")
     p.add_argument("--max_batch_size", type=int, default=None, help="sequences per step (default: the engine's)")
     p.add_argument("--max_queue", type=int, default=64, help="requests waiting beyond the batch; more are refused")
     p.add_argument("--openai_port", type=int, default=9000,
@@ -87,7 +92,8 @@ def cmd_serve(args, out=print) -> int:
     def start(ready_timeout: float = 600.0):
         return start_server(args.engine_dir, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
                             metrics_port=args.metrics_port, model_repo_dir=args.model_repo_dir, api_key=args.api_key,
-                            backend=backend, torch_threads=args.torch_threads, max_batch_size=args.max_batch_size,
+                            backend=backend, torch_threads=args.torch_threads, warm_up=args.warm_up,
+                            max_batch_size=args.max_batch_size,
                             max_queue=args.max_queue,
                             draft_policy={f: getattr(args, f, None) for f in POLICY_FLAGS},
                             shutdown_timeout=args.shutdown_timeout, limits=limits, ready_timeout=ready_timeout)

@@ -183,7 +183,8 @@ class ServerHandle:
 
 def start_server(engine_dir, *, host: str = "127.0.0.1", http_port: int = 8000, grpc_port: int = 8001,
                  metrics_port: int = 8002, model_repo_dir=None, api_key: str | None = None, backend: str = "auto",
-                 torch_threads: int = 0, max_batch_size: int | None = None, max_queue: int = 64, ready_timeout: float = 600.0,
+                 torch_threads: int = 0, warm_up: str = "all", max_batch_size: int | None = None, max_queue: int = 64,
+                 ready_timeout: float = 600.0,
                  extra_args=(), draft_policy: dict | None = None, shutdown_timeout: float = 6.0,
                  limits: dict | None = None) -> ServerHandle:
     """Fills the model repository, starts tritonserver and waits until it is ready.
@@ -208,7 +209,8 @@ def start_server(engine_dir, *, host: str = "127.0.0.1", http_port: int = 8000, 
         except OSError as e:
             raise NemospecError(f"--http_port: cannot bind {host}:{http_port}: {e.strerror or e}") from None
         repo_dir = fill_model_repo(engine_dir, Path(model_repo_dir).resolve() if model_repo_dir else run_dir / "models",
-                                   backend=backend, torch_threads=torch_threads, max_batch_size=max_batch_size,
+                                   backend=backend, torch_threads=torch_threads, warm_up=warm_up,
+                                   max_batch_size=max_batch_size,
                                    max_queue=max_queue,
                                    cancel_dir=run_dir / "cancel", draft_policy=draft_policy, limits=limits)
         backend_dir = assemble_backends(server, run_dir)

@@ -19,6 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent          # the directory holding s
 TEMPLATES = ROOT / "model_repo"
 MODELS = ("ensemble", "preprocessing", "speculative", "postprocessing")
 BACKENDS = ("auto", "torch", "compiled", "tensorrt")
+# the names of runtime.compiled.runner.SERVING_WARM_UPS (tested equal; importing that loads the compiled path)
+WARM_UPS = ("all", "greedy", "single")
 
 
 def read_engine_meta(engine_dir) -> dict:
@@ -52,7 +54,7 @@ def default_torch_threads() -> int:
     return max(1, (os.cpu_count() or 1) // 4)
 
 
-def fill_model_repo(engine_dir, repo_dir, *, backend: str = "auto", torch_threads: int = 0,
+def fill_model_repo(engine_dir, repo_dir, *, backend: str = "auto", torch_threads: int = 0, warm_up: str = "all",
                     max_batch_size: int | None = None,
                     max_queue: int = 64, cancel_dir=None, draft_policy: dict | None = None,
                     limits: dict | None = None) -> Path:
@@ -77,6 +79,8 @@ def fill_model_repo(engine_dir, repo_dir, *, backend: str = "auto", torch_thread
     engine_batch = int(meta["build"]["max_batch_size"])
     if max_batch_size is not None and not 1 <= max_batch_size <= engine_batch:
         raise NemospecError(f"--max_batch_size: expected 1..{engine_batch} (the engine's max_batch_size), got {max_batch_size}")
+    if warm_up not in WARM_UPS:
+        raise NemospecError(f"--warm_up: expected one of {', '.join(WARM_UPS)}, got {warm_up}")
     if max_queue < 0:
         raise NemospecError(f"--max_queue: expected >= 0, got {max_queue}")
     if torch_threads < 0:
@@ -87,6 +91,7 @@ def fill_model_repo(engine_dir, repo_dir, *, backend: str = "auto", torch_thread
     if meta.get("speculative"):  # a bad flag exits 2 here, not inside the model
         policy_from(int(meta["build"]["max_draft_len"]), meta["build"], SimpleNamespace(**overrides))
     values = dict(engine_dir=str(engine_dir), backend=backend, torch_threads=str(torch_threads or default_torch_threads()),
+                  warm_up=warm_up,
                   nemospec_root=str(ROOT), cancel_dir=str(cancel_dir.resolve()),
                   max_batch_size=str(max_batch_size or engine_batch), max_queue=str(max_queue),
                   draft_policy=encode_policy(overrides), limits=encode_limits(limits or {}), **template_fields())

@@ -111,6 +111,27 @@ class _Scaled:
         return torch.tanh(x @ self.w) * 2.0
 
 
+@pytest.mark.parametrize("warm_up, want", [
+    ("all", [(1, False, 4), (1, True, 4), (2, False, 4), (2, True, 4), (2, False, 0)]),
+    ("greedy", [(1, False, 4), (2, False, 4), (2, False, 0)]),
+    ("single", [(1, False, 4), (1, False, 0)])])
+def test_a_servers_warm_up_runs_what_its_warm_up_option_names(monkeypatch, warm_up, want):
+    """``nemospec serve --warm_up``: all warms greedy and sampled requests, one sequence and a batch,
+    then target-only ones batched; greedy leaves out the sampled; single one greedy sequence (and
+    one target-only); then compiling stops."""
+    from types import SimpleNamespace
+    from runtime.compiled import runner
+    calls, stopped = [], []
+    monkeypatch.setattr(runner, "warm_up", lambda loaded, batch, k, **kw: calls.append(
+        (len(batch), "temperature" in kw, k)) or 0.0)
+    monkeypatch.setattr(runner, "stop_compiling", lambda: stopped.append(True))
+    loaded = SimpleNamespace(runner=object.__new__(runner.CompiledRunner), max_seq_len=64)
+    runner.warm_up_for_serving(loaded, 4, **runner.SERVING_WARM_UPS[warm_up])
+    assert calls == want and stopped == [True]
+    from serving.repository import WARM_UPS
+    assert WARM_UPS == tuple(runner.SERVING_WARM_UPS)
+
+
 def test_compiled_steps_are_saved_and_a_later_process_loads_them(tmp_path, monkeypatch, capsys):
     """A compiled step is written to the cache directory whole; a new ``_Steps`` over an equal module
     (a later process) loads it instead of compiling and computes the same; a module with other weights

@@ -287,6 +287,11 @@ def test_fill_model_repo(engine_dir, tmp_path):
         repository.fill_model_repo(engine_dir, tmp_path / "r5", torch_threads=-1)
     with pytest.raises(Exception, match="--max_batch_size"):
         repository.fill_model_repo(engine_dir, tmp_path / "r2", max_batch_size=99)
+    assert 'key: "warm_up" value: { string_value: "all" }' in spec
+    single = repository.fill_model_repo(engine_dir, tmp_path / "r6", warm_up="single", cancel_dir=tmp_path / "c")
+    assert 'key: "warm_up" value: { string_value: "single" }' in (single / "speculative" / "config.pbtxt").read_text()
+    with pytest.raises(Exception, match="--warm_up: expected one of all, greedy, single"):
+        repository.fill_model_repo(engine_dir, tmp_path / "r7", warm_up="some")
     (tmp_path / "no_tok").mkdir()
     meta = json.loads((engine_dir / "config.json").read_text())
     meta["tokenizer"] = None

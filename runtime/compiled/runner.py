@@ -241,21 +241,28 @@ def warm_up(loaded, prompts, draft_len: int = 0, tree=None, **generate_args) -> 
     return time.perf_counter() - start
 
 
-def warm_up_for_serving(loaded, draft_len: int, log=None) -> float:
+# `nemospec serve --warm_up`: what a server compiles before it is ready (requests outside run eagerly)
+SERVING_WARM_UPS = {"all": dict(sampled=True, batched=True),       # greedy and sampled, one sequence and batches
+                    "greedy": dict(sampled=False, batched=True),   # about half the first-time compile
+                    "single": dict(sampled=False, batched=False)}  # greedy, one sequence: about a quarter
+
+
+def warm_up_for_serving(loaded, draft_len: int, log=None, sampled: bool = True, batched: bool = True) -> float:
     """What a server's requests run, compiled (or loaded from the cache) before it reports ready:
-    greedy and sampled, one sequence and two (batch 1 and the batch-2+ graphs), speculative and
-    target-only; then ``stop_compiling``. Returns the seconds it took (0 off the compiled path)."""
+    greedy and (with ``sampled``) sampled, one sequence and (with ``batched``) two (batch 1 and the
+    batch-2+ graphs), speculative and target-only; then ``stop_compiling`` (what was not warmed runs
+    eagerly: exact, slower). Returns the seconds it took (0 off the compiled path)."""
     if not isinstance(loaded.runner, CompiledRunner):
         return 0.0
     prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
     seconds = 0.0
-    for batch in (prompts[:1], prompts):
-        for sampling in ({}, {"temperature": 0.8, "seed": 0}):
+    for batch in (prompts[:1], prompts)[:2 if batched else 1]:
+        for sampling in ({}, {"temperature": 0.8, "seed": 0})[:2 if sampled else 1]:
             seconds += warm_up(loaded, batch, draft_len, max_seq_len=loaded.max_seq_len, **sampling)
             if log is not None:
                 log(f"warm-up: batch {len(batch)}, {'sampled' if sampling else 'greedy'}: {seconds:.1f} s so far")
-    if draft_len > 0:   # target-only requests (speculative: false) batched with others
-        seconds += warm_up(loaded, prompts, 0, max_seq_len=loaded.max_seq_len)
+    if draft_len > 0:   # target-only requests (speculative: false), batched with others if batched
+        seconds += warm_up(loaded, prompts if batched else prompts[:1], 0, max_seq_len=loaded.max_seq_len)
     stop_compiling()
     return seconds
 

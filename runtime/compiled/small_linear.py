@@ -103,8 +103,14 @@ def lanes() -> int:
 
 
 def _build_dir(cache: Path, name: str) -> Path:
+    """One build directory per source, flags, torch and where they live: ninja's build file names the
+    source's and the interpreter's absolute paths, so two checkouts (or a venv and Triton's stub) that
+    shared a directory rebuilt the kernel each time the other had run (14 s each)."""
+    import sysconfig
     code = b"".join(f.read_bytes() for f in [SOURCE, *HEADERS])
-    key = hashlib.sha256(code + " ".join(FORMS[name][0]).encode() + torch.__version__.encode()).hexdigest()[:16]
+    where = f"{SOURCE} {sys.prefix} {sysconfig.get_paths()['include']} {torch.__file__}"
+    key = hashlib.sha256(code + " ".join(FORMS[name][0]).encode() + torch.__version__.encode()
+                         + where.encode()).hexdigest()[:16]
     path = cache / "kernels" / f"small_linear-{name}-{key}"
     path.mkdir(parents=True, exist_ok=True)
     return path
@@ -126,9 +132,13 @@ def load(cache: Path) -> bool:
         library = "nemospec_small_linear" if name == "avx512" else f"nemospec_small_linear_{name}"
         try:
             build = _build_dir(cache, name)
-            load_extension(name=library, sources=[str(SOURCE)], extra_cflags=FORMS[name][0],
-                           extra_ldflags=["-fopenmp"],
-                           build_directory=str(build), is_python_module=False, verbose=False)
+            built = build / f"{library}.so"
+            try:   # the directory's key names source, flags, torch and paths: a built library is current
+                torch.ops.load_library(str(built))
+            except OSError:   # not built yet (or another process is still linking it): ninja, under its lock
+                load_extension(name=library, sources=[str(SOURCE)], extra_cflags=FORMS[name][0],
+                               extra_ldflags=["-fopenmp"],
+                               build_directory=str(build), is_python_module=False, verbose=False)
         except Exception as e:  # no compiler, no ninja, a header missing: MKL it is
             warnings.warn(f"nemospec::small_linear not built ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
                           "compiled steps use torch's own GEMM", stacklevel=2)

@@ -83,13 +83,13 @@ class TritonPythonModel:
         if self.loaded.speculative:  # the engine directory's adaptive draft length, flags on top
             self.loaded.draft_policy = policy_from(self.loaded.max_draft_len, self.loaded.build_options,
                                                    decode_policy(_param(config, "draft_policy", "")))
-        from runtime.compiled.runner import warm_up_for_serving   # the compiled path: no compile inside a request
+        from runtime.compiled.runner import SERVING_WARM_UPS, warm_up_for_serving   # no compile inside a request
         try:   # the stub's embedded Python reads files as ASCII; inductor's templates are UTF-8
             locale.setlocale(locale.LC_CTYPE, "C.UTF-8")
         except locale.Error:
             pass
         warm = warm_up_for_serving(self.loaded, int(self.loaded.max_draft_len or 0) if self.loaded.speculative else 0,
-                                   log=pb_utils.Logger.log_info)
+                                   log=pb_utils.Logger.log_info, **SERVING_WARM_UPS[_param(config, "warm_up", "all")])
         if warm:
             pb_utils.Logger.log_info(f"nemospec speculative: compiled steps warmed up in {warm:.1f} s")
         max_batch = int(_param(config, "max_batch_size", "0") or 0) or None
