@@ -11,7 +11,9 @@ the project's modules import), then, within --budget_s (default 8 minutes), runs
    device's copy bandwidth (a large clone, measured here);
 3. each Triton op of builder/backends/gpu at full width against its torch op (scripts/gpu_kernels.py);
 4. where TensorRT is importable: `nemospec build` of the embedded model (plain and --strip_plan) and
-   generation with --backend tensorrt against the torch backend.
+   generation with --backend tensorrt against the torch backend;
+5. the embedded model widened 16x (hidden 3072, builder.embedded.widen) on the compiled path with CUDA
+   graphs: target-only against eagle3, dflash and mtp end to end, exact (section ``wide_model``).
 
 One JSON report (--output). ``--dry_run`` probes only. Run from the checkout root:
 
@@ -87,9 +89,10 @@ def _cuda_time(fn, runs: int = 20) -> float:
 
 
 def embedded_model(deadline: float, device: str = "cuda", new: int = 64, backend: str = "torch",
-                   modes: tuple | None = None, tree_nodes: int = 0) -> dict:
+                   modes: tuple | None = None, tree_nodes: int = 0, factor: int = 1) -> dict:
     """Target-only against each speculative mode of the embedded model (one prompt's pair at a time,
-    so both see the same machine), on ``device`` through the eager TorchRunner or ``backend="compiled"``."""
+    so both see the same machine), on ``device`` through the eager TorchRunner or ``backend="compiled"``;
+    ``factor`` > 1: the embedded model widened that many times (builder.embedded.widen)."""
     from builder import embedded
     from tokenizers import Tokenizer
     report = json.loads((ROOT / "docs" / "bench" / "report.json").read_text())
@@ -98,6 +101,8 @@ def embedded_model(deadline: float, device: str = "cuda", new: int = 64, backend
     tok = Tokenizer.from_file(str(embedded.target_dir() / "tokenizer.json"))
     prompts = [tok.encode(t).ids for t in PROMPTS]
     out = {"k": k, "device": device, "backend": backend, "new_tokens": new, "prompts": len(prompts), "modes": {}}
+    if factor > 1:
+        out["embedded_factor"] = factor
     for mode in modes:
         if time.time() > deadline:
             out["modes"][mode] = {"skipped": "budget spent"}
@@ -107,7 +112,7 @@ def embedded_model(deadline: float, device: str = "cuda", new: int = 64, backend
             if tree_nodes:
                 from runtime.tree.draft import TreeShape, default_topk
                 tree = TreeShape(tree_nodes, default_topk(mode), k)
-            row = _measure_mode(mode, k, prompts, device, new, backend, deadline, tree)
+            row = _measure_mode(mode, k, prompts, device, new, backend, deadline, tree, factor)
         except Exception as e:
             row = {"error": f"{type(e).__name__}: {e}"[:400], "trace": traceback.format_exc()[-1500:]}
         out["modes"][mode] = row
@@ -115,15 +120,16 @@ def embedded_model(deadline: float, device: str = "cuda", new: int = 64, backend
     return out
 
 
-def _measure_mode(mode, k, prompts, device, new, backend, deadline, tree=None) -> dict:
-    from builder import embedded
+def _measure_mode(mode, k, prompts, device, new, backend, deadline, tree=None, factor: int = 1) -> dict:
+    from builder.embedded.sources import resolve_sources
     from runtime.compiled.steps import COMPILE_LOG
     from runtime.generation import generate
     from runtime.loading import open_checkpoint
     from runtime.speculative import speculative_generate
     t0 = time.perf_counter()
-    loaded = open_checkpoint(embedded.target_dir(), device=device, mode=mode, draft_dir=embedded.draft_dir(mode),
-                             max_draft_len=k, backend=backend)
+    target, draft = resolve_sources(None, mode, embedded="wide" if factor > 1 else "small",
+                                    embedded_factor=factor if factor > 1 else None)
+    loaded = open_checkpoint(target, device=device, mode=mode, draft_dir=draft, max_draft_len=k, backend=backend)
     generate(loaded.runner, prompts[:1], 8)
     speculative_generate(loaded.runner, loaded.proposer(), prompts[:1], 8, k)
     row = {"load_and_warm_s": round(time.perf_counter() - t0, 1), "runs": []}
@@ -193,6 +199,16 @@ def embedded_model_compiled(deadline: float, device: str = "cuda", new: int = 64
     only: its compile is the slowest section, so it runs last."""
     os.environ.setdefault("NEMOSPEC_COMPILE_CACHE", tempfile.mkdtemp(prefix="nemospec-compile-"))
     return embedded_model(deadline, device, new, backend="compiled", modes=("eagle3",))
+
+
+def wide_model(deadline: float, device: str = "cuda", new: int = 64) -> dict:
+    """The embedded model widened 16x (hidden 3072, ~0.76 B decode parameters: a real-sized model
+    with the trained drafts' acceptance), compiled with CUDA graphs, target-only against eagle3,
+    dflash and mtp end to end, exact. On ``--device cpu`` (the script's shakedown) widened 2x, eager."""
+    os.environ.setdefault("NEMOSPEC_COMPILE_CACHE", tempfile.mkdtemp(prefix="nemospec-compile-"))
+    cuda = device != "cpu"
+    return embedded_model(deadline, device, new, backend="compiled" if cuda else "torch",
+                          modes=("eagle3", "dflash", "mtp"), factor=16 if cuda else 2)
 
 
 def embedded_model_trees(deadline: float, device: str = "cuda", new: int = 64) -> dict:
@@ -333,10 +349,11 @@ SECTIONS = {"plugin_kernels": plugin_kernels,
             "embedded_model": embedded_model, "full_width": full_width,
             "tensorrt": tensorrt_engines,
             "full_width_graphs": functools.partial(full_width, configs=FULL_WIDTH_CONFIGS[:1], graphs=True),
+            "wide_model": wide_model,
             "embedded_model_trees": embedded_model_trees,
             "embedded_model_compiled": embedded_model_compiled,
             "embedded_model_no_cuda_graphs": embedded_model_no_cuda_graphs}
-DEVICE_SECTIONS = ("triton_kernels", "embedded_model", "full_width", "full_width_graphs", "embedded_model_trees",
+DEVICE_SECTIONS = ("triton_kernels", "embedded_model", "full_width", "full_width_graphs", "wide_model", "embedded_model_trees",
                    "embedded_model_compiled", "embedded_model_no_cuda_graphs")
 
 
@@ -359,7 +376,8 @@ def main(argv=None) -> int:
             fn = SECTIONS[name]
             deadline = started + args.budget_s
             if name in DEVICE_SECTIONS and (cuda or args.device == "cpu"):
-                fn = functools.partial(fn, device=args.device, **({"new": args.new_tokens} if "embedded" in name else {}))
+                fn = functools.partial(fn, device=args.device,
+                                       **({"new": args.new_tokens} if "embedded" in name or name == "wide_model" else {}))
             elif not cuda:
                 report[name] = {"skipped": "no CUDA device"}
                 continue

@@ -15,6 +15,7 @@ def markdown(report: dict) -> str:
     lines += _plugins(report.get("plugin_kernels"))
     lines += _triton(report.get("triton_kernels"))
     for key, title in (("embedded_model", "Embedded model, eager (TorchRunner)"),
+                       ("wide_model", "Embedded model widened (16x on a GPU: hidden 3072), compiled, CUDA graphs"),
                        ("embedded_model_trees", "Embedded model, eager, tree speculation beside the chain"),
                        ("embedded_model_compiled", "Embedded model, compiled (runtime.compiled: inductor)"),
                        ("embedded_model_no_cuda_graphs", "Embedded model, compiled, CUDA graphs off")):
@@ -68,7 +69,8 @@ def _embedded(section, title) -> list[str]:
     if not section or "modes" not in section:
         return []
     out = ["", f"## {title}", "",
-           f"{section['prompts']} prompts x {section['new_tokens']} new tokens, batch 1, K = {section['k']}; "
+           (f"Widened {section['embedded_factor']}x, {section['backend']} backend. " if "embedded_factor" in section else "")
+           + f"{section['prompts']} prompts x {section['new_tokens']} new tokens, batch 1, K = {section['k']}; "
            "each prompt target-only then speculative. Step parts are host-timed (a GPU's queue drains where "
            "the host waits).", "",
            "| mode | target-only tok/s | speculative tok/s | speedup | exact | decode ms | verify ms | draft ms/step |",

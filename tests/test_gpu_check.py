@@ -86,6 +86,18 @@ def test_tree_section_reports_trees_beside_the_chain(tmp_path):
     assert "| mode | tree (nodes, top-k, depth) |" in page and "| eagle3 | 16, 4, 4 |" in page
 
 
+def test_wide_model_section_speculates_exactly_on_the_widened_model(tmp_path):
+    """The wide_model section (a GPU's real-sized run: widened 16x, compiled) as the CPU shakedown runs
+    it: widened 2x, eager; eagle3, dflash and mtp generate exactly what target-only does, and the page
+    names the factor."""
+    report = _run(tmp_path, "--device", "cpu", "--sections", "wide_model", "--new_tokens", "4")
+    section = report["wide_model"]
+    assert section["embedded_factor"] == 2 and set(section["modes"]) == {"eagle3", "dflash", "mtp"}
+    for mode, row in section["modes"].items():
+        assert row.get("exact") is True, (mode, row.get("error"))
+    assert "Widened 2x, torch backend." in (tmp_path / "report.md").read_text()
+
+
 def test_triton_kernels_section_runs_every_kernel_within_its_bound(tmp_path):
     """The triton_kernels section on the CPU (tiny shapes, TRITON_INTERPRET=1 inside gpu.forced()): each
     row ran its kernel (no fallback, no error), is within its bound, and the page shows the table."""
