@@ -17,10 +17,11 @@ The four faces of the plugin (see ARCHITECTURE.md, "Plugins"):
   (:class:`MarkovHeadSpec`: ``vocab_size``, ``rank``, ``prev_vocab_size``, ``scale_2``) and output
   shape and dtype (:func:`output_shapes`, :func:`output_dtypes`): the logits' shape, float32.
 * **torch reference** -- :func:`fp4_markov_head_reference` (and :func:`dequantize_w2`).
-* **Triton-lang kernel** -- :func:`fp4_markov_head_triton`: per (row block, vocab block) program, the
-  W1 rows are gathered by the previous ids, W2's FP4 nibbles and FP8 block scales are decoded in the
-  kernel, a ``tl.dot`` accumulates over the rank, the logits are added. On a CPU it runs under
-  ``TRITON_INTERPRET=1`` (jitted lazily, per interpreter setting).
+* **Triton-lang kernel** -- :func:`fp4_markov_head_triton`: the NVFP4 row kernel that ``linear_nvfp4``
+  uses on the GPU path (``plugins/nvfp4_rows.py``), each program a block of vocabulary for all rows of
+  its row block (W2 streamed once per 16 rows, one byte load per two FP4 codes, one FP8 scale decode
+  per 16), the W1 rows gathered by the previous ids in the kernel, the logits added after the fp32
+  sums. A previous id outside W1 gives a NaN row. On a CPU it runs under ``TRITON_INTERPRET=1``.
 * **TensorRT lowering** -- :func:`lower`. Where the flavour offers plugin layers (full ``tensorrt``
   >= 10.7 with ``tensorrt.plugin``) a plugin layer that launches the Triton kernel; otherwise
   (``tensorrt_rtx``) native layers: gather of the W1 constant, an FP4 constant + FP8 block scales
@@ -32,16 +33,12 @@ TensorRT module as arguments (duck typed). Annotations must stay real objects (n
 import annotations``): ``tensorrt.plugin`` inspects them.
 """
 import dataclasses
-import os
 from typing import Sequence
 
 import torch
+from plugins import nvfp4_rows
+from plugins.triton_jit import jit
 from plugins.plugin_layers import NATIVE_ENV, native_requested, plugin_layers_available  # noqa: F401
-
-try:  # the kernel's language module; Triton itself is only needed to launch the kernel
-    import triton.language as tl
-except ImportError:  # pragma: no cover - triton is a dependency, but keep the spec importable
-    tl = None
 
 PLUGIN_NAME = "nemospec_fp4_markov_head"
 PLUGIN_VERSION = "1"  # TensorRT's Python (quickly deployable) plugins always have version "1"
@@ -150,9 +147,19 @@ def _scale_2(w2_scale_2) -> float:
     return float(t.float().reshape(()))
 
 
-def _check(logits, prev_ids, w1, w2_packed, w2_scale, w2_scale_2) -> MarkovHeadSpec:
+def _device_scale(w2_scale_2, device):
+    """The global scale as a one-element fp32 tensor already on ``device`` (read there by the kernel:
+    no host sync), or None where it is a Python number or lives elsewhere."""
+    if isinstance(w2_scale_2, torch.Tensor) and w2_scale_2.device == device and w2_scale_2.numel() == 1:
+        return w2_scale_2.reshape(1).to(torch.float32)
+    return None
+
+
+def _check(logits, prev_ids, w1, w2_packed, w2_scale, w2_scale_2, read_scale: bool = True) -> MarkovHeadSpec:
+    """The spec; with ``read_scale=False`` the global scale is not read to the host (1.0 stands in)."""
     output_dtypes(logits.dtype, prev_ids.dtype, w1.dtype, w2_packed.dtype, w2_scale.dtype)
-    return make_spec(logits.shape, prev_ids.shape, w1.shape, w2_packed.shape, w2_scale.shape, _scale_2(w2_scale_2))
+    return make_spec(logits.shape, prev_ids.shape, w1.shape, w2_packed.shape, w2_scale.shape,
+                     _scale_2(w2_scale_2) if read_scale else 1.0)
 
 
 # --- torch reference ------------------------------------------------------------------------------------
@@ -176,90 +183,36 @@ def fp4_markov_head_reference(logits: torch.Tensor, prev_ids: torch.Tensor, w1: 
 
 
 # --- Triton-lang kernel ---------------------------------------------------------------------------------
-if tl is not None:  # defined only where Triton is installed (annotations must be real objects)
-
-    def _fp4_markov_head_kernel(logits_ptr, ids_ptr, w1_ptr, w2_ptr, scale_ptr, out_ptr,
-                                n_rows, vocab, rank, scale_2,
-                                BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr):
-        """Program (row block, vocab block): acc[n, v] = sum_j W1[ids[n], j] * W2[v, j], W2 decoded from
-        its FP4 nibbles and FP8 block scales here; out = logits + acc (all fp32)."""
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-        row_ok, col_ok = rows < n_rows, cols < vocab
-        ids = tl.load(ids_ptr + rows, mask=row_ok, other=0).to(tl.int64)
-        cols64 = cols.to(tl.int64)
-        # tl.full, not tl.zeros: stdlib jit functions jitted before TRITON_INTERPRET=1 cannot be interpreted
-        acc = tl.full((BLOCK_N, BLOCK_V), 0.0, tl.float32)
-        for k0 in range(0, rank, BLOCK_R):
-            ks = k0 + tl.arange(0, BLOCK_R)
-            k_ok = ks < rank
-            h = tl.load(w1_ptr + ids[:, None] * rank + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                        other=0.0).to(tl.float32)                                            # [BN, BR]
-            wmask = col_ok[:, None] & k_ok[None, :]
-            byte = tl.load(w2_ptr + cols64[:, None] * (rank // 2) + (ks[None, :] // 2), mask=wmask,
-                           other=0).to(tl.int32)
-            code = (byte >> ((ks[None, :] % 2) * 4)) & 15
-            mag = code & 7
-            exp, man = mag >> 1, (mag & 1).to(tl.float32)
-            value = tl.where(exp == 0, 0.5 * man,
-                             (1.0 + 0.5 * man) * tl.where(exp == 3, 4.0, tl.where(exp == 2, 2.0, 1.0)))
-            value = tl.where(code >= 8, -value, value)
-            sbyte = tl.load(scale_ptr + cols64[:, None] * (rank // 16) + (ks[None, :] // 16), mask=wmask,
-                            other=0).to(tl.int32)
-            # E4M3 -> fp32 by moving its fields: exponent bias 7 -> 127, 3 mantissa bits to the top
-            sexp, sman = (sbyte >> 3) & 15, sbyte & 7
-            normal = (((sexp + 120) << 23) | (sman << 20)).to(tl.float32, bitcast=True)
-            scale = tl.where(sexp == 0, sman.to(tl.float32) * 0.001953125, normal)       # subnormals: m * 2^-9
-            scale = tl.where((sbyte & 0x7F) == 0x7F, float("nan"), scale)
-            scale = tl.where(sbyte >= 128, -scale, scale)
-            w = value * (scale * scale_2)                                                # [BV, BR]
-            acc += tl.dot(h, tl.trans(w), input_precision="ieee")
-        offsets = rows.to(tl.int64)[:, None] * vocab + cols64[None, :]
-        omask = row_ok[:, None] & col_ok[None, :]
-        logits = tl.load(logits_ptr + offsets, mask=omask, other=0.0)
-        tl.store(out_ptr + offsets, logits + acc, mask=omask)
-else:  # pragma: no cover
-    _fp4_markov_head_kernel = None
+def _run(kernel, grid, *args, **meta):
+    jit(kernel)[grid](*args, **meta)
 
 
-_KERNELS: dict = {}
-
-
-def _kernel():
-    """The jitted kernel, made on first use per TRITON_INTERPRET setting (importing needs no GPU)."""
-    import triton
-
-    if tl is None:
-        raise ImportError("the fp4_markov_head Triton kernel needs triton (pip install triton==3.9.0)")
-    interpret = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
-    kernel = _KERNELS.get(interpret)
-    if kernel is None:
-        kernel = _KERNELS[interpret] = triton.jit(_fp4_markov_head_kernel)
-    return kernel
-
-
-def _launch(logits, prev_ids, w1, w2_packed, w2_scale_bytes, out, spec: MarkovHeadSpec) -> None:
+def _launch(logits, prev_ids, w1, w2_packed, w2_scale_bytes, out, spec: MarkovHeadSpec, scale_2=None) -> None:
+    """The NVFP4 row kernel (plugins/nvfp4_rows.py) with each row gathered from W1 by its previous id
+    and the logits added; contiguous inputs, ``out`` like ``logits``; ``scale_2`` a device tensor to
+    read the global scale from (else the spec's)."""
     rows = logits.numel() // spec.vocab_size
     if rows == 0:
         return
-    block_n, block_v = 16, 64
-    block_r = 32 if spec.rank <= 32 else 64
-    grid = (-(-rows // block_n), -(-spec.vocab_size // block_v))
-    _kernel()[grid](logits, prev_ids, w1, w2_packed, w2_scale_bytes, out, rows, spec.vocab_size, spec.rank,
-                    spec.scale_2, BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_R=block_r)
+    nvfp4_rows.launch(_run, w1, w2_packed, w2_scale_bytes, spec.scale_2 if scale_2 is None else scale_2, out.view(rows, spec.vocab_size), rows,
+                      spec.vocab_size, spec.rank, ids=prev_ids.reshape(rows), table=spec.prev_vocab_size,
+                      add=logits.view(rows, spec.vocab_size))
 
 
 def fp4_markov_head_triton(logits: torch.Tensor, prev_ids: torch.Tensor, w1: torch.Tensor, w2_packed: torch.Tensor,
                            w2_scale: torch.Tensor, w2_scale_2) -> torch.Tensor:
     """Triton launch of the fused op; returns a new fp32 tensor shaped like ``logits``.
 
-    CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``. Inputs are read as contiguous.
+    CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``. Inputs are read as contiguous. A global
+    scale given as a one-element tensor on the logits' device is read by the kernel (no host sync, so
+    the call can be captured in a CUDA graph; its value is then not checked on the host).
     """
-    spec = _check(logits, prev_ids, w1, w2_packed, w2_scale, w2_scale_2)
+    device_scale = _device_scale(w2_scale_2, logits.device)
+    spec = _check(logits, prev_ids, w1, w2_packed, w2_scale, w2_scale_2, read_scale=device_scale is None)
     out = torch.empty_like(logits)
     scale_bytes = (w2_scale if w2_scale.dtype == torch.uint8 else w2_scale.view(torch.uint8)).contiguous()
     _launch(logits.contiguous(), prev_ids.contiguous(), w1.contiguous(), w2_packed.contiguous(), scale_bytes, out,
-            spec)
+            spec, device_scale)
     return out
 
 

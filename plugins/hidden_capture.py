@@ -28,10 +28,10 @@ TensorRT module as arguments (duck typed). Annotations here must stay real objec
 ``from __future__ import annotations``): ``tensorrt.plugin`` inspects them.
 """
 import dataclasses
-import os
 from typing import Optional, Sequence, Tuple
 
 import torch
+from plugins.triton_jit import jit
 from plugins.plugin_layers import NATIVE_ENV, native_requested, plugin_layers_available  # noqa: F401
 
 try:  # the kernel's language module; Triton itself is only needed to launch the kernel
@@ -185,21 +185,9 @@ else:  # pragma: no cover
     _hidden_capture_kernel = None
 
 
-_KERNELS: dict = {}
-
-
 def _kernel():
-    """The jitted kernel, made on first use (per TRITON_INTERPRET setting, which Triton reads when
-    a function is jitted), so importing this module never needs Triton or a GPU."""
-    import triton
-
-    if tl is None:
-        raise ImportError("the hidden_capture Triton kernel needs triton (pip install triton==3.9.0)")
-    interpret = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
-    kernel = _KERNELS.get(interpret)
-    if kernel is None:
-        kernel = _KERNELS[interpret] = triton.jit(_hidden_capture_kernel)
-    return kernel
+    """The jitted kernel, made on first use per TRITON_INTERPRET setting (importing needs no GPU)."""
+    return jit(_hidden_capture_kernel)
 
 
 def _block(hidden: int) -> int:

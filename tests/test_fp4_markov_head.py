@@ -147,6 +147,35 @@ def test_triton_kernel_decodes_subnormal_and_negative_codes(interpret):
         assert_within(got, mh.fp4_markov_head_reference(logits, prev, w1, packed, wrong_scale, scale_2), bound)
 
 
+def test_triton_kernel_gives_nan_rows_for_ids_outside_w1(interpret):
+    """An id outside W1 cannot read another row: that row comes out NaN, the others as the reference."""
+    w1, packed, scale, scale_2 = head()
+    logits, prev = randn(4, 80, seed=2), torch.tensor([3, 70, -1, 69])
+    got = mh.fp4_markov_head_triton(logits, prev, w1, packed, scale, scale_2)
+    assert got[1:3].isnan().all() and not got[[0, 3]].isnan().any()
+    ok = torch.tensor([0, 3])
+    want = mh.fp4_markov_head_reference(logits[ok], prev[ok], w1, packed, scale, scale_2)
+    assert_within(got[ok], want, head_bound(logits[ok], prev[ok], w1, packed, scale, scale_2))
+
+
+def test_gpu_path_op_launches_the_kernel(interpret, monkeypatch):
+    """On the GPU path (CPU tensors inside gpu.forced()) the functional op runs the shared NVFP4 row
+    kernel, once per call, within the reference's bound."""
+    from builder.backends import gpu
+
+    launched = []
+    real = mh._run
+    monkeypatch.setattr(mh, "_run", lambda kernel, grid, *a, **m: (launched.append((kernel.__name__, grid)),
+                                                                     real(kernel, grid, *a, **m)))
+    w1, packed, scale, scale_2 = head(vocab=130, rank=64, w1_dtype=torch.bfloat16)
+    logits, prev = randn(2, 9, 130, seed=5), torch.randint(0, 70, (2, 9), generator=torch.Generator().manual_seed(5))
+    with gpu.forced():
+        got = F.fp4_markov_head(logits, prev, w1, packed, scale, scale_2)
+    assert launched == [("_nvfp4_kernel", (3, 2))]      # 130 / 64 vocabulary blocks, 18 / 16 row blocks
+    assert_within(got, mh.fp4_markov_head_reference(logits, prev, w1, packed, scale, scale_2),
+                  head_bound(logits, prev, w1, packed, scale, scale_2))
+
+
 # --- functional op ----------------------------------------------------------------------------------------
 def test_functional_torch_is_reference():
     w1, packed, scale, scale_2 = head()

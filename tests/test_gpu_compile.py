@@ -1,5 +1,6 @@
-"""Every Triton kernel of builder/backends/gpu (mamba, attention, nvfp4, moe) compiled to a cubin for
-sm_90 without a GPU, exactly as its launch code would have it compiled.
+"""Every Triton kernel of builder/backends/gpu (mamba, attention, moe) and of plugins/nvfp4_rows.py
+(linear_nvfp4 and the FP4 Markov head) compiled to a cubin for sm_90 without a GPU, exactly as its
+launch code would have it compiled.
 
 The interpreter tests (test_gpu_*.py) run plain Python, so a construct only the real compiler refuses
 (a type it cannot lower, a layout it cannot convert, shared memory over the device's limit) passes
@@ -10,7 +11,7 @@ under a stand-in driver that reports an sm_90 target: triton's own JIT then spec
 arguments (pointer dtypes, 16-byte alignment, ints equal to 1 as constants) and takes the launcher's
 constexprs, and compiles, but launches nothing. The scenarios cover each launcher's branches
 (:data:`MUST` lists the constexpr values each kernel must have been compiled with), and every
-``*_kernel`` of the four modules must be among the compiled ones."""
+``*_kernel`` of those modules must be among the compiled ones."""
 import os
 import subprocess
 import sys
@@ -35,8 +36,9 @@ MUST = {
                          "T": {1}},
         "_merge_kernel": {("HAS_SINKS", "ROUND_BF16"): {(F, T), (T, T), (F, F)}},
     },
-    "nvfp4": {
+    "nvfp4_rows": {   # linear_nvfp4 (builder/backends/gpu/nvfp4.py) and the FP4 Markov head (GATHER, ADD)
         "_nvfp4_kernel": {("HAS_BIAS", "ROUND"): {(F, 2), (T, 2), (T, 1), (F, 0)}, "F32_DOT": {F, T},
+                          ("GATHER", "HAS_ADD"): {(F, F), (T, T)}, "S2_PTR": {F, T},
                           "BLOCK_K": {32, 64, 128}, "BLOCK_N": {16, 64}, "M": {1}},
     },
     "moe": {
@@ -106,6 +108,11 @@ def _scenarios():
         packed, scale = z(n, k // 2, dtype=torch.uint8), z(n, k // 16).to(torch.float8_e4m3fn)
         return gn.linear_nvfp4(x, packed, scale, torch.ones(1), (n, k), z(n, dtype=dtype) if bias else None)
 
+    def markov(rows, vocab, rank, w1_dtype, scale_2):
+        logits, prev = z(rows, vocab), torch.zeros(rows, dtype=i64)
+        packed, scale = z(vocab, rank // 2, dtype=torch.uint8), z(vocab, rank // 16).to(torch.float8_e4m3fn)
+        return gn.fp4_markov_head(logits, prev, z(300, rank, dtype=w1_dtype), packed, scale, scale_2)
+
     # --- moe: bf16 x and experts, fp32 router weight/bias (the model's .float()), int64 routes
     def moe(rows, dtype, act, experts=128, top_k=6, n_group=1, topk_group=1, norm=True, inter=128, hin=256):
         x = z(rows, hin, dtype=dtype)
@@ -137,6 +144,8 @@ def _scenarios():
         ("nvfp4 bf16 6 rows bias", lambda: fp4((2, 3), 256, 320, bf16, True)),
         ("nvfp4 fp16 4 rows bias", lambda: fp4((4,), 16, 80, f16, True)),
         ("nvfp4 fp32 16 rows no bias", lambda: fp4((16,), 100, 256, f32, False)),
+        ("fp4 markov head 8 rows V=1024 rank 256 bf16 W1", lambda: markov(8, 1024, 256, bf16, torch.ones(()))),
+        ("fp4 markov head 20 rows V=100 rank 32 host scale", lambda: markov(20, 100, 32, f32, 0.5)),
         ("moe bf16 relu2 1 row top-6 of 128", lambda: moe(1, bf16, "relu2")),
         ("moe bf16 silu 32 rows", lambda: moe(32, bf16, "silu")),
         ("moe fp16 gelu 4 rows 4 groups", lambda: moe(4, f16, "gelu", 16, 4, 4, 2, False)),
@@ -203,8 +212,10 @@ def main() -> int:
         return jitted.setdefault(fn, Warm(fn))
 
     gpu.jit = warm
-    modules = {name: importlib.import_module(f"builder.backends.gpu.{name}") for name in MUST}
+    homes = {"nvfp4_rows": "plugins.nvfp4_rows"}
+    modules = {name: importlib.import_module(homes.get(name, f"builder.backends.gpu.{name}")) for name in MUST}
     modules["mamba"].jit = warm          # mamba imported jit by name
+    importlib.import_module("plugins.fp4_markov_head").jit = warm   # so did the Markov head
     start = time.time()
     for label, call in _scenarios():
         print(label, flush=True)
@@ -239,7 +250,7 @@ def main() -> int:
 
 
 def test_every_gpu_kernel_compiles_to_an_sm90_cubin_as_launched():
-    """One process for all four modules (see the module docstring); its output names each failure."""
+    """One process for all the modules (see the module docstring); its output names each failure."""
     env = dict(os.environ, TRITON_INTERPRET="0")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     run = subprocess.run([sys.executable, str(Path(__file__).resolve())], cwd=ROOT, env=env,

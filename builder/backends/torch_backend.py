@@ -490,5 +490,9 @@ def linear_nvfp4(x, packed, scale, scale_2, shape, bias=None):
 
 
 def fp4_markov_head(logits, prev_ids, w1, w2_packed, w2_scale, w2_scale_2):
-    """The plugin's torch reference."""
+    """The plugin's torch reference (its Triton kernel for CUDA tensors)."""
+    if _gpu.active(logits):
+        out = _gpu.dispatch("fp4_markov_head", logits, prev_ids, w1, w2_packed, w2_scale, w2_scale_2)
+        if out is not None:
+            return out
     return _fp4_markov_head_reference(logits, prev_ids, w1, w2_packed, w2_scale, w2_scale_2)

@@ -21,6 +21,8 @@ from typing import Callable, Dict, Optional
 
 import torch
 
+from plugins.triton_jit import interpreting, jit  # noqa: F401  (the kernels' modules use gpu.jit)
+
 log = logging.getLogger("nemospec.gpu")
 
 MODULES = ("mamba", "attention", "nvfp4", "moe")
@@ -58,10 +60,6 @@ def _load() -> None:
                     raise
 
 
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
-
-
 def active(x) -> bool:
     """True when an op on ``x`` should try its kernel: a CUDA tensor, or a CPU one inside forced();
     never while ``torch.compile`` traces (the compiled steps keep inductor's lowering of the torch ops
@@ -96,17 +94,3 @@ def forced():
         yield
     finally:
         _forced = previous
-
-
-_JITTED: dict = {}
-
-
-def jit(fn):
-    """``triton.jit(fn)``, made on first use per TRITON_INTERPRET setting (importing needs no GPU)."""
-    import triton
-
-    key = (fn, interpreting())
-    kernel = _JITTED.get(key)
-    if kernel is None:
-        kernel = _JITTED[key] = triton.jit(fn)
-    return kernel
