@@ -185,11 +185,6 @@ else:  # pragma: no cover
     _hidden_capture_kernel = None
 
 
-def _kernel():
-    """The jitted kernel, made on first use per TRITON_INTERPRET setting (importing needs no GPU)."""
-    return jit(_hidden_capture_kernel)
-
-
 def _block(hidden: int) -> int:
     block = 16
     while block < hidden and block < 1024:
@@ -204,7 +199,7 @@ def _launch(residual, delta, buffer_in, x_out, buffer_out, spec: HiddenCaptureSp
         return
     block = _block(spec.hidden_size)
     grid = (rows, -(-spec.hidden_size // block))
-    _kernel()[grid](residual, residual if delta is None else delta, buffer_in, x_out, buffer_out,
+    jit(_hidden_capture_kernel)[grid](residual, residual if delta is None else delta, buffer_in, x_out, buffer_out,
                     spec.hidden_size, spec.slot, spec.n_slots,
                     HAS_DELTA=delta is not None, WRITE_X=write_x, COPY_BUFFER=copy_buffer,
                     BF16=residual.dtype == torch.bfloat16, BLOCK=block)
@@ -226,6 +221,21 @@ def hidden_capture_triton(residual: torch.Tensor, delta: Optional[torch.Tensor],
     x_new = residual if delta is None else torch.empty_like(residual)
     _launch(residual, delta, buffer, x_new, buffer, spec, write_x=delta is not None, copy_buffer=False)
     return x_new
+
+
+def hidden_capture_triton_functional(residual: torch.Tensor, delta: Optional[torch.Tensor], buffer: torch.Tensor,
+                                     slot: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The reference's functional form, (x_new, buffer_new), in one launch: the residual add that the
+    layer needs anyway also writes the slot of a new buffer and copies the other slots into it, so the
+    capture costs no launch of its own (the GPU path's ``hidden_capture``)."""
+    spec = _check(residual, delta, buffer, slot)
+    residual = residual.contiguous()
+    delta = None if delta is None else delta.contiguous()
+    x_new = residual if delta is None else torch.empty_like(residual)
+    buffer_new = torch.empty(buffer.shape, dtype=buffer.dtype, device=buffer.device)
+    _launch(residual, delta, buffer.contiguous(), x_new, buffer_new, spec, write_x=delta is not None,
+            copy_buffer=True)
+    return x_new, buffer_new
 
 
 # --- TensorRT lowering ------------------------------------------------------------------------------------
@@ -350,6 +360,6 @@ def _lower_plugin(r, residual, delta, buffer, spec: HiddenCaptureSpec):
 __all__ = [
     "PLUGIN_NAME", "PLUGIN_VERSION", "PLUGIN_NAMESPACE", "PLUGIN_ID", "ATTRIBUTES", "NATIVE_ENV",
     "PLUGIN_LOWERING", "NATIVE_LOWERING", "HiddenCaptureSpec", "make_spec", "output_shapes", "output_dtypes",
-    "hidden_capture_reference", "hidden_capture_triton", "plugin_layers_available", "lower",
+    "hidden_capture_reference", "hidden_capture_triton", "hidden_capture_triton_functional", "plugin_layers_available", "lower",
     "register_tensorrt_plugin",
 ]

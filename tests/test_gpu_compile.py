@@ -1,5 +1,5 @@
-"""Every Triton kernel of builder/backends/gpu (mamba, attention, moe) and of plugins/nvfp4_rows.py
-(linear_nvfp4 and the FP4 Markov head) compiled to a cubin for sm_90 without a GPU, exactly as its
+"""Every Triton kernel of builder/backends/gpu (mamba, attention, moe) and of the plugins the GPU path
+launches (nvfp4_rows: linear_nvfp4 and the FP4 Markov head; hidden_capture) compiled to a cubin for sm_90 without a GPU, exactly as its
 launch code would have it compiled.
 
 The interpreter tests (test_gpu_*.py) run plain Python, so a construct only the real compiler refuses
@@ -40,6 +40,10 @@ MUST = {
         "_nvfp4_kernel": {("HAS_BIAS", "ROUND"): {(F, 2), (T, 2), (T, 1), (F, 0)}, "F32_DOT": {F, T},
                           ("GATHER", "HAS_ADD"): {(F, F), (T, T)}, "S2_PTR": {F, T},
                           "BLOCK_K": {32, 64, 128}, "BLOCK_N": {16, 64}, "M": {1}},
+    },
+    "hidden_capture": {   # the GPU path's hidden_capture (builder/backends/gpu/capture.py)
+        "_hidden_capture_kernel": {("HAS_DELTA", "WRITE_X", "COPY_BUFFER"): {(T, T, T), (F, F, T)},
+                                   "BF16": {F, T}},
     },
     "moe": {
         "_route_kernel": {("TWO", "NORM"): {(T, T), (T, F), (F, F)}, "GSIZE": {1}},
@@ -113,6 +117,12 @@ def _scenarios():
         packed, scale = z(vocab, rank // 2, dtype=torch.uint8), z(vocab, rank // 16).to(torch.float8_e4m3fn)
         return gn.fp4_markov_head(logits, prev, z(300, rank, dtype=w1_dtype), packed, scale, scale_2)
 
+    # --- hidden capture: the residual add writing slot 1 of 3 (4096 wide), and the first capture (no add)
+    def capture(dtype, delta):
+        from builder.backends.gpu import capture as gc
+        x = z(2, 5, 4096, dtype=dtype)
+        return gc.hidden_capture(x, x if delta else None, z(2, 5, 3 * 4096, dtype=dtype), 1)
+
     # --- moe: bf16 x and experts, fp32 router weight/bias (the model's .float()), int64 routes
     def moe(rows, dtype, act, experts=128, top_k=6, n_group=1, topk_group=1, norm=True, inter=128, hin=256):
         x = z(rows, hin, dtype=dtype)
@@ -146,6 +156,8 @@ def _scenarios():
         ("nvfp4 fp32 16 rows no bias", lambda: fp4((16,), 100, 256, f32, False)),
         ("fp4 markov head 8 rows V=1024 rank 256 bf16 W1", lambda: markov(8, 1024, 256, bf16, torch.ones(()))),
         ("fp4 markov head 20 rows V=100 rank 32 host scale", lambda: markov(20, 100, 32, f32, 0.5)),
+        ("hidden capture bf16 with the residual add", lambda: capture(bf16, True)),
+        ("hidden capture fp32 first slot", lambda: capture(f32, False)),
         ("moe bf16 relu2 1 row top-6 of 128", lambda: moe(1, bf16, "relu2")),
         ("moe bf16 silu 32 rows", lambda: moe(32, bf16, "silu")),
         ("moe fp16 gelu 4 rows 4 groups", lambda: moe(4, f16, "gelu", 16, 4, 4, 2, False)),
@@ -212,10 +224,12 @@ def main() -> int:
         return jitted.setdefault(fn, Warm(fn))
 
     gpu.jit = warm
-    homes = {"nvfp4_rows": "plugins.nvfp4_rows"}
+    homes = {"nvfp4_rows": "plugins.nvfp4_rows", "hidden_capture": "plugins.hidden_capture"}
+    importlib.import_module("builder.backends.gpu.capture")
     modules = {name: importlib.import_module(homes.get(name, f"builder.backends.gpu.{name}")) for name in MUST}
     modules["mamba"].jit = warm          # mamba imported jit by name
     importlib.import_module("plugins.fp4_markov_head").jit = warm   # so did the Markov head
+    modules["hidden_capture"].jit = warm                              # and hidden capture
     start = time.time()
     for label, call in _scenarios():
         print(label, flush=True)

@@ -132,6 +132,28 @@ def test_functional_torch_is_reference(dtype):
     assert not buf.any() and not buf1[..., 12:].any()  # functional
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_path_capture_is_the_residual_add_in_one_launch(interpret, monkeypatch, dtype):
+    """On the GPU path (CPU tensors inside gpu.forced()) the functional op is one kernel launch per
+    capture: the residual add, the slot and the copy of the other slots; bit-identical to the reference,
+    and still functional (the input buffer is untouched)."""
+    from builder.backends import gpu
+
+    launches = []
+    real = hc._launch
+    monkeypatch.setattr(hc, "_launch", lambda *a, **k: (launches.append(k), real(*a, **k)))
+    x, h = randn(2, 3, 40, seed=1, dtype=dtype, scale=30.0), randn(2, 3, 40, seed=2, dtype=dtype)
+    buf = F.capture_buffer(x, 3)
+    want1 = hc.hidden_capture_reference(x, None, buf, 0)
+    want2 = hc.hidden_capture_reference(want1[0], h, want1[1], 2)
+    with gpu.forced():
+        x1, buf1 = F.hidden_capture(x, None, buf, 0)
+        x2, buf2 = F.hidden_capture(x1, h, buf1, 2)
+    assert len(launches) == 2 and all(k["copy_buffer"] for k in launches)
+    assert torch.equal(x2, want2[0]) and torch.equal(buf2, want2[1]) and torch.equal(buf1, want1[1])
+    assert not buf.any() and not buf1[..., 80:].any()
+
+
 # --- TensorRT lowering ------------------------------------------------------------------------------------
 def _capture_net(x, h1, h2):
     """Three capture points: the embeddings (no delta) into slot 0, then two residual adds into slots

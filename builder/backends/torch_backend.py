@@ -440,7 +440,12 @@ def capture_buffer(x, n_slots):
 
 
 def hidden_capture(residual, delta, buffer, slot):
-    """The plugin's torch reference (functional: buffer_new is a new tensor)."""
+    """The plugin's torch reference (functional: buffer_new is a new tensor); its Triton kernel, one
+    launch, for CUDA tensors."""
+    if _gpu.active(residual):
+        out = _gpu.dispatch("hidden_capture", residual, delta, buffer, slot)
+        if out is not None:
+            return out
     return _hidden_capture_reference(residual, delta, buffer, slot)
 
 
