@@ -321,6 +321,12 @@ def cmd_generate(args):
         if speculate:
             from runtime.speculative import speculative_generate
             policy = policy_from(k, loaded.build_options, args)
+            if policy.auto_schedule:   # this run's batch size: measure both sides, keep K or turn speculation off
+                from runtime.draft_len import calibrate_schedule, describe_schedule
+                schedule_choice = calibrate_schedule(loaded, prompts, k, [len(prompts)],
+                                                     max_seq_len=loaded.max_seq_len, prefill_chunk=chunk)
+                err.print(describe_schedule(schedule_choice), markup=False)
+                policy.schedule = schedule_choice["schedule"]
             result = speculative_generate(loaded.runner, loaded.proposer(), prompts, args.max_new_tokens, k,
                                           temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                                           end_ids=end_ids, max_seq_len=loaded.max_seq_len, prefill_chunk=chunk,
@@ -379,6 +385,8 @@ def cmd_generate(args):
                 record["draft_len_auto"] = choice
             if auto_nodes:
                 record["tree_auto"] = tree_choice
+            if policy.auto_schedule:
+                record["draft_len_schedule_auto"] = schedule_choice
         if texts is not None:
             record["text"] = texts[0] if single else texts
         print(json.dumps(record))

@@ -13,6 +13,10 @@ same weights for every row count; the rows add multiply-adds), after padding T t
 compiled verify buckets. The chosen K maximises E(K) x target-only step / step(K), the speedup
 the costs predict (``step_costs.cost_model``'s), and is never more than the engine's K_max.
 Both summaries come from one short calibration run of each side (``calibrate``).
+
+``--draft_len_schedule auto`` asks the same question per batch size (``calibrate_schedule``): at
+batch b a verify multiplies b(K+1) rows, so where the products turn compute-bound (many sequences
+on a CPU) no K pays and the schedule keeps b target-only (K = 0).
 """
 from __future__ import annotations
 
@@ -128,3 +132,64 @@ def describe(choice: dict) -> str:
     table = ", ".join(f"K={k} {v:.2f}x" for k, v in choice["predicted"].items())
     rates = ", ".join(f"{a:.2f}" for a in choice["rates"])
     return f"--num_draft_tokens auto: K={choice['k']} (predicted {table}; acceptance by position {rates})"
+
+
+#: prompts a server calibrates on when no request has come yet: code and prose, as users send
+CALIBRATION_TEXTS = ("def fibonacci(n):\n", "import os\nimport sys\n\n", "class Parser(object):\n",
+                     "The quick brown fox", "# utilities\nfrom re import")
+
+
+def calibration_prompts(tokenizer_path, vocab_size: int) -> list[list[int]]:
+    """CALIBRATION_TEXTS encoded with the model's tokenizer (token ids spread over the vocabulary where
+    there is none)."""
+    if tokenizer_path is not None:
+        from tokenizers import Tokenizer
+        tok = Tokenizer.from_file(str(tokenizer_path))
+        prompts = [tok.encode(t).ids for t in CALIBRATION_TEXTS]
+        if all(prompts):
+            return prompts
+    return [[(7 * i + 3 * j + 1) % vocab_size for j in range(6)] for i in range(len(CALIBRATION_TEXTS))]
+
+
+def schedule_batch_sizes(max_batch: int) -> list[int]:
+    """1, 2, 4, ... up to ``max_batch``, and ``max_batch`` itself."""
+    sizes, b = [], 1
+    while b < max_batch:
+        sizes.append(b)
+        b *= 2
+    return sizes + [max(1, max_batch)]
+
+
+def calibrate_schedule(loaded, prompts: list[list[int]], k_max: int, batch_sizes: list[int], new_tokens: int = 32,
+                       **generate_args) -> dict:
+    """For each batch size b: b sequences (``prompts`` cycled) run speculative at K_max and target-only,
+    and the K their costs and acceptance predict fastest (``choose``), or 0 where no K is predicted
+    above 1.0x. Returns {"schedule": {b: K}, "predicted": {b: {K: speedup}}}, the schedule in
+    ``DraftPolicy.schedule``'s form."""
+    from runtime.generation import generate
+    from runtime.speculative import speculative_generate
+    schedule, predicted = {}, {}
+    for b in sorted(set(batch_sizes)):
+        batch = [prompts[i % len(prompts)] for i in range(b)]
+        proposer = loaded.proposer()
+        spec = speculative_generate(loaded.runner, proposer, batch, new_tokens, k_max, **generate_args)
+        plain = generate(loaded.runner, batch, new_tokens, **generate_args)
+        rates = acceptance_rates(spec.extra["acceptance"]["histogram"], k_max)
+        costs = costs_from(spec.extra["cost"].summary(), plain.extra["cost"].summary(), k_max,
+                           is_block_draft(proposer), getattr(loaded.runner, "verify_buckets", ()))
+        schedule[b], predicted[b] = schedule_entry(costs, rates)
+    return {"schedule": schedule, "predicted": predicted}
+
+
+def schedule_entry(costs: Costs, rates: list[float]) -> tuple[int, dict[int, float]]:
+    """(K for this batch size, every K's prediction): ``choose``'s K, or 0 (target-only) where no K is
+    predicted to beat target-only."""
+    k, table = choose(costs, rates)
+    return (k if table[k] > 1.0 else 0), table
+
+
+def describe_schedule(choice: dict) -> str:
+    """One line for a log: the schedule and each batch size's best prediction."""
+    schedule = ",".join(f"{b}:{k}" for b, k in choice["schedule"].items())
+    best = ", ".join(f"batch {b} {max(t.values()):.2f}x" for b, t in choice["predicted"].items())
+    return f"--draft_len_schedule auto: {schedule} (best predicted speedup by batch size: {best})"

@@ -3,7 +3,9 @@
 Three controls, each exact whatever K it picks (acceptance only ever keeps verified tokens):
 
 * ``draft_len_schedule`` (TensorRT-LLM's name and meaning): {max batch size: K}; a step with batch
-  size b drafts the K of the smallest key >= b, and 0 (target-only) past the largest key.
+  size b drafts the K of the smallest key >= b, and 0 (target-only) past the largest key. ``auto``:
+  measured where it runs (``runtime.draft_len.calibrate_schedule``: each batch size's step costs and
+  acceptance, K = 0 where no K is predicted to pay), by whoever loads the model (generate, serve).
 * ``draft_confidence_threshold``: a sequence verifies its drafts up to the first whose draft
   probability is under it (greedy rows still draft K in one call and verify the confident prefix;
   sampled chain drafts stop running their draft).
@@ -21,9 +23,13 @@ import torch
 from builder.errors import NemospecError
 
 
+AUTO_SCHEDULE = "auto"
+
+
 def parse_schedule(text: str | None) -> dict[int, int]:
-    """'1:4,4:3,8:2,16:0' -> {1: 4, 4: 3, 8: 2, 16: 0}; a one-line error naming the flag otherwise."""
-    if not text:
+    """'1:4,4:3,8:2,16:0' -> {1: 4, 4: 3, 8: 2, 16: 0} ('auto': {} until calibrated); a one-line error
+    naming the flag otherwise."""
+    if not text or text == AUTO_SCHEDULE:
         return {}
     out = {}
     for item in text.split(","):
@@ -44,6 +50,7 @@ class DraftPolicy:
     confidence_threshold: float = 0.0
     acceptance_rate_threshold: float = 0.0
     acceptance_rate_window_size: int = 8
+    auto_schedule: bool = False                      # --draft_len_schedule auto: the schedule is to be measured
 
     def __post_init__(self):
         if not 0 <= self.confidence_threshold < 1:
@@ -95,7 +102,8 @@ class AcceptanceTracker:
 # --- flags: recorded at build (BuildOptions), overridable by generate and serve -------------------
 POLICY_FLAGS = {  # flag -> (type, build default, help)
     "draft_len_schedule": (str, "", "K by batch size, TensorRT-LLM style: 'max_batch:K,...' (e.g. 1:4,4:3,8:2,16:0; "
-                                    "past the largest batch size 0 = target-only)"),
+                                    "past the largest batch size 0 = target-only); auto: measured at start "
+                                    "for each batch size, 0 where speculation is not predicted to pay"),
     "draft_confidence_threshold": (float, 0.0, "verify a sequence's drafts only up to the first whose draft "
                                                 "probability is under this (0 = always verify K)"),
     "acceptance_rate_threshold": (float, 0.0, "turn speculation off for a request whose accepted/drafted ratio over "
@@ -122,4 +130,5 @@ def policy_from(max_draft_len: int, recorded: dict, overrides=None) -> DraftPoli
             values[f] = given
     return DraftPolicy(max_draft_len, parse_schedule(values["draft_len_schedule"]),
                        float(values["draft_confidence_threshold"]), float(values["acceptance_rate_threshold"]),
-                       int(values["acceptance_rate_window_size"]))
+                       int(values["acceptance_rate_window_size"]),
+                       auto_schedule=values["draft_len_schedule"] == AUTO_SCHEDULE)

@@ -83,3 +83,52 @@ def test_auto_on_a_target_only_run_or_a_bad_value_exits_2(extra, needle, capsys)
         code = e.code
     _, err = capsys.readouterr()
     assert code == 2 and "--num_draft_tokens" in err and needle in err
+
+
+# --- --draft_len_schedule auto ---------------------------------------------------------------------------
+def test_schedule_entry_turns_speculation_off_where_no_k_pays():
+    """Per batch size: memory-bound rows keep the whole chain; where a verify costs its rows' share
+    (b(K+1) rows compute-bound: 5 rows 5x a decode) no K beats target-only, so K = 0."""
+    from runtime.draft_len import schedule_entry
+    rates = [0.8, 0.7, 0.6, 0.5]
+    assert schedule_entry(_costs(verify_ms=11.0), rates)[0] == 4
+    compute_bound = Costs(k_max=4, decode_ms=10.0, target_only_step_ms=10.5, verify_ms=50.0, draft_ms=2.0,
+                          fixed_ms=0.5, block=False)
+    k, table = schedule_entry(compute_bound, rates)
+    assert k == 0 and max(table.values()) <= 1.0
+    assert choose(compute_bound, rates)[0] >= 1          # choose alone always drafts something
+
+
+def test_schedule_flag_auto_and_batch_sizes():
+    from types import SimpleNamespace
+
+    from runtime.draft_len import calibration_prompts, schedule_batch_sizes
+    from runtime.draft_policy import policy_from
+    policy = policy_from(4, {}, SimpleNamespace(draft_len_schedule="auto"))
+    assert policy.auto_schedule and policy.schedule == {} and policy.k_for_batch(16) == 4
+    assert not policy_from(4, {"draft_len_schedule": "1:4,16:0"}).auto_schedule
+    assert schedule_batch_sizes(16) == [1, 2, 4, 8, 16] and schedule_batch_sizes(6) == [1, 2, 4, 6]
+    assert schedule_batch_sizes(1) == [1]
+    from builder.embedded import target_dir
+    prompts = calibration_prompts(target_dir() / "tokenizer.json", 1024)
+    assert len(prompts) == 5 and all(prompts) and all(0 <= t < 4096 for p in prompts for t in p)
+    assert calibration_prompts(None, 100) == [[(7 * i + 3 * j + 1) % 100 for j in range(6)] for i in range(5)]
+
+
+def test_generate_schedule_auto_measures_its_batch_and_keeps_the_target_output(capsys):
+    """Two prompts on the embedded model (eager, CPU): the calibrated schedule has the one batch size
+    of the run, its K within 0..4 and its predictions; the output equals target-only greedy."""
+    ids = ["--input_ids", "5,9,17,33,2,8", "--input_ids", "12,4,99,7"]
+    argv = ["generate", "--speculative_decoding_mode", "eagle3", "--backend", "torch", *ids,
+            "--max_new_tokens", "20", "--json"]
+    assert cli.main(argv + ["--draft_len_schedule", "auto"]) == 0
+    out, err = capsys.readouterr()
+    record = json.loads(out.strip().splitlines()[-1])
+    assert "--draft_len_schedule auto: 2:" in err
+    choice = record["draft_len_schedule_auto"]
+    (batch, k), = choice["schedule"].items()
+    assert int(batch) == 2 and 0 <= k <= 4 and len(choice["predicted"][batch]) == 4
+    assert cli.main(["generate", "--backend", "torch", *ids, "--max_new_tokens", "20", "--json",
+                     "--no_speculation"]) == 0
+    plain = json.loads(capsys.readouterr()[0].strip().splitlines()[-1])
+    assert record["output_ids"] == plain["output_ids"]

@@ -622,6 +622,35 @@ def test_cli_serve_draft_target_engine_and_sigint(draft_target_engine_dir, tmp_p
                 process.wait()
 
 
+def test_draft_len_schedule_auto_is_measured_before_serving(draft_target_engine_dir):
+    """--draft_len_schedule auto: the speculative model measures each batch size up to the server's
+    max batch (1, 2) before it is ready, logs the schedule it keeps, and serves the target's greedy
+    output whatever K it chose."""
+    engine_dir = draft_target_engine_dir
+    for attempt in range(3):
+        try:
+            handle = launch.start_server(engine_dir, **free_ports(), backend="torch", max_batch_size=2,
+                                         draft_policy={"draft_len_schedule": "auto"}, ready_timeout=300)
+            break
+        except Exception as e:
+            if "already in use" not in str(e) or attempt == 2:
+                raise
+    try:
+        log = handle.log_path.read_text(errors="replace")
+        line = next(ln for ln in log.splitlines() if "--draft_len_schedule auto:" in ln)
+        schedule = line.split("--draft_len_schedule auto:")[1].split()[0]
+        assert [b for b, _ in (item.split(":") for item in schedule.split(","))] == ["1", "2"], line
+        assert all(0 <= int(k) <= OPTIONS["max_draft_len"] for _, k in (i.split(":") for i in schedule.split(",")))
+        want = offline(engine_dir, PROMPTS[0], 24)
+        request = urllib.request.Request(f"http://{handle.http_url}/v2/models/ensemble/generate", method="POST",
+                                         data=json.dumps({"text_input": PROMPTS[0], "max_tokens": 24,
+                                                          "exclude_input_in_output": True}).encode())
+        with urllib.request.urlopen(request, timeout=120) as r:
+            assert json.loads(r.read())["output_ids"] == want["output_ids"]
+    finally:
+        handle.stop()
+
+
 def test_cli_serve_bad_engine_dir(tmp_path, capsys):
     assert cli.main(["serve", "--engine_dir", str(tmp_path)]) == 2
     assert "--engine_dir" in capsys.readouterr().err

@@ -93,6 +93,16 @@ class TritonPythonModel:
         if warm:
             pb_utils.Logger.log_info(f"nemospec speculative: compiled steps warmed up in {warm:.1f} s")
         max_batch = int(_param(config, "max_batch_size", "0") or 0) or None
+        policy = self.loaded.draft_policy
+        if self.loaded.speculative and policy.auto_schedule:   # measured here, per batch size, before serving
+            from runtime.draft_len import (calibrate_schedule, calibration_prompts, describe_schedule,
+                                           schedule_batch_sizes)
+            choice = calibrate_schedule(
+                self.loaded, calibration_prompts(self.loaded.tokenizer_path, self.loaded.config.vocab_size),
+                int(self.loaded.max_draft_len), schedule_batch_sizes(max_batch or self.loaded.max_batch_size),
+                max_seq_len=self.loaded.max_seq_len)
+            policy.schedule = choice["schedule"]
+            pb_utils.Logger.log_info(f"nemospec speculative: {describe_schedule(choice)}")
         self.scheduler = Scheduler(self.loaded, max_batch_size=max_batch, max_queue=int(_param(config, "max_queue", "64")))
         self.vocab = self.loaded.config.vocab_size
         self.max_draft_len = int(self.loaded.max_draft_len or 0)
