@@ -323,8 +323,10 @@ def cmd_generate(args):
             policy = policy_from(k, loaded.build_options, args)
             if policy.auto_schedule:   # this run's batch size: measure both sides, keep K or turn speculation off
                 from runtime.draft_len import calibrate_schedule, describe_schedule
-                schedule_choice = calibrate_schedule(loaded, prompts, k, [len(prompts)],
-                                                     max_seq_len=loaded.max_seq_len, prefill_chunk=chunk)
+                schedule_choice = calibrate_schedule(
+                    loaded, prompts, k, [len(prompts)], max_seq_len=loaded.max_seq_len, prefill_chunk=chunk,
+                    warm=None if loaded.backend != "compiled" else lambda kk, batch: warm_up(
+                        loaded, batch, kk, None, max_seq_len=loaded.max_seq_len, prefill_chunk=chunk))
                 err.print(describe_schedule(schedule_choice), markup=False)
                 policy.schedule = schedule_choice["schedule"]
             result = speculative_generate(loaded.runner, loaded.proposer(), prompts, args.max_new_tokens, k,

@@ -128,6 +128,9 @@ def test_generate_schedule_auto_measures_its_batch_and_keeps_the_target_output(c
     choice = record["draft_len_schedule_auto"]
     (batch, k), = choice["schedule"].items()
     assert int(batch) == 2 and 0 <= k <= 4 and len(choice["predicted"][batch]) == 4
+    measured = choice["measured"][batch]                     # K_max's run, and the proposed K's when shorter
+    assert set(measured) >= {"4"} or set(measured) >= {4}
+    assert k == 0 or (str(k) in measured or k in measured)
     assert cli.main(["generate", "--backend", "torch", *ids, "--max_new_tokens", "20", "--json",
                      "--no_speculation"]) == 0
     plain = json.loads(capsys.readouterr()[0].strip().splitlines()[-1])

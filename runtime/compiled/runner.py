@@ -247,20 +247,24 @@ SERVING_WARM_UPS = {"all": dict(sampled=True, batched=True),       # greedy and 
                     "single": dict(sampled=False, batched=False)}  # greedy, one sequence: about a quarter
 
 
-def warm_up_for_serving(loaded, draft_len: int, log=None, sampled: bool = True, batched: bool = True) -> float:
+def warm_up_for_serving(loaded, draft_len: int, log=None, sampled: bool = True, batched: bool = True,
+                        also=()) -> float:
     """What a server's requests run, compiled (or loaded from the cache) before it reports ready:
     greedy and (with ``sampled``) sampled, one sequence and (with ``batched``) two (batch 1 and the
-    batch-2+ graphs), speculative and target-only; then ``stop_compiling`` (what was not warmed runs
+    batch-2+ graphs), speculative at ``draft_len`` and at each length in ``also`` (those a
+    ``--draft_len_schedule`` uses), and target-only; then ``stop_compiling`` (what was not warmed runs
     eagerly: exact, slower). Returns the seconds it took (0 off the compiled path)."""
     if not isinstance(loaded.runner, CompiledRunner):
         return 0.0
     prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
     seconds = 0.0
-    for batch in (prompts[:1], prompts)[:2 if batched else 1]:
-        for sampling in ({}, {"temperature": 0.8, "seed": 0})[:2 if sampled else 1]:
-            seconds += warm_up(loaded, batch, draft_len, max_seq_len=loaded.max_seq_len, **sampling)
-            if log is not None:
-                log(f"warm-up: batch {len(batch)}, {'sampled' if sampling else 'greedy'}: {seconds:.1f} s so far")
+    for k in sorted({draft_len, *also}, reverse=True) if draft_len > 0 else [0]:
+        for batch in (prompts[:1], prompts)[:2 if batched else 1]:
+            for sampling in ({}, {"temperature": 0.8, "seed": 0})[:2 if sampled else 1]:
+                seconds += warm_up(loaded, batch, k, max_seq_len=loaded.max_seq_len, **sampling)
+                if log is not None:
+                    log(f"warm-up: K={k}, batch {len(batch)}, {'sampled' if sampling else 'greedy'}: "
+                        f"{seconds:.1f} s so far")
     if draft_len > 0:   # target-only requests (speculative: false), batched with others if batched
         seconds += warm_up(loaded, prompts if batched else prompts[:1], 0, max_seq_len=loaded.max_seq_len)
     stop_compiling()

@@ -57,6 +57,24 @@ class _Live:
 
 
 class TritonPythonModel:
+    def _calibrate_schedule(self, max_batch):
+        """--draft_len_schedule auto: each batch size up to the max measured here, its steps compiled
+        first (before the warm-up stops compiling); returns the draft lengths the schedule adds."""
+        policy = self.loaded.draft_policy
+        if not self.loaded.speculative or not policy.auto_schedule:
+            return ()
+        from runtime.compiled.runner import warm_up
+        from runtime.draft_len import (calibrate_schedule, calibration_prompts, describe_schedule,
+                                       schedule_batch_sizes, scheduled_lengths)
+        k_max, seq = int(self.loaded.max_draft_len), self.loaded.max_seq_len
+        choice = calibrate_schedule(
+            self.loaded, calibration_prompts(self.loaded.tokenizer_path, self.loaded.config.vocab_size), k_max,
+            schedule_batch_sizes(max_batch or self.loaded.max_batch_size), max_seq_len=seq,
+            warm=lambda k, batch: warm_up(self.loaded, batch, k, max_seq_len=seq))
+        policy.schedule = choice["schedule"]
+        pb_utils.Logger.log_info(f"nemospec speculative: {describe_schedule(choice)}")
+        return scheduled_lengths(choice["schedule"], k_max)
+
     def initialize(self, args):
         config = json.loads(args["model_config"])
         self.name = config["name"]
@@ -83,26 +101,18 @@ class TritonPythonModel:
         if self.loaded.speculative:  # the engine directory's adaptive draft length, flags on top
             self.loaded.draft_policy = policy_from(self.loaded.max_draft_len, self.loaded.build_options,
                                                    decode_policy(_param(config, "draft_policy", "")))
+        max_batch = int(_param(config, "max_batch_size", "0") or 0) or None
         from runtime.compiled.runner import SERVING_WARM_UPS, warm_up_for_serving   # no compile inside a request
         try:   # the stub's embedded Python reads files as ASCII; inductor's templates are UTF-8
             locale.setlocale(locale.LC_CTYPE, "C.UTF-8")
         except locale.Error:
             pass
+        also = self._calibrate_schedule(max_batch)
         warm = warm_up_for_serving(self.loaded, int(self.loaded.max_draft_len or 0) if self.loaded.speculative else 0,
-                                   log=pb_utils.Logger.log_info, **SERVING_WARM_UPS[_param(config, "warm_up", "all")])
+                                   log=pb_utils.Logger.log_info, also=also,
+                                   **SERVING_WARM_UPS[_param(config, "warm_up", "all")])
         if warm:
             pb_utils.Logger.log_info(f"nemospec speculative: compiled steps warmed up in {warm:.1f} s")
-        max_batch = int(_param(config, "max_batch_size", "0") or 0) or None
-        policy = self.loaded.draft_policy
-        if self.loaded.speculative and policy.auto_schedule:   # measured here, per batch size, before serving
-            from runtime.draft_len import (calibrate_schedule, calibration_prompts, describe_schedule,
-                                           schedule_batch_sizes)
-            choice = calibrate_schedule(
-                self.loaded, calibration_prompts(self.loaded.tokenizer_path, self.loaded.config.vocab_size),
-                int(self.loaded.max_draft_len), schedule_batch_sizes(max_batch or self.loaded.max_batch_size),
-                max_seq_len=self.loaded.max_seq_len)
-            policy.schedule = choice["schedule"]
-            pb_utils.Logger.log_info(f"nemospec speculative: {describe_schedule(choice)}")
         self.scheduler = Scheduler(self.loaded, max_batch_size=max_batch, max_queue=int(_param(config, "max_queue", "64")))
         self.vocab = self.loaded.config.vocab_size
         self.max_draft_len = int(self.loaded.max_draft_len or 0)
