@@ -170,7 +170,7 @@ def _offline(engine_dir: Path, prompts: list[list[int]], new_tokens: int, k: int
     from runtime.generation import generate
     from runtime.loading import open_engine_dir
     from runtime.speculative import speculative_generate
-    from runtime.step_costs import StepCosts, cost_model
+    from runtime.step_costs import StepCosts, cost_model, with_prefill
     from runtime.compiled.runner import warm_up
     from runtime.compiled.steps import COMPILE_LOG
     loaded = open_engine_dir(engine_dir, backend)
@@ -185,6 +185,7 @@ def _offline(engine_dir: Path, prompts: list[list[int]], new_tokens: int, k: int
     tokens = forwards = 0
     hist: dict[str, int] = {}
     spec_costs, plain_costs = StepCosts(), StepCosts()
+    outside = {"speculative": 0.0, "target_only": 0.0}     # seconds of the runs outside their steps (prefill)
     for ids in prompts:
         spec, s = _timed(lambda: speculative_generate(loaded.runner, loaded.proposer(), [ids], new_tokens, k), runs)
         plain, t = _timed(lambda: generate(loaded.runner, [ids], new_tokens), runs)
@@ -195,6 +196,8 @@ def _offline(engine_dir: Path, prompts: list[list[int]], new_tokens: int, k: int
         spec_s, plain_s, tokens = spec_s + s, plain_s + t, tokens + spec.num_tokens
         spec_costs.merge(spec.extra["cost"])
         plain_costs.merge(plain.extra["cost"])
+        outside["speculative"] += spec.seconds - spec.extra["cost"].step_seconds
+        outside["target_only"] += plain.seconds - plain.extra["cost"].step_seconds
         a = spec.extra["acceptance"]
         forwards += a["num_verify_forwards"]
         for n, c in a["histogram"].items():
@@ -204,7 +207,9 @@ def _offline(engine_dir: Path, prompts: list[list[int]], new_tokens: int, k: int
     out = {"mean_accepted_tokens": round(mean, 3), "histogram": hist, "verify_forwards": forwards,
            "tokens": tokens, "tokens_per_second": round(tokens / spec_s, 1),
            "target_only_tokens_per_second": round(tokens / plain_s, 1), "speedup": round(plain_s / spec_s, 3),
-           "exact": True, "cost": cost_model(spec_costs.summary(), plain_costs.summary())}
+           "exact": True, "cost": with_prefill(cost_model(spec_costs.summary(), plain_costs.summary()),
+                                               {side: 1e3 * v / len(prompts) for side, v in outside.items()},
+                                               new_tokens)}
     # the K these measured costs and acceptances pick (runtime.draft_len, `generate --num_draft_tokens auto`)
     from runtime.draft_len import acceptance_rates, choose, costs_from, is_block_draft
     rates = acceptance_rates(hist, k)

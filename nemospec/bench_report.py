@@ -22,8 +22,9 @@ def cost_table(report: dict) -> list[str]:
     """Per speculative step: where the milliseconds go, beside one target-only step; the speedup the
     costs predict next to the measured one."""
     rows = ["| mode | draft ms (per proposal) | verify ms (/ decode) | accept + rollback ms | host ms | step ms | "
-            "tokens / step | target-only step ms (decode) | predicted speedup | measured speedup |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "tokens / step | target-only step ms (decode) | predicted speedup | prefill ms / request (target-only) | "
+            "predicted with prefill | measured speedup |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for mode, m in report["modes"].items():
         c = m.get("cost")
         if not c:
@@ -32,8 +33,17 @@ def cost_table(report: dict) -> list[str]:
         rows.append(f"| {mode} | {s['draft_ms']:.3f} ({s['draft_ms_per_proposal']:.3f}) | {s['verify_ms']:.3f} "
                     f"({c['verify_over_decode']:.2f}x) | {s['accept_ms']:.3f} | {s['host_ms']:.3f} | {s['step_ms']:.3f} | "
                     f"{s['tokens_per_step']:.2f} | {c['target_only_step_ms']:.3f} ({c['target_decode_ms']:.3f}) | "
-                    f"{c['model_speedup']:.2f}x | {m['speedup']:.2f}x |")
+                    f"{c['model_speedup']:.2f}x | {_prefill(c)} | {m['speedup']:.2f}x |")
     return rows
+
+
+def _prefill(cost: dict) -> str:
+    """The prefill columns: speculative (target-only) ms per request, and the speedup predicted with them
+    ('- | -' for a report written before they were measured)."""
+    p = cost.get("prefill_ms")
+    if not p:
+        return "- | -"
+    return f"{p['speculative']:.1f} ({p['target_only']:.1f}) | {cost['model_speedup_with_prefill']:.2f}x"
 
 
 def tree_table(report: dict) -> list[str]:
@@ -106,7 +116,9 @@ def markdown(report: dict) -> str:
                          f"{'; '.join(v)}" for mode, v in late.items()]
     lines += ["", "## Where a step's time goes", "",
               "Milliseconds per decode step (prefill excluded), speculative vs target-only on the same engines; "
-              "predicted speedup = tokens per step x target-only step / speculative step.", ""]
+              "predicted speedup = tokens per step x target-only step / speculative step; with prefill: each "
+              "side's measured prefill per request (the speculative side's includes the draft's pass over the "
+              "prompt) plus its steps for the report's new tokens.", ""]
     lines += cost_table(report)
     lines += tree_table(report)
     moe = {mode: m["moe_experts_read"] for mode, m in report["modes"].items() if m.get("moe_experts_read")}

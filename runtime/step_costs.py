@@ -4,7 +4,9 @@ A speculative step costs draft + verify + accept/rollback + host and emits ``tok
 tokens; a target-only step costs decode + host and emits one. The cost model
 ``tokens_per_step * target_only_step / speculative_step`` is the speedup those numbers predict; a
 report puts it beside the measured one, so a reader sees where the time goes and that the model
-explains the measurement. Prefill is not a step (both paths pay it alike).
+explains the measurement. Prefill is not a step; ``with_prefill`` adds each side's measured prefill
+per request (a draft model's prefill runs a second network over the prompt, which the step model
+leaves out) and the end-to-end speedup those shares predict.
 """
 from __future__ import annotations
 
@@ -70,6 +72,20 @@ def cost_model(speculative: dict, target_only: dict) -> dict:
             "draft_proposal_over_decode": round(speculative["draft_ms_per_proposal"] / target_only["verify_ms"], 3)
             if target_only["verify_ms"] else None,
             "model_speedup": round(speculative["tokens_per_step"] * decode / step, 3) if step else None}
+
+
+def with_prefill(cost: dict, prefill_ms: dict, new_tokens: int) -> dict:
+    """``cost`` (``cost_model``'s) with each side's measured time outside the steps per request
+    (``prefill_ms``: {"speculative", "target_only"}: prefill, which on the speculative side includes
+    the draft's own pass over the prompt) and the speedup the shares then predict for requests of
+    ``new_tokens`` tokens: (prefill + (N - 1) target-only steps) / (prefill + (N - 1) / tokens_per_step
+    speculative steps); the first token comes from the prefill."""
+    s, plain = cost["speculative"], cost["target_only"]
+    steps = max(0, new_tokens - 1)
+    spec_ms = prefill_ms["speculative"] + steps / max(s["tokens_per_step"], 1e-9) * s["step_ms"]
+    plain_ms = prefill_ms["target_only"] + steps * plain["step_ms"]
+    return {**cost, "prefill_ms": {k: round(v, 3) for k, v in prefill_ms.items()},
+            "model_speedup_with_prefill": round(plain_ms / spec_ms, 3) if spec_ms else None}
 
 
 class Stopwatch:

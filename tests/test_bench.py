@@ -52,6 +52,11 @@ def test_report_json_holds_every_field(report_dir):
         assert spec["tokens_per_step"] == pytest.approx(m["mean_accepted_tokens"], abs=1e-3)
         assert c["target_only_step_ms"] == plain["step_ms"] and c["target_decode_ms"] == plain["verify_ms"]
         assert c["model_speedup"] == pytest.approx(spec["tokens_per_step"] * plain["step_ms"] / spec["step_ms"], rel=1e-2)
+        pre, n = c["prefill_ms"], r["max_new_tokens"] - 1     # each side's prefill per request, then its steps
+        assert pre["speculative"] > 0 and pre["target_only"] > 0
+        assert c["model_speedup_with_prefill"] == pytest.approx(
+            (pre["target_only"] + n * plain["step_ms"]) / (pre["speculative"] + n / spec["tokens_per_step"] * spec["step_ms"]),
+            rel=1e-2)
         assert not m["engine_dir"].startswith("/") and not r["model"].startswith("/")
         t = m["tree"]                                    # tree speculation beside the chain, same prompts
         assert (t["max_nodes"], t["topk"], t["depth"]) == (8, 2, r["num_draft_tokens"]) and t["exact"] is True
@@ -90,3 +95,16 @@ def test_report_md_and_plots(report_dir):
         data = (report_dir / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
         assert f"![{name}]({name})" in md
+
+
+def test_with_prefill_counts_a_draft_models_prompt_pass():
+    """The step model with each side's prefill: a draft whose prefill doubles the target's lowers the
+    end-to-end prediction below the step prediction, and equal prefills on long requests approach it."""
+    from runtime.step_costs import with_prefill
+    cost = {"speculative": {"tokens_per_step": 3.0, "step_ms": 6.0}, "target_only": {"step_ms": 4.0},
+            "model_speedup": 2.0}
+    slow = with_prefill(cost, {"speculative": 40.0, "target_only": 20.0}, 129)
+    assert slow["model_speedup_with_prefill"] == pytest.approx((20 + 128 * 4) / (40 + 128 / 3 * 6), rel=1e-3)
+    assert slow["model_speedup_with_prefill"] < 2.0 and slow["prefill_ms"] == {"speculative": 40.0, "target_only": 20.0}
+    long = with_prefill(cost, {"speculative": 20.0, "target_only": 20.0}, 100001)
+    assert long["model_speedup_with_prefill"] == pytest.approx(2.0, rel=1e-3)
