@@ -167,6 +167,68 @@ def test_compiled_steps_are_saved_and_a_later_process_loads_them(tmp_path, monke
     assert_within(outs[-1], _Scaled(w).forward(x), bound, "recompiled after a damaged file")
 
 
+_CLAIMING = """
+import os, sys, time
+sys.path.insert(0, sys.argv[1])
+from runtime.compiled import store
+path, source, hold = sys.argv[2], sys.argv[3], float(sys.argv[4])
+with store.claim(path):
+    print("claimed", flush=True)
+    time.sleep(hold)            # compiling, as far as the other process can tell
+    if source:
+        os.replace(source, path)
+print("saved", flush=True)
+"""
+
+
+def test_a_step_another_process_is_compiling_is_waited_for_and_loaded(tmp_path, monkeypatch, capsys):
+    """Two processes on one store need the same step: while one holds its claim (compiling; here it
+    puts the step's file in place after 1.5 s), the other waits and then loads the file instead of
+    compiling it too; a claim held past CLAIM_WAIT_S is not waited for any longer (the waiter compiles)."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from runtime.compiled import store
+    from runtime.compiled.steps import _Steps
+    for name, value in (("NEMOSPEC_COMPILE_CACHE", tmp_path), ("TORCHINDUCTOR_CACHE_DIR", tmp_path),
+                        ("NEMOSPEC_CHECK_GUARDS", "0")):
+        monkeypatch.setenv(name, str(value))
+    root = str(Path(__file__).resolve().parents[1])
+    g = torch.Generator().manual_seed(5)
+    w, x = torch.randn(8, 5, generator=g), torch.randn(3, 8, generator=g)
+    first = _Steps(_Scaled(w).forward, "scaled")
+    first(("rows", 3), "scaled step", 1, x)                      # the step's file, to be put back later
+    path = first._saved_path(("rows", 3), (x,), {})
+    assert path.is_file() and "compiling scaled step" in capsys.readouterr().err
+    aside = tmp_path / "compiled-elsewhere.bin"
+    path.rename(aside)
+
+    def other(hold_s, source):
+        p = subprocess.Popen([sys.executable, "-c", _CLAIMING, root, str(path), source, str(hold_s)],
+                             stdout=subprocess.PIPE, text=True)
+        assert p.stdout.readline().strip() == "claimed"
+        return p
+
+    p = other(1.5, str(aside))
+    start = time.monotonic()
+    out = _Steps(_Scaled(w.clone()).forward, "scaled")(("rows", 3), "scaled step", 1, x)
+    waited = time.monotonic() - start
+    log = capsys.readouterr().err
+    assert p.wait(timeout=60) == 0 and p.stdout.read().strip() == "saved"
+    assert "loaded scaled step" in log and "compiling" not in log and waited >= 1.0, (log, waited)
+    assert torch.equal(out, first(("rows", 3), "scaled step", 1, x))
+    monkeypatch.setattr(store, "CLAIM_WAIT_S", 0.3)
+    path.unlink()
+    p = other(30.0, "")
+    start = time.monotonic()
+    _Steps(_Scaled(w).forward, "scaled")(("rows", 3), "scaled step", 1, x)
+    assert time.monotonic() - start < 25.0 and "compiling scaled step" in capsys.readouterr().err
+    p.kill()
+    p.wait()
+
+
 def test_a_saved_step_of_a_closure_is_keyed_by_what_it_closes_over(tmp_path, monkeypatch, capsys):
     """A step function that closes over its module (a component's call): dynamo bakes the weights
     into the graph, so the cell's module names the file; other weights never load that graph."""

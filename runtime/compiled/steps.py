@@ -3,6 +3,7 @@
 builds, which compile options a device and a torch get, and the log of what compiled when."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -204,6 +205,10 @@ class _Steps:
         start = time.perf_counter()
         args, kwargs = _unaliased((args, kwargs))
         path = None if self.check_guards else self._saved_path(key, args, kwargs)
+        with store.claim(path) if path is not None else contextlib.nullcontext():   # one process compiles it
+            return self._load_or_compile(key, label, start, path, args, kwargs)
+
+    def _load_or_compile(self, key, label: str, start: float, path, args, kwargs):
         saved = store.load(path) if path is not None else None
         if saved is not None:   # compiled by an earlier process
             graph = functools.partial(saved, *self.lead)

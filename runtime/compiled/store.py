@@ -14,11 +14,20 @@ wide benchmark target's: ~95 MB each; one machine's store had grown to 39 GB), a
 code names new files, so after each save the least recently used steps go until the store is within
 ``$NEMOSPEC_COMPILE_CACHE_GB`` (default 16) and the disk keeps ``$NEMOSPEC_COMPILE_CACHE_RESERVE_GB``
 (default 4) free. A load marks a step used.
+
+Processes sharing a store (a test run's workers, a server beside a benchmark) compile a step once:
+``claim`` holds a lock per step file while one process looks for it and compiles it, and another
+that needs the same step waits for the file instead of compiling it again (the suite's workers had
+compiled the same eagle3 steps twice, 6-9 s each). A wait is bounded (``CLAIM_WAIT_S``) and a
+process takes one claim at a time, so no two can wait on each other for long.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
+import time
 import shutil
 import sys
 import warnings
@@ -157,6 +166,45 @@ def load(path: Path):
         return None
 
 
+CLAIM_WAIT_S = 240.0       # longer than any one step's compile measured here (Zen 1: ~90 s)
+_claimed: list = []        # this process's claim, while it holds one
+
+
+@contextlib.contextmanager
+def claim(path: Path):
+    """While held, no other process that claims ``path`` compiles it: the caller loads the step if it
+    is there, else compiles and saves it. Waits (polling, at most CLAIM_WAIT_S) while another process
+    holds the claim; a nested claim, or one that cannot lock, goes ahead without waiting."""
+    if _claimed:
+        yield
+        return
+    lock = Path(path).parent.parent / "claims" / (Path(path).stem + ".lock")
+    try:
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        os.utime(lock)   # in use: prune keeps it
+    except OSError:
+        yield
+        return
+    try:
+        deadline = time.monotonic() + CLAIM_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+        _claimed.append(path)
+        try:
+            yield
+        finally:
+            _claimed.pop()
+    finally:
+        os.close(fd)   # releases the lock; the empty lock file stays (prune removes old ones)
+
+
 def _gigabytes(variable: str, default: float) -> int:
     try:
         return int(float(os.environ.get(variable) or default) * 2**30)
@@ -193,6 +241,10 @@ def prune(directory: Path, keep: Path | None = None) -> list[Path]:
         total -= size
         free += size
         removed.append(p)
+    for lock in (Path(directory) / "claims").glob("*.lock"):   # claims nobody has taken for a day
+        with contextlib.suppress(OSError):
+            if time.time() - lock.stat().st_mtime > 86400:
+                lock.unlink()
     return removed
 
 
