@@ -3,7 +3,8 @@ builder/backends/gpu at full width (bf16, CUDA) against the torch op it stands b
 
 Rows: Mamba-2 of Nemotron-H-8B (``ssm_scan``, ``causal_conv1d`` at T = 1 and 5; ``tree_ssm_scan``,
 ``tree_conv1d`` over a 17-node tree), its attention over an 8192-slot cache (T = 1, 5; a 17-node
-``tree_attention``), ``linear_nvfp4`` at 4096x4096 for 1 and 5 rows, and, where
+``tree_attention``), ``linear_nvfp4`` at 4096x4096 for 1 and 5 rows, ``rms_norm`` and
+``gated_rms_norm`` (the hidden size; Mamba's inner width in its groups) for 5 rows, and, where
 builder/backends/gpu/moe.py exists, ``moe`` at Nemotron-3-Nano-30B-A3B's shape for 1 and 5 rows.
 
 Per row: the kernel's time through ``gpu.dispatch`` and the torch op's with the kernels off (medians of
@@ -219,6 +220,25 @@ def _moe(s, dev, dtype, rows):
     return args, tb.moe, bound, moved, f"{rows} rows, {e} experts top {s['top_k']}, {hid} -> {inter}"
 
 
+def _norm(s, dev, dtype, rows, gated):
+    import torch
+    from builder.backends import torch_backend as tb
+    m = s["mamba"]
+    width = m["heads"] * m["head_dim"] if gated else s["nvfp4"][1]     # Mamba's inner width; the hidden size
+    group = width // m["groups"] if gated else width
+    x = torch.randn(rows, width, device=dev).to(dtype)
+    w = (1 + 0.1 * torch.randn(width, device=dev)).to(dtype)
+    if gated:
+        args, ref = (x, torch.randn(rows, width, device=dev).to(dtype), w, 1e-5, group), tb.gated_rms_norm
+    else:
+        args, ref = (x, w, 1e-5), tb.rms_norm
+
+    def bound(want):   # the group's sum in another order, rsqrt's last bits; each rounding may move a unit
+        return (2 * _gamma(group) + 8 * _u(torch.float32) + 2 * _u(dtype) * (2 if gated else 1)) * want.double().abs()
+    moved = (x.numel() * (3 if gated else 2) + width) * x.element_size()
+    return args, ref, bound, moved, f"{rows} rows, {width} wide" + (f", groups of {group}" if gated else "")
+
+
 def _rows(s, dev, dtype):
     """(op, builder) per row, built one at a time so each row's tensors are freed before the next."""
     out = []
@@ -230,6 +250,8 @@ def _rows(s, dev, dtype):
     out += [("attention", functools.partial(_attention, s["attention"], dev, dtype, t, False)) for t in (1, 5)]
     out += [("tree_attention", functools.partial(_attention, s["attention"], dev, dtype, T, True))]
     out += [("linear_nvfp4", functools.partial(_nvfp4, s["nvfp4"], dev, dtype, r)) for r in (1, 5)]
+    out += [("rms_norm", functools.partial(_norm, s, dev, dtype, 5, False)),
+            ("gated_rms_norm", functools.partial(_norm, s, dev, dtype, 5, True))]
     if (ROOT / "builder" / "backends" / "gpu" / "moe.py").exists():
         out += [("moe", functools.partial(_moe, s["moe"], dev, dtype, r)) for r in (1, 5)]
     return out

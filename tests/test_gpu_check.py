@@ -106,7 +106,7 @@ def test_triton_kernels_section_runs_every_kernel_within_its_bound(tmp_path):
     assert section["interpreted"] is True and "stopped" not in section
     ops = [row["op"] for row in section["rows"]]
     assert {"ssm_scan", "causal_conv1d", "tree_ssm_scan", "tree_conv1d", "attention", "tree_attention",
-            "linear_nvfp4"} <= set(ops)
+            "linear_nvfp4", "rms_norm", "gated_rms_norm"} <= set(ops)
     for row in section["rows"]:
         assert "error" not in row and row["fallback"] is False, row
         assert row["within_bound"] is True and row["kernel_us"] > 0 and row["torch_us"] > 0, row

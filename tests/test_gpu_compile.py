@@ -41,6 +41,10 @@ MUST = {
                           ("GATHER", "HAS_ADD"): {(F, F), (T, T)}, "S2_PTR": {F, T},
                           "BLOCK_K": {32, 64, 128}, "BLOCK_N": {16, 64}, "M": {1}},
     },
+    "norms": {
+        "_norm_kernel": {("GATED", "X_ROUND", "OUT_ROUND"): {(F, 2, 2), (T, 2, 2), (T, 2, 0), (F, 0, 0)},
+                         "BLOCK": {4096, 1024}},
+    },
     "hidden_capture": {   # the GPU path's hidden_capture (builder/backends/gpu/capture.py)
         "_hidden_capture_kernel": {("HAS_DELTA", "WRITE_X", "COPY_BUFFER"): {(T, T, T), (F, F, T)},
                                    "BF16": {F, T}},
@@ -117,6 +121,14 @@ def _scenarios():
         packed, scale = z(vocab, rank // 2, dtype=torch.uint8), z(vocab, rank // 16).to(torch.float8_e4m3fn)
         return gn.fp4_markov_head(logits, prev, z(300, rank, dtype=w1_dtype), packed, scale, scale_2)
 
+    # --- norms: 8B's RMSNorm (4096 wide) and gated RMSNorm (8 groups of 1024), bf16 and an fp32 weight
+    def norm(gated, w_dtype=bf16, dtype=bf16):
+        from builder.backends.gpu import norms as gnorm
+        if gated:
+            x = z(5, 8192, dtype=dtype)
+            return gnorm.gated_rms_norm(x, x, z(8192, dtype=w_dtype), 1e-5, 1024)
+        return gnorm.rms_norm(z(5, 4096, dtype=dtype), z(4096, dtype=w_dtype), 1e-5)
+
     # --- hidden capture: the residual add writing slot 1 of 3 (4096 wide), and the first capture (no add)
     def capture(dtype, delta):
         from builder.backends.gpu import capture as gc
@@ -156,6 +168,10 @@ def _scenarios():
         ("nvfp4 fp32 16 rows no bias", lambda: fp4((16,), 100, 256, f32, False)),
         ("fp4 markov head 8 rows V=1024 rank 256 bf16 W1", lambda: markov(8, 1024, 256, bf16, torch.ones(()))),
         ("fp4 markov head 20 rows V=100 rank 32 host scale", lambda: markov(20, 100, 32, f32, 0.5)),
+        ("rms_norm bf16 4096", lambda: norm(False)),
+        ("rms_norm fp32 4096", lambda: norm(False, f32, f32)),
+        ("gated_rms_norm bf16 groups of 1024", lambda: norm(True)),
+        ("gated_rms_norm bf16 x, fp32 weight", lambda: norm(True, f32)),
         ("hidden capture bf16 with the residual add", lambda: capture(bf16, True)),
         ("hidden capture fp32 first slot", lambda: capture(f32, False)),
         ("moe bf16 relu2 1 row top-6 of 128", lambda: moe(1, bf16, "relu2")),

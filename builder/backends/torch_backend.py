@@ -110,10 +110,18 @@ def embedding(ids, table):
 
 
 def rms_norm(x, weight, eps):
+    if _gpu.active(x):
+        out = _gpu.dispatch("rms_norm", x, weight, eps)
+        if out is not None:
+            return out
     return tf.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
 
 
 def gated_rms_norm(x, gate, weight, eps, group_size):
+    if _gpu.active(x):
+        out = _gpu.dispatch("gated_rms_norm", x, gate, weight, eps, group_size)
+        if out is not None:
+            return out
     dtype = x.dtype
     h = x.float() * tf.silu(gate.float())
     groups = h.unflatten(-1, (h.shape[-1] // group_size, group_size))

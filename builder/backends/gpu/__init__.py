@@ -10,7 +10,7 @@ wrong answer. Tests run the kernels on CPU tensors under ``TRITON_INTERPRET=1`` 
 Modules: ``mamba`` (conv and selective-state updates for 1..K+1 tokens, chain and tree),
 ``attention`` (query rows over the KV cache, tree and visibility masks), ``nvfp4`` (W4A16 products),
 ``moe`` (fused routing and the routed experts of a few rows), ``capture`` (the residual add that also
-writes a draft's captured hidden state).
+writes a draft's captured hidden state), ``norms`` (RMSNorm and the gated RMSNorm, one launch each).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from plugins.triton_jit import interpreting, jit  # noqa: F401  (the kernels' mo
 
 log = logging.getLogger("nemospec.gpu")
 
-MODULES = ("mamba", "attention", "nvfp4", "moe", "capture")
+MODULES = ("mamba", "attention", "nvfp4", "moe", "capture", "norms")
 _KERNELS: Dict[str, Callable] = {}
 _loaded = False
 _forced = False
