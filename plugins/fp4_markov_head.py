@@ -187,7 +187,8 @@ def _run(kernel, grid, *args, **meta):
     jit(kernel)[grid](*args, **meta)
 
 
-def _launch(logits, prev_ids, w1, w2_packed, w2_scale_bytes, out, spec: MarkovHeadSpec, scale_2=None) -> None:
+def _launch(logits, prev_ids, w1, w2_packed, w2_scale_bytes, out, spec: MarkovHeadSpec, scale_2=None,
+            blocks=None) -> None:
     """The NVFP4 row kernel (plugins/nvfp4_rows.py) with each row gathered from W1 by its previous id
     and the logits added; contiguous inputs, ``out`` like ``logits``; ``scale_2`` a device tensor to
     read the global scale from (else the spec's)."""
@@ -196,23 +197,24 @@ def _launch(logits, prev_ids, w1, w2_packed, w2_scale_bytes, out, spec: MarkovHe
         return
     nvfp4_rows.launch(_run, w1, w2_packed, w2_scale_bytes, spec.scale_2 if scale_2 is None else scale_2, out.view(rows, spec.vocab_size), rows,
                       spec.vocab_size, spec.rank, ids=prev_ids.reshape(rows), table=spec.prev_vocab_size,
-                      add=logits.view(rows, spec.vocab_size))
+                      add=logits.view(rows, spec.vocab_size), blocks=blocks)
 
 
 def fp4_markov_head_triton(logits: torch.Tensor, prev_ids: torch.Tensor, w1: torch.Tensor, w2_packed: torch.Tensor,
-                           w2_scale: torch.Tensor, w2_scale_2) -> torch.Tensor:
+                           w2_scale: torch.Tensor, w2_scale_2, blocks=None) -> torch.Tensor:
     """Triton launch of the fused op; returns a new fp32 tensor shaped like ``logits``.
 
     CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``. Inputs are read as contiguous. A global
     scale given as a one-element tensor on the logits' device is read by the kernel (no host sync, so
-    the call can be captured in a CUDA graph; its value is then not checked on the host).
+    the call can be captured in a CUDA graph; its value is then not checked on the host). ``blocks``:
+    the kernel's (BLOCK_N, BLOCK_K) instead of its default (gpu_check sweeps them on a device).
     """
     device_scale = _device_scale(w2_scale_2, logits.device)
     spec = _check(logits, prev_ids, w1, w2_packed, w2_scale, w2_scale_2, read_scale=device_scale is None)
     out = torch.empty_like(logits)
     scale_bytes = (w2_scale if w2_scale.dtype == torch.uint8 else w2_scale.view(torch.uint8)).contiguous()
     _launch(logits.contiguous(), prev_ids.contiguous(), w1.contiguous(), w2_packed.contiguous(), scale_bytes, out,
-            spec, device_scale)
+            spec, device_scale, blocks)
     return out
 
 

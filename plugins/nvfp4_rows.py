@@ -120,12 +120,14 @@ def block_sizes(n: int, k: int) -> tuple[int, int]:
 
 
 def launch(run, x, packed, scale_bytes, scale_2, out, rows: int, n: int, k: int, *, ids=None, table: int = 0,
-           bias=None, add=None, f32_dot: bool = True) -> None:
+           bias=None, add=None, f32_dot: bool = True, blocks: tuple | None = None) -> None:
     """``run(kernel, grid, *args, **meta)`` the kernel for ``rows`` rows of x (2-D, any strides; with
     ``ids`` a [V_prev, k] table and one index per row) into ``out`` [rows, n] (contiguous).
     ``scale_bytes`` are the FP8 scales viewed as uint8, ``scale_2`` the global scale (a one-element fp32
-    tensor on x's device, or a float), ``add`` a contiguous [rows, n] tensor added in fp32."""
-    block_n, block_k = block_sizes(n, k)
+    tensor on x's device, or a float), ``add`` a contiguous [rows, n] tensor added in fp32. ``blocks``:
+    (BLOCK_N, BLOCK_K) instead of ``block_sizes``' (powers of two, BLOCK_K >= 32: a device run sweeps
+    them)."""
+    block_n, block_k = blocks if blocks is not None else block_sizes(n, k)
     grid = (-(-n // block_n), -(-rows // BLOCK_M))
     dummy = out
     on_device = isinstance(scale_2, torch.Tensor)

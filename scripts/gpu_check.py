@@ -303,6 +303,20 @@ def plugin_kernels(deadline: float) -> dict:
                               "gb_s": round(moved / s / 1e9, 1), "of_copy_bandwidth": round(moved / s / copy_bw, 3),
                               "max_abs_diff": float((got - want).abs().max()),
                               "close": bool(torch.allclose(got, want, rtol=1e-4, atol=1e-3))}
+    # the kernel's block sizes, swept once on the device (the default is the first one that fits)
+    sweep = []
+    for blocks in ((32, 128), (64, 128), (128, 128), (64, 256), (128, 256), (256, 256)):
+        if time.time() > deadline:
+            break
+        try:
+            fn = functools.partial(fp4_markov_head_triton, logits, prev, w1, packed, scale, scale_2, blocks=blocks)
+            close = bool(torch.allclose(fn(), want, rtol=1e-4, atol=1e-3))
+            s = _cuda_time(fn)
+            sweep.append({"blocks": list(blocks), "us": round(1e6 * s, 2), "close": close,
+                          "of_copy_bandwidth": round(moved / s / copy_bw, 3)})
+        except Exception as e:   # a block that does not fit the device: say so, keep sweeping
+            sweep.append({"blocks": list(blocks), "error": f"{type(e).__name__}: {str(e)[:120]}"})
+    out["fp4_markov_head"]["block_sweep"] = sweep
     return out
 
 

@@ -174,6 +174,11 @@ def test_gpu_path_op_launches_the_kernel(interpret, monkeypatch):
     assert launched == [("_nvfp4_kernel", (3, 2))]      # 130 / 64 vocabulary blocks, 18 / 16 row blocks
     assert_within(got, mh.fp4_markov_head_reference(logits, prev, w1, packed, scale, scale_2),
                   head_bound(logits, prev, w1, packed, scale, scale_2))
+    # the block sizes a device run sweeps: the same result within the bound, the grid they imply
+    swept = mh.fp4_markov_head_triton(logits, prev, w1, packed, scale, scale_2, blocks=(32, 32))
+    assert launched[-1] == ("_nvfp4_kernel", (5, 2))     # 130 / 32 vocabulary blocks
+    assert_within(swept, mh.fp4_markov_head_reference(logits, prev, w1, packed, scale, scale_2),
+                  head_bound(logits, prev, w1, packed, scale, scale_2))
 
 
 # --- functional op ----------------------------------------------------------------------------------------
