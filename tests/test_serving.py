@@ -641,6 +641,9 @@ def test_draft_len_schedule_auto_is_measured_before_serving(draft_target_engine_
         schedule = line.split("--draft_len_schedule auto:")[1].split()[0]
         assert [b for b, _ in (item.split(":") for item in schedule.split(","))] == ["1", "2"], line
         assert all(0 <= int(k) <= OPTIONS["max_draft_len"] for _, k in (i.split(":") for i in schedule.split(",")))
+        for item in schedule.split(","):   # and exported as a gauge per batch size
+            batch, k = item.split(":")
+            assert metric(handle, "nemospec_draft_len_schedule", max_batch_size=batch) == int(k)
         want = offline(engine_dir, PROMPTS[0], 24)
         request = urllib.request.Request(f"http://{handle.http_url}/v2/models/ensemble/generate", method="POST",
                                          data=json.dumps({"text_input": PROMPTS[0], "max_tokens": 24,

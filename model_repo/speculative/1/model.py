@@ -183,6 +183,16 @@ class TritonPythonModel:
         self._families.append(family)
         self.outcomes = {o: family.Metric(labels={"model": self.name, "outcome": o})
                          for o in ("completed", "cancelled", "rejected", "failed")}
+        policy = self.loaded.draft_policy if self.loaded.speculative else None
+        self.schedule_metrics = []
+        if policy is not None and policy.schedule:   # K by batch size, as given or as --draft_len_schedule auto measured it
+            family = MF(name="nemospec_draft_len_schedule", kind=MF.GAUGE,
+                        description="Draft tokens per step for batches up to max_batch_size (--draft_len_schedule)")
+            self._families.append(family)
+            for batch, draft_len in policy.schedule.items():
+                gauge = family.Metric(labels={"model": self.name, "max_batch_size": str(batch)})
+                gauge.set(draft_len)
+                self.schedule_metrics.append(gauge)
         self._last = {"steps": 0, "verify_rows": 0, "accepted_tokens": 0, "generated_tokens": 0,
                       "draft_seconds": 0.0, "verify_seconds": 0.0, "draft_tokens": 0, "accepted_draft_tokens": 0}
         self._gauges = {}
