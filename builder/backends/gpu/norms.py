@@ -4,7 +4,9 @@ mean, rsqrt, products, the SiLU gate), which inside a decode's CUDA graph cost m
 they move (full width: a norm per block plus the gated one per Mamba layer).
 
 One program per (row, group) holds its group in registers in fp32: the gate ``g * sigmoid(g)``
-multiplied in (gated), the mean of squares, ``rsqrt(mean + eps)``. Roundings as the torch ops make
+multiplied in (gated; written out as g / (1 + exp(-g)): ``tl.sigmoid`` is a stdlib jit function, which
+an xdist worker that imported triton uninterpreted first cannot interpret), the mean of squares,
+``rsqrt(mean + eps)``. Roundings as the torch ops make
 them: RMSNorm multiplies by the fp32 weight and rounds once to x's dtype; the gated norm rounds the
 normalised value to x's dtype, then multiplies by the weight in the promoted dtype of the two (bf16
 by bits: the interpreter's bf16 cast truncates). Only the order of the group's sum and the rsqrt's
@@ -42,7 +44,7 @@ if tl is not None:
         h = tl.load(x_ptr + base + cols, mask=ok, other=0.0).to(tl.float32)
         if GATED:
             gv = tl.load(g_ptr + base + cols, mask=ok, other=0.0).to(tl.float32)
-            h = h * (gv * tl.sigmoid(gv))
+            h = h * (gv / (1.0 + tl.exp(-gv)))   # SiLU; not tl.sigmoid: a stdlib jit function (see mamba.py)
         ms = tl.reduce(h * h, 0, tl.standard._sum_combine) / G
         n = h * (1.0 / tl.sqrt(ms + eps))
         w = tl.load(w_ptr + grp * G + cols, mask=ok, other=0.0).to(tl.float32)
