@@ -112,17 +112,24 @@ def is_block_draft(proposer) -> bool:
     return isinstance(proposer, (BlockDraftProposer, ParallelDraftProposer))
 
 
-def calibrate(loaded, prompt: list[int], k_max: int, new_tokens: int = 48, **generate_args) -> dict:
-    """One speculative run at K_max and one target-only run of ``prompt`` on ``loaded``, and the K
-    they pick: {"k", "predicted": {K: speedup}, "rates", "costs"}."""
+def _measure(loaded, batch: list[list[int]], k_max: int, new_tokens: int, **generate_args):
+    """One speculative run of ``batch`` at K_max and one target-only run: (the speculative result, the
+    target-only cost summary, acceptance rates by position, ``Costs``)."""
     from runtime.generation import generate
     from runtime.speculative import speculative_generate
     proposer = loaded.proposer()
-    spec = speculative_generate(loaded.runner, proposer, [prompt], new_tokens, k_max, **generate_args)
-    plain = generate(loaded.runner, [prompt], new_tokens, **generate_args)
+    spec = speculative_generate(loaded.runner, proposer, batch, new_tokens, k_max, **generate_args)
+    plain = generate(loaded.runner, batch, new_tokens, **generate_args).extra["cost"].summary()
     rates = acceptance_rates(spec.extra["acceptance"]["histogram"], k_max)
-    costs = costs_from(spec.extra["cost"].summary(), plain.extra["cost"].summary(), k_max, is_block_draft(proposer),
+    costs = costs_from(spec.extra["cost"].summary(), plain, k_max, is_block_draft(proposer),
                        getattr(loaded.runner, "verify_buckets", ()))
+    return spec, plain, rates, costs
+
+
+def calibrate(loaded, prompt: list[int], k_max: int, new_tokens: int = 48, **generate_args) -> dict:
+    """One speculative run at K_max and one target-only run of ``prompt`` on ``loaded``, and the K
+    they pick: {"k", "predicted": {K: speedup}, "rates", "costs"}."""
+    _, _, rates, costs = _measure(loaded, [prompt], k_max, new_tokens, **generate_args)
     k, table = choose(costs, rates)
     return {"k": k, "predicted": table, "rates": [round(a, 3) for a in rates], "costs": costs.__dict__}
 
@@ -171,12 +178,11 @@ def calibrate_schedule(loaded, prompts: list[list[int]], k_max: int, batch_sizes
     """For each batch size b: b sequences (``prompts`` cycled) run speculative at K_max and target-only;
     their costs and acceptance propose a K (``schedule_entry``), and a K other than K_max is then run
     too, so the entry rests on measured steps: the K whose own run measured the higher speedup, or 0
-    where no run beat target-only by MIN_MEASURED_GAIN (the model's draft cost, linear in K, is optimistic where a step's
-    catch-up dominates, as at 16 sequences). Returns {"schedule": {b: K}, "predicted": {b: {K: x}},
+    where no run beat target-only by MIN_MEASURED_GAIN (the model's draft cost, linear in K, is
+    optimistic where a step's catch-up dominates, as at 16 sequences). Returns {"schedule": {b: K}, "predicted": {b: {K: x}},
     "measured": {b: {K: x}}}, the schedule in ``DraftPolicy.schedule``'s form; each speedup is the
     steady-state step ratio (``step_costs.cost_model``), prefill excluded. ``warm(K, batch)`` (K = 0:
     target-only) readies a run's steps before it is timed (the compiled path: compiled or loaded)."""
-    from runtime.generation import generate
     from runtime.speculative import speculative_generate
     from runtime.step_costs import cost_model
     schedule, predicted, measured = {}, {}, {}
@@ -185,12 +191,7 @@ def calibrate_schedule(loaded, prompts: list[list[int]], k_max: int, batch_sizes
         if warm is not None:
             warm(k_max, batch)
             warm(0, batch)
-        proposer = loaded.proposer()
-        spec = speculative_generate(loaded.runner, proposer, batch, new_tokens, k_max, **generate_args)
-        plain = generate(loaded.runner, batch, new_tokens, **generate_args).extra["cost"].summary()
-        rates = acceptance_rates(spec.extra["acceptance"]["histogram"], k_max)
-        costs = costs_from(spec.extra["cost"].summary(), plain, k_max, is_block_draft(proposer),
-                           getattr(loaded.runner, "verify_buckets", ()))
+        spec, plain, rates, costs = _measure(loaded, batch, k_max, new_tokens, **generate_args)
         k, predicted[b] = schedule_entry(costs, rates)
         runs = {k_max: spec}
         if 0 < k < k_max:

@@ -27,9 +27,9 @@ import contextlib
 import fcntl
 import hashlib
 import os
-import time
 import shutil
 import sys
+import time
 import warnings
 import weakref
 from pathlib import Path
