@@ -211,6 +211,24 @@ def wide_model(deadline: float, device: str = "cuda", new: int = 64) -> dict:
                           modes=("eagle3", "dflash", "mtp"), factor=16 if cuda else 2)
 
 
+def wide_model_kernels_in_graphs(deadline: float, device: str = "cuda", new: int = 64) -> dict:
+    """``wide_model`` with the Triton kernels inside the compiled steps (NEMOSPEC_KERNELS_IN_GRAPHS=1:
+    builder/backends/gpu/graph_ops.py) instead of inductor's lowering of the torch ops: beside the
+    ``wide_model`` rows it says which default the compiled CUDA path should have. ``kernel_calls``: how
+    often each kernel's op ran inside the graphs."""
+    from builder.backends import gpu
+    from builder.backends.gpu import graph_ops
+    saved = gpu.IN_GRAPHS
+    gpu.IN_GRAPHS = True
+    graph_ops.CALLS.clear()
+    try:
+        out = wide_model(deadline, device, new)
+    finally:
+        gpu.IN_GRAPHS = saved
+    out["kernel_calls"] = dict(graph_ops.CALLS)
+    return out
+
+
 def embedded_model_trees(deadline: float, device: str = "cuda", new: int = 64) -> dict:
     """Tree speculation (16 drafted nodes, issue 14) beside the chain and target-only, eager, for the
     chain drafts and the block drafts: where a step is bound by launches rather than rows, a tree's
@@ -364,10 +382,12 @@ SECTIONS = {"plugin_kernels": plugin_kernels,
             "tensorrt": tensorrt_engines,
             "full_width_graphs": functools.partial(full_width, configs=FULL_WIDTH_CONFIGS[:1], graphs=True),
             "wide_model": wide_model,
+            "wide_model_kernels_in_graphs": wide_model_kernels_in_graphs,
             "embedded_model_trees": embedded_model_trees,
             "embedded_model_compiled": embedded_model_compiled,
             "embedded_model_no_cuda_graphs": embedded_model_no_cuda_graphs}
-DEVICE_SECTIONS = ("triton_kernels", "embedded_model", "full_width", "full_width_graphs", "wide_model", "embedded_model_trees",
+DEVICE_SECTIONS = ("triton_kernels", "embedded_model", "full_width", "full_width_graphs", "wide_model",
+                   "wide_model_kernels_in_graphs", "embedded_model_trees",
                    "embedded_model_compiled", "embedded_model_no_cuda_graphs")
 
 
@@ -391,7 +411,7 @@ def main(argv=None) -> int:
             deadline = started + args.budget_s
             if name in DEVICE_SECTIONS and (cuda or args.device == "cpu"):
                 fn = functools.partial(fn, device=args.device,
-                                       **({"new": args.new_tokens} if "embedded" in name or name == "wide_model" else {}))
+                                       **({"new": args.new_tokens} if "embedded" in name or name.startswith("wide_model") else {}))
             elif not cuda:
                 report[name] = {"skipped": "no CUDA device"}
                 continue

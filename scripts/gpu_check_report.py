@@ -16,6 +16,8 @@ def markdown(report: dict) -> str:
     lines += _triton(report.get("triton_kernels"))
     for key, title in (("embedded_model", "Embedded model, eager (TorchRunner)"),
                        ("wide_model", "Embedded model widened (16x on a GPU: hidden 3072), compiled, CUDA graphs"),
+                       ("wide_model_kernels_in_graphs",
+                        "The same, with the Triton kernels inside the compiled steps (NEMOSPEC_KERNELS_IN_GRAPHS=1)"),
                        ("embedded_model_trees", "Embedded model, eager, tree speculation beside the chain"),
                        ("embedded_model_compiled", "Embedded model, compiled (runtime.compiled: inductor)"),
                        ("embedded_model_no_cuda_graphs", "Embedded model, compiled, CUDA graphs off")):
@@ -86,6 +88,9 @@ def _embedded(section, title) -> list[str]:
                    f"| {mean(lambda r: r['cost']['verify_ms']):.2f} | {mean(lambda r: r['cost']['draft_ms']):.2f} |")
         if row.get("compiled_during_timing"):
             out.append(f"| {mode}: compiled inside the timings | {'; '.join(row['compiled_during_timing'])} | | | | | | |")
+    if section.get("kernel_calls") is not None:
+        calls = ", ".join(f"{op} x{n}" for op, n in sorted(section["kernel_calls"].items()))
+        out += ["", f"Kernels run inside the compiled steps: {calls or 'none'}."]
     trees = {m: r for m, r in section["modes"].items() if "tree_speedup" in r}
     if trees:
         out += ["", "| mode | tree (nodes, top-k, depth) | accepted chain / tree | tree tok/s | tree speedup | tree / chain |",

@@ -98,6 +98,28 @@ def test_wide_model_section_speculates_exactly_on_the_widened_model(tmp_path):
     assert "Widened 2x, torch backend." in (tmp_path / "report.md").read_text()
 
 
+def test_kernels_in_graphs_section_runs_the_wide_model_with_the_kernels_in_its_steps(monkeypatch):
+    """wide_model_kernels_in_graphs: the wide_model run with gpu.IN_GRAPHS on while it runs (and off
+    after), the kernels' custom-op calls in the section, and a line on the page."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import gpu_check
+    from gpu_check_report import markdown
+    from builder.backends import gpu
+    from builder.backends.gpu import graph_ops
+
+    seen = []
+
+    def fake_wide_model(deadline, device, new):
+        seen.append(gpu.IN_GRAPHS)
+        graph_ops.CALLS["ssm_scan"] += 3
+        return {"modes": {}, "prompts": 1, "new_tokens": new, "k": 4}
+    monkeypatch.setattr(gpu_check, "wide_model", fake_wide_model)
+    monkeypatch.setattr(gpu, "IN_GRAPHS", False)
+    section = gpu_check.SECTIONS["wide_model_kernels_in_graphs"](0.0, "cuda", 8)
+    assert seen == [True] and gpu.IN_GRAPHS is False and section["kernel_calls"] == {"ssm_scan": 3}
+    assert "Kernels run inside the compiled steps: ssm_scan x3." in markdown({"wide_model_kernels_in_graphs": section})
+
+
 def test_triton_kernels_section_runs_every_kernel_within_its_bound(tmp_path):
     """The triton_kernels section on the CPU (tiny shapes, TRITON_INTERPRET=1 inside gpu.forced()): each
     row ran its kernel (no fallback, no error), is within its bound, and the page shows the table."""

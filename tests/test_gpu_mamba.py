@@ -258,7 +258,7 @@ def test_a_kernel_that_fails_on_cuda_falls_back_to_the_torch_op_once(monkeypatch
 
     def broken(*args):
         raise RuntimeError("cannot compile")
-    monkeypatch.setitem(gpu._KERNELS, "ssm_state", broken)
+    monkeypatch.setitem(gpu._KERNELS, "ssm_state", gpu.Kernel("ssm_state", broken, lambda *args: None, "() -> Tensor"))
     monkeypatch.setattr(gpu, "_loaded", True)
     assert gpu.dispatch("ssm_state", None) is None
     assert "ssm_state" not in gpu._KERNELS
@@ -267,13 +267,16 @@ def test_a_kernel_that_fails_on_cuda_falls_back_to_the_torch_op_once(monkeypatch
         "ssm_state: Triton kernel not used (RuntimeError: cannot compile); running the torch op") == 1
 
 
-def test_the_kernels_stay_out_of_compiled_graphs(monkeypatch):
+def test_the_kernels_stay_out_of_compiled_graphs_unless_asked(monkeypatch):
     """While torch.compile traces, the ops keep their torch lowering (inductor's), even for tensors
-    that would take a kernel: a whole-graph capture of the Python launchers is unproven on a device."""
+    that would take a kernel, unless NEMOSPEC_KERNELS_IN_GRAPHS=1 (tests/test_gpu_graph_ops.py)."""
     from builder.backends import gpu
 
     x = torch.zeros(2)
     with gpu.forced():
         assert gpu.active(x)
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        monkeypatch.setattr(gpu, "IN_GRAPHS", False)
         assert not gpu.active(x)
+        monkeypatch.setattr(gpu, "IN_GRAPHS", True)
+        assert gpu.active(x)

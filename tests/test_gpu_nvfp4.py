@@ -102,8 +102,8 @@ def test_linear_nvfp4_declines_stacked(caplog, monkeypatch, launches):
     monkeypatch.setattr(gpu, "_warned", set())
     packed, scale, scale_2 = _weight(2 * 32, 64)
     with caplog.at_level(logging.WARNING, logger="nemospec.gpu"):
-        assert gn.linear_nvfp4(torch.randn(1, 64), packed.view(2, 32, 32), scale.view(2, 32, 4), scale_2,
-                               (2, 32, 64)) is None
+        assert gpu.dispatch("linear_nvfp4", torch.randn(1, 64), packed.view(2, 32, 32), scale.view(2, 32, 4),
+                            scale_2, (2, 32, 64)) is None
     assert [r.getMessage() for r in caplog.records] == [
         "linear_nvfp4: Triton kernel not used (stacked (3-D) weights); running the torch op"]
     assert launches == []

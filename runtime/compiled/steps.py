@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch.utils import _pytree as pytree
 
-from builder.backends import torch_backend
+from builder.backends import gpu, torch_backend
 from runtime.compiled import direct_call, store
 from runtime.compiled.small_linear import install as install_small_linear
 
@@ -209,6 +209,8 @@ class _Steps:
             return self._load_or_compile(key, label, start, path, args, kwargs)
 
     def _load_or_compile(self, key, label: str, start: float, path, args, kwargs):
+        if gpu.IN_GRAPHS:
+            gpu.load()   # the kernels' custom ops, before a saved step names them or a trace meets them
         saved = store.load(path) if path is not None else None
         if saved is not None:   # compiled by an earlier process
             graph = functools.partial(saved, *self.lead)

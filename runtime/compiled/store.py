@@ -4,7 +4,8 @@ skips only code generation, and re-tracing a step took 3-24 s here (a server's w
 125-160 s with a warm inductor cache).
 
 A step's file is named by a digest of everything its graph depends on: nemospec's and torch's code,
-the CPU's instruction set, the torch thread count, the compile options, the step's key and the
+the CPU's instruction set, the torch thread count, the compile options, which ops trace as Triton kernels
+(builder.backends.gpu.graph_state), the step's key and the
 shapes of its inputs (dims marked dynamic left out), and the modules it runs, weights included
 (weights are graph inputs, but a digest over their bytes keeps a graph from ever meeting a model it
 was not traced for). A file that fails to load is ignored and the step compiles as before.
@@ -143,8 +144,9 @@ def _signature(x) -> str:
 def step_path(directory: Path, what: str, key, options: dict, lead_digest: str, args, kwargs) -> Path:
     """The file of one step's graph."""
     h = hashlib.sha256()
+    from builder.backends import gpu
     for part in (code_digest(), what, repr(key), repr(sorted(options.items(), key=lambda kv: kv[0])), lead_digest,
-                 _signature(args), _signature(kwargs), str(torch.get_num_threads())):
+                 _signature(args), _signature(kwargs), str(torch.get_num_threads()), gpu.graph_state()):
         h.update(part.encode())
         h.update(b"\0")
     return Path(directory) / "steps" / f"{h.hexdigest()}.bin"

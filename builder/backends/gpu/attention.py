@@ -292,54 +292,57 @@ def _positions_ok(positions, q) -> bool:
             and tuple(positions.shape) == tuple(q.shape[:2]) and positions.device == q.device)
 
 
-@gpu.register("attention")
-def attention(q, k_cache, v_cache, positions, scale, window=None, sinks=None):
-    """``torch_backend.attention``: [B, T, Hq, D] in q's dtype, or None (declined)."""
+def _attention_check(q, k_cache, v_cache, positions, scale, window=None, sinks=None):
     reason = _decline(q, k_cache, v_cache)
     if reason is None and not _positions_ok(positions, q):
         reason = "positions must be int [B, T]"
     if reason is None and sinks is not None and (
             not isinstance(sinks, torch.Tensor) or sinks.numel() != q.shape[2] or sinks.device != q.device):
         reason = "sinks must hold one logit per query head"
-    if reason is not None:
-        gpu.fallback("attention", reason)
-        return None
+    return reason
+
+
+@gpu.register("attention", "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor positions, float scale, "
+              "int? window=None, Tensor? sinks=None) -> Tensor", _attention_check)
+def attention(q, k_cache, v_cache, positions, scale, window=None, sinks=None):
+    """``torch_backend.attention``: [B, T, Hq, D] in q's dtype."""
     return _run(CAUSAL, q, k_cache, v_cache, positions, None, scale, window, sinks)
 
 
-@gpu.register("tree_attention")
-def tree_attention(q, k_cache, v_cache, positions, ancestors, scale):
-    """``torch_tree.tree_attention``: [B, T, Hq, D] in q's dtype, or None (declined)."""
+def _tree_attention_check(q, k_cache, v_cache, positions, ancestors, scale):
     reason = _decline(q, k_cache, v_cache)
     if reason is None and not _positions_ok(positions, q):
         reason = "positions must be int [B, T]"
-    batch, seq = q.shape[:2]
-    if reason is None and (not isinstance(ancestors, torch.Tensor) or tuple(ancestors.shape) != (batch, seq, seq)
+    if reason is None and (not isinstance(ancestors, torch.Tensor)
+                           or tuple(ancestors.shape) != (q.shape[0], q.shape[1], q.shape[1])
                            or ancestors.device != q.device):
         reason = "ancestors must be [B, T, T]"
-    if reason is not None:
-        gpu.fallback("tree_attention", reason)
-        return None
+    return reason
+
+
+@gpu.register("tree_attention", "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor positions, Tensor ancestors, "
+              "float scale) -> Tensor", _tree_attention_check)
+def tree_attention(q, k_cache, v_cache, positions, ancestors, scale):
+    """``torch_tree.tree_attention``: [B, T, Hq, D] in q's dtype."""
     anc = (ancestors if ancestors.dtype == torch.bool else ancestors != 0).view(torch.uint8)
     return _run(TREE, q, k_cache, v_cache, positions, anc, scale)
 
 
-@gpu.register("masked_attention")
-def masked_attention(q, k_cache, v_cache, visible, scale):
-    """``torch_tree.masked_attention``: [B, T, Hq, D] in q's dtype, or None (declined)."""
+def _masked_attention_check(q, k_cache, v_cache, visible, scale):
     reason = _decline(q, k_cache, v_cache)
     if reason is None:
-        batch, seq = q.shape[:2]
-        try:
-            if visible.dim() != 3:
-                raise RuntimeError("not 3-D")
-            visible = visible.to(torch.bool).expand(batch, seq, k_cache.shape[1])
-        except (AttributeError, RuntimeError):
+        target = (q.shape[0], q.shape[1], k_cache.shape[1])
+        if (not isinstance(visible, torch.Tensor) or visible.dim() != 3
+                or any(have not in (1, want) for have, want in zip(visible.shape, target))):
             reason = "visible must broadcast to [B, T, S]"
-        else:
-            if visible.device != q.device:
-                reason = "tensors on different devices"
-    if reason is not None:
-        gpu.fallback("masked_attention", reason)
-        return None
+        elif visible.device != q.device:
+            reason = "tensors on different devices"
+    return reason
+
+
+@gpu.register("masked_attention", "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor visible, float scale) -> Tensor",
+              _masked_attention_check)
+def masked_attention(q, k_cache, v_cache, visible, scale):
+    """``torch_tree.masked_attention``: [B, T, Hq, D] in q's dtype."""
+    visible = visible.to(torch.bool).expand(q.shape[0], q.shape[1], k_cache.shape[1])
     return _run(MASK, q, k_cache, v_cache, None, visible.view(torch.uint8), scale)

@@ -15,16 +15,17 @@ OP = "hidden_capture"
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-@gpu.register(OP)
-def hidden_capture(residual, delta, buffer, slot):
-    """``torch_backend.hidden_capture`` as one kernel launch: (x_new, buffer_new), or None (declined)."""
+def _check(residual, delta, buffer, slot):
     if capture.tl is None:
-        gpu.fallback(OP, "triton is not installed")
-        return None
+        return "triton is not installed"
     if residual.dtype not in DTYPES:
-        gpu.fallback(OP, f"dtype {residual.dtype}")
-        return None
+        return f"dtype {residual.dtype}"
     if any(t is not None and t.device != residual.device for t in (delta, buffer)):
-        gpu.fallback(OP, "tensors on different devices")
-        return None
+        return "tensors on different devices"
+    return None
+
+
+@gpu.register(OP, "(Tensor residual, Tensor? delta, Tensor buffer, int slot) -> (Tensor, Tensor)", _check)
+def hidden_capture(residual, delta, buffer, slot):
+    """``torch_backend.hidden_capture`` as one kernel launch: (x_new, buffer_new)."""
     return capture.hidden_capture_triton_functional(residual, delta, buffer, int(slot))

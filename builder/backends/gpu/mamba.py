@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from builder.backends.gpu import fallback, jit, register
+from builder.backends.gpu import jit, register
 
 try:  # the kernels' language module; absent triton leaves every op on torch
     import triton.language as tl
@@ -213,28 +213,32 @@ def _conv_launch(x, conv_state, weight, bias, lengths=None, parents=None):
     return y if tree else (y, new_state)
 
 
-@register("causal_conv1d")
-def causal_conv1d(x, conv_state, weight, bias, lengths):
-    """(y, new_conv_state) as torch_backend.causal_conv1d, for 1..MAX_TOKENS rows."""
+def _causal_conv1d_check(x, conv_state, weight, bias, lengths):
     reason = _conv_checks(x, conv_state, weight, bias)
     if reason is None and tuple(lengths.shape) != (x.shape[0],):
         reason = "lengths is not [B]"
-    if reason:
-        fallback("causal_conv1d", reason)
-        return None
+    return reason
+
+
+@register("causal_conv1d", "(Tensor x, Tensor conv_state, Tensor weight, Tensor? bias, Tensor lengths) -> (Tensor, Tensor)",
+          _causal_conv1d_check)
+def causal_conv1d(x, conv_state, weight, bias, lengths):
+    """(y, new_conv_state) as torch_backend.causal_conv1d, for 1..MAX_TOKENS rows."""
     return _conv_launch(x, conv_state, weight, bias, lengths=lengths)
 
 
-@register("tree_conv1d")
-def tree_conv1d(x, conv_state, weight, bias, parents):
-    """y as torch_tree.tree_conv1d, for trees of 1..MAX_TOKENS rows (parents[b, r] < r; row 0's is
-    not read)."""
+def _tree_conv1d_check(x, conv_state, weight, bias, parents):
     reason = _conv_checks(x, conv_state, weight, bias)
     if reason is None and tuple(parents.shape) != tuple(x.shape[:2]):
         reason = "parents is not [B, T]"
-    if reason:
-        fallback("tree_conv1d", reason)
-        return None
+    return reason
+
+
+@register("tree_conv1d", "(Tensor x, Tensor conv_state, Tensor weight, Tensor? bias, Tensor parents) -> Tensor",
+          _tree_conv1d_check)
+def tree_conv1d(x, conv_state, weight, bias, parents):
+    """y as torch_tree.tree_conv1d, for trees of 1..MAX_TOKENS rows (parents[b, r] < r; row 0's is
+    not read)."""
     return _conv_launch(x, conv_state, weight, bias, parents=parents)
 
 
@@ -283,25 +287,26 @@ def _ssm_launch(x, dt, A, B, C, D, state, write_y=True, write_states=False):
     return y, final, states
 
 
-@register("ssm_scan")
+def _ssm_scan_check(x, dt, A, B, C, D, state, chunk_size):
+    return _ssm_checks(x, dt, A, B, C, D, state)
+
+
+@register("ssm_scan", "(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor D, Tensor state, int chunk_size)"
+          " -> (Tensor, Tensor)", _ssm_scan_check)
 def ssm_scan(x, dt, A, B, C, D, state, chunk_size):
     """(y in x's dtype, final state fp32) as torch_backend.ssm_scan, for 1..MAX_TOKENS rows (the math
     does not depend on chunk_size)."""
-    reason = _ssm_checks(x, dt, A, B, C, D, state)
-    if reason:
-        fallback("ssm_scan", reason)
-        return None
     y, final, _ = _ssm_launch(x, dt, A, B, C, D, state)
     return y, final
 
 
-@register("ssm_state")
+def _ssm_state_check(x, dt, A, B, state):
+    return _ssm_checks(x, dt, A, B, None, None, state)
+
+
+@register("ssm_state", "(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor state) -> Tensor", _ssm_state_check)
 def ssm_state(x, dt, A, B, state):
     """The fp32 state after the chunk, as torch_backend.ssm_state, for 1..MAX_TOKENS rows."""
-    reason = _ssm_checks(x, dt, A, B, None, None, state)
-    if reason:
-        fallback("ssm_state", reason)
-        return None
     return _ssm_launch(x, dt, A, B, None, None, state, write_y=False)[1]
 
 
@@ -318,16 +323,18 @@ def ssm_scan_states(x, dt, A, B, C, D, state):
     return y, states
 
 
-@register("tree_ssm_scan")
-def tree_ssm_scan(x, dt, A, B, C, D, state, ancestors):
-    """y as torch_tree.tree_ssm_scan, for trees of 1..MAX_TOKENS rows; ``ancestors`` [B, T, T]
-    (nonzero = on the path, self included) must describe a tree whose rows are in topological order."""
+def _tree_ssm_scan_check(x, dt, A, B, C, D, state, ancestors):
     reason = _ssm_checks(x, dt, A, B, C, D, state)
     if reason is None and tuple(ancestors.shape) != (x.shape[0], x.shape[1], x.shape[1]):
         reason = "ancestors is not [B, T, T]"
-    if reason:
-        fallback("tree_ssm_scan", reason)
-        return None
+    return reason
+
+
+@register("tree_ssm_scan", "(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor D, Tensor state, "
+          "Tensor ancestors) -> Tensor", _tree_ssm_scan_check)
+def tree_ssm_scan(x, dt, A, B, C, D, state, ancestors):
+    """y as torch_tree.tree_ssm_scan, for trees of 1..MAX_TOKENS rows; ``ancestors`` [B, T, T]
+    (nonzero = on the path, self included) must describe a tree whose rows are in topological order."""
     batch, seq, heads, dim = x.shape
     n = B.shape[3]
     anc = ancestors.to(device=x.device)

@@ -280,14 +280,17 @@ def route(router_input, router_weight, router_bias, top_k, n_group, topk_group, 
     return index, weights
 
 
-@gpu.register(OP)
+def _check(router_input, x, router_weight, router_bias, up, down, top_k, n_group, topk_group,
+           norm_topk_prob, routed_scaling_factor, act):
+    return _decline(router_input, x, router_weight, router_bias, up, down, top_k, n_group, topk_group, act)
+
+
+@gpu.register(OP, "(Tensor router_input, Tensor x, Tensor router_weight, Tensor router_bias, Tensor up, Tensor down, "
+              "int top_k, int n_group, int topk_group, bool norm_topk_prob, float routed_scaling_factor, str act) "
+              "-> Tensor", _check)
 def moe(router_input, x, router_weight, router_bias, up, down, top_k, n_group, topk_group,
         norm_topk_prob, routed_scaling_factor, act):
-    """``torch_backend.moe`` for 1..MAX_ROWS rows: [..., Hin] in x's dtype, or None (declined)."""
-    reason = _decline(router_input, x, router_weight, router_bias, up, down, top_k, n_group, topk_group, act)
-    if reason is not None:
-        gpu.fallback(OP, reason)
-        return None
+    """``torch_backend.moe`` for 1..MAX_ROWS rows: [..., Hin] in x's dtype."""
     shape = x.shape
     experts, inter, hin = up.shape
     x2 = x.reshape(-1, hin)

@@ -68,21 +68,19 @@ def _launch(kernel, grid, *args, **meta):
     gpu.jit(kernel)[grid](*args, **meta)
 
 
-def _decline(op: str, x, weight, width: int, gate=None) -> bool:
-    reason = None
+def _decline(x, weight, width: int, gate=None):
+    """Why the kernel does not take these inputs, or None."""
     if tl is None:
-        reason = "triton is not installed"
-    elif x.dtype not in FLOATS or weight.dtype not in FLOATS or (gate is not None and gate.dtype not in FLOATS):
-        reason = f"dtypes {x.dtype}, {weight.dtype}"
-    elif width <= 0 or width > MAX_GROUP or x.shape[-1] % width or x.numel() == 0:
-        reason = f"group of {width} columns"
-    elif tuple(weight.shape) != (x.shape[-1],) or (gate is not None and gate.shape != x.shape):
-        reason = "weight or gate shape"
-    elif any(t is not None and t.device != x.device for t in (weight, gate)):
-        reason = "tensors on different devices"
-    if reason is not None:
-        gpu.fallback(op, reason)
-    return reason is not None
+        return "triton is not installed"
+    if x.dtype not in FLOATS or weight.dtype not in FLOATS or (gate is not None and gate.dtype not in FLOATS):
+        return f"dtypes {x.dtype}, {weight.dtype}"
+    if width <= 0 or width > MAX_GROUP or x.shape[-1] % width or x.numel() == 0:
+        return f"group of {width} columns"
+    if tuple(weight.shape) != (x.shape[-1],) or (gate is not None and gate.shape != x.shape):
+        return "weight or gate shape"
+    if any(t is not None and t.device != x.device for t in (weight, gate)):
+        return "tensors on different devices"
+    return None
 
 
 def _run(x, gate, weight, eps, width, out_dtype):
@@ -95,17 +93,22 @@ def _run(x, gate, weight, eps, width, out_dtype):
     return out
 
 
-@gpu.register("rms_norm")
+def _rms_norm_check(x, weight, eps):
+    return _decline(x, weight, x.shape[-1])
+
+
+@gpu.register("rms_norm", "(Tensor x, Tensor weight, float eps) -> Tensor", _rms_norm_check)
 def rms_norm(x, weight, eps):
-    """``torch_backend.rms_norm``: fp32 math, x's dtype out; or None (declined)."""
-    if _decline("rms_norm", x, weight, x.shape[-1]):
-        return None
+    """``torch_backend.rms_norm``: fp32 math, x's dtype out."""
     return _run(x, None, weight, eps, x.shape[-1], x.dtype)
 
 
-@gpu.register("gated_rms_norm")
+def _gated_rms_norm_check(x, gate, weight, eps, group_size):
+    return _decline(x, weight, int(group_size), gate)
+
+
+@gpu.register("gated_rms_norm", "(Tensor x, Tensor gate, Tensor weight, float eps, int group_size) -> Tensor",
+              _gated_rms_norm_check)
 def gated_rms_norm(x, gate, weight, eps, group_size):
-    """``torch_backend.gated_rms_norm``: out in the promoted dtype of the weight and x; or None."""
-    if _decline("gated_rms_norm", x, weight, int(group_size), gate):
-        return None
+    """``torch_backend.gated_rms_norm``: out in the promoted dtype of the weight and x."""
     return _run(x, gate, weight, eps, int(group_size), torch.promote_types(weight.dtype, x.dtype))

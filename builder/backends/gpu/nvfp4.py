@@ -32,13 +32,13 @@ def _launch(kernel, grid, *args, **meta):
     gpu.jit(kernel)[grid](*args, **meta)
 
 
-def _decline(x, packed, scale, scale_2, shape, bias):
+def _decline(x, packed, scale, scale_2, shape, bias=None):
     """Why the kernel does not take these inputs, or None."""
     if nvfp4_rows.tl is None:
         return "triton is not installed"
     if len(shape) != 2:
         return "stacked (3-D) weights"
-    n, k = shape
+    n, k = (int(d) for d in shape)
     if x.dtype not in nvfp4_rows.ROUNDING:
         return f"activation dtype {x.dtype}"
     if x.dim() < 1 or x.shape[-1] != k or k <= 0 or n <= 0 or k % BLOCK_SIZE:
@@ -47,7 +47,7 @@ def _decline(x, packed, scale, scale_2, shape, bias):
         return "packed weight layout"
     if scale.dtype != torch.float8_e4m3fn or tuple(scale.shape) != (n, k // BLOCK_SIZE):
         return "block scale layout"
-    if scale_2.dtype != torch.float32 or scale_2.numel() != 1:
+    if not isinstance(scale_2, torch.Tensor) or scale_2.dtype != torch.float32 or scale_2.numel() != 1:
         return "global scale layout"
     if bias is not None and (bias.dtype != x.dtype or tuple(bias.shape) != (n,)):
         return "bias dtype or shape"
@@ -61,15 +61,11 @@ def _decline(x, packed, scale, scale_2, shape, bias):
     return None
 
 
-@gpu.register(OP)
+@gpu.register(OP, "(Tensor x, Tensor packed, Tensor scale, Tensor scale_2, int[] shape, Tensor? bias=None) -> Tensor",
+              _decline)
 def linear_nvfp4(x, packed, scale, scale_2, shape, bias=None):
-    """``torch_backend.linear_nvfp4`` for <= 16 rows: [..., N] in x's dtype, or None (declined)."""
-    shape = tuple(int(d) for d in shape)
-    reason = _decline(x, packed, scale, scale_2, shape, bias)
-    if reason is not None:
-        gpu.fallback(OP, reason)
-        return None
-    n, k = shape
+    """``torch_backend.linear_nvfp4`` for <= 16 rows: [..., N] in x's dtype."""
+    n, k = (int(d) for d in shape)
     x2 = x.reshape(-1, k)
     rows = x2.shape[0]
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
@@ -79,13 +75,16 @@ def linear_nvfp4(x, packed, scale, scale_2, shape, bias=None):
     return out.reshape(*x.shape[:-1], n)
 
 
-@gpu.register(MARKOV_OP)
-def fp4_markov_head(logits, prev_ids, w1, w2_packed, w2_scale, w2_scale_2):
-    """The DSpark Markov head (``plugins/fp4_markov_head.py``) on the same kernel, or None (declined)."""
+def _markov_check(logits, prev_ids, w1, w2_packed, w2_scale, w2_scale_2):
     if nvfp4_rows.tl is None:
-        gpu.fallback(MARKOV_OP, "triton is not installed")
-        return None
+        return "triton is not installed"
     if any(t.device != logits.device for t in (prev_ids, w1, w2_packed, w2_scale)):
-        gpu.fallback(MARKOV_OP, "tensors on different devices")
-        return None
+        return "tensors on different devices"
+    return None
+
+
+@gpu.register(MARKOV_OP, "(Tensor logits, Tensor prev_ids, Tensor w1, Tensor w2_packed, Tensor w2_scale, "
+              "Tensor w2_scale_2) -> Tensor", _markov_check)
+def fp4_markov_head(logits, prev_ids, w1, w2_packed, w2_scale, w2_scale_2):
+    """The DSpark Markov head (``plugins/fp4_markov_head.py``) on the same kernel."""
     return markov.fp4_markov_head_triton(logits, prev_ids, w1, w2_packed, w2_scale, w2_scale_2)
