@@ -94,14 +94,16 @@ def mask_padding(x, lengths):
 
 
 # --- sequence mixers ------------------------------------------------------------------------------
-def causal_conv1d(x, conv_state, weight, bias, lengths):
+def causal_conv1d(x, conv_state, weight, bias, lengths, activation=None):
     """Depthwise causal conv over time.
 
     x [B, T, C]; conv_state [B, K-1, C] holds the K-1 inputs before this chunk; weight [C, K];
     bias [C] or None. Returns (y [B, T, C], new_state [B, K-1, C]) where new_state holds the K-1
     inputs ending at the last valid token (t = lengths[b] - 1), as :func:`conv_window` gives.
+    ``activation`` (a name :func:`activation` takes) is applied to y (Mamba-2's conv is followed by
+    one: the GPU path applies it inside the conv's launch).
     """
-    return _backend(x, conv_state, lengths).causal_conv1d(x, conv_state, weight, bias, lengths)
+    return _backend(x, conv_state, lengths).causal_conv1d(x, conv_state, weight, bias, lengths, activation)
 
 
 def conv_window(conv_state, x, lengths):
@@ -109,6 +111,13 @@ def conv_window(conv_state, x, lengths):
     concat(conv_state [B, K-1, C], x) that end at row lengths[b] - 1 of x. A speculative rollback
     keeps the verify chunk's conv inputs and takes this window at the accepted length."""
     return _backend(conv_state, x, lengths).conv_window(conv_state, x, lengths)
+
+
+def mamba_dt(dt, dt_bias, lo, hi, lengths):
+    """Mamba-2's time step from its projection dt [B, T, H]: softplus(dt + dt_bias), clamped to
+    [lo, hi] (None or an infinite bound skipped), 0 at t >= lengths[b] so that padding leaves the
+    state untouched. One op so that the GPU path runs it as one launch (the composition is seven)."""
+    return _backend(dt, lengths).mamba_dt(dt, dt_bias, lo, hi, lengths)
 
 
 def ssm_scan(x, dt, A, B, C, D, state, chunk_size):
@@ -234,10 +243,11 @@ def _tree_backend(*xs):
 # A verify chunk may hold a token tree instead of a chain: row 0 is the last accepted token (the
 # root), every other row r has ``parents[b, r]`` < r, and ``ancestors[b, i, j]`` is true when row j
 # is row i or one of its ancestors. A chain is parents = r - 1, ancestors = lower triangle.
-def tree_conv1d(x, conv_state, weight, bias, parents):
+def tree_conv1d(x, conv_state, weight, bias, parents, activation=None):
     """Depthwise causal conv along each row's ancestor path: row i's window is its K-1 nearest
-    ancestors (then the conv state before the root) and itself. Returns y [B, T, C]."""
-    return _tree_backend(x, conv_state, parents).tree_conv1d(x, conv_state, weight, bias, parents)
+    ancestors (then the conv state before the root) and itself. Returns y [B, T, C], with
+    ``activation`` applied as :func:`causal_conv1d` does."""
+    return _tree_backend(x, conv_state, parents).tree_conv1d(x, conv_state, weight, bias, parents, activation)
 
 
 def tree_ssm_scan(x, dt, A, B, C, D, state, ancestors):

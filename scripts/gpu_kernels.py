@@ -1,7 +1,7 @@
 """The ``triton_kernels`` section of scripts/gpu_check.py: each Triton op registered in
 builder/backends/gpu at full width (bf16, CUDA) against the torch op it stands behind.
 
-Rows: Mamba-2 of Nemotron-H-8B (``ssm_scan``, ``causal_conv1d`` at T = 1 and 5; ``tree_ssm_scan``,
+Rows: Mamba-2 of Nemotron-H-8B (``ssm_scan``, ``causal_conv1d``, ``mamba_dt`` at T = 1 and 5; ``tree_ssm_scan``,
 ``tree_conv1d`` over a 17-node tree), its attention over an 8192-slot cache (T = 1, 5; a 17-node
 ``tree_attention``), ``linear_nvfp4`` at 4096x4096 for 1 and 5 rows, ``rms_norm`` and
 ``gated_rms_norm`` (the hidden size; Mamba's inner width in its groups) for 5 rows, and, where
@@ -148,6 +148,20 @@ def _ssm(s, dev, dtype, T, tree):
     return args, ref, bound, moved, f"T={T}, H={h} P={p} N={n} G={g}"
 
 
+def _dt(s, dev, dtype, T):
+    import torch
+    from builder.backends import torch_backend as tb
+    h = s["heads"]
+    dt = (4 * torch.randn(1, T, h, device=dev)).to(dtype)
+    bias = torch.randn(h, device=dev).to(dtype)
+    args = (dt, bias, 0.0, float("inf"), torch.full((1,), T, device=dev, dtype=torch.int32))
+
+    def bound(want):   # the same dt + bias; fp32 softplus in another form, one rounding each side
+        return (2 * _u(dtype) + 8 * _u(torch.float32)) * want.double().abs() + torch.finfo(dtype).smallest_normal
+    moved = (2 * dt.numel() + h) * dt.element_size() + 4
+    return args, tb.mamba_dt, bound, moved, f"T={T}, H={h}"
+
+
 def _attention(s, dev, dtype, T, tree):
     import torch
     from builder.backends import torch_backend as tb, torch_tree as tt
@@ -244,6 +258,7 @@ def _rows(s, dev, dtype):
     out = []
     for op, fn, tree in (("ssm_scan", _ssm, False), ("causal_conv1d", _conv, False)):
         out += [(op, functools.partial(fn, s["mamba"], dev, dtype, T, tree)) for T in (1, 5)]
+    out += [("mamba_dt", functools.partial(_dt, s["mamba"], dev, dtype, t)) for t in (1, 5)]
     T = len(TREE_PARENTS)
     out += [("tree_ssm_scan", functools.partial(_ssm, s["mamba"], dev, dtype, T, True)),
             ("tree_conv1d", functools.partial(_conv, s["mamba"], dev, dtype, T, True))]

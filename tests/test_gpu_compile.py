@@ -24,7 +24,9 @@ F, T = False, True
 # per kernel: constexpr name (or tuple of names) -> the values (tuples) some compile must have had
 MUST = {
     "mamba": {
-        "_conv_kernel": {("TREE", "HAS_BIAS"): {(F, T), (F, F), (T, T)}, "T": {1}},
+        "_conv_kernel": {("TREE", "HAS_BIAS"): {(F, T), (F, F), (T, T)}, ("TREE", "SILU"): {(F, T), (T, T), (F, F)},
+                         "T": {1}},
+        "_dt_kernel": {("HAS_LO", "HAS_HI", "BF16"): {(T, F, T), (T, T, F), (F, F, F)}},
         "_ssm_kernel": {("WRITE_Y", "WRITE_STATES"): {(T, F), (F, F), (T, T)}, "T": {1},
                         "heads_per_group": {1}},
         "_tree_ssm_kernel": {"BLOCK_N": {128}},
@@ -71,13 +73,17 @@ def _scenarios():
     z = torch.zeros
 
     # --- mamba: bf16 activations, fp32 A/D/state, int lengths/parents, uint8 ancestors
-    def conv(seq, tree, bias, index_dtype, batch=2, chans=256, width=4):
+    def conv(seq, tree, bias, index_dtype, batch=2, chans=256, width=4, act=None):
         x, state = z(batch, seq, chans, dtype=bf16), z(batch, width - 1, chans, dtype=bf16)
         w, b = z(chans, width, dtype=bf16), (z(chans, dtype=bf16) if bias else None)
         if tree:
             parents = torch.arange(-1, seq - 1, dtype=index_dtype).expand(batch, seq)
-            return gm.tree_conv1d(x, state, w, b, parents)
-        return gm.causal_conv1d(x, state, w, b, torch.full((batch,), seq, dtype=index_dtype))
+            return gm.tree_conv1d(x, state, w, b, parents, act)
+        return gm.causal_conv1d(x, state, w, b, torch.full((batch,), seq, dtype=index_dtype), act)
+
+    def dt(seq, lo, hi, dtype=bf16, batch=2, heads=128):
+        return gm.mamba_dt(z(batch, seq, heads, dtype=dtype), z(heads, dtype=dtype), lo, hi,
+                           torch.full((batch,), seq, dtype=i32))
 
     def ssm(seq, groups=2, dt_dtype=bf16, batch=2, heads=8, dim=64, n=128):
         x, dt = z(batch, seq, heads, dim, dtype=bf16), z(batch, seq, heads, dtype=dt_dtype)
@@ -146,6 +152,11 @@ def _scenarios():
         ("mamba causal_conv1d T=1 no bias", lambda: conv(1, False, False, i32)),
         ("mamba tree_conv1d T=7 bias", lambda: conv(7, True, True, i64)),
         ("mamba tree_conv1d T=1 width 2 no bias", lambda: conv(1, True, False, i32, width=2)),
+        ("mamba causal_conv1d T=5 silu", lambda: conv(5, False, True, i64, act="silu")),
+        ("mamba tree_conv1d T=17 silu", lambda: conv(17, True, True, i64, act="silu")),
+        ("mamba_dt T=5 bf16 (0, inf)", lambda: dt(5, 0.0, float("inf"))),
+        ("mamba_dt T=1 fp32 (0.001, 0.1)", lambda: dt(1, 0.001, 0.1, f32)),
+        ("mamba_dt T=40 fp16 no limits", lambda: dt(40, None, None, f16)),
         ("mamba ssm_scan T=5", lambda: gm.ssm_scan(*ssm(5), 128)),
         ("mamba ssm_scan T=1 fp32 dt", lambda: gm.ssm_scan(*ssm(1, dt_dtype=f32), 128)),
         ("mamba ssm_state T=1 heads_per_group=1", lambda: gm.ssm_state(*pick(ssm(1, groups=8), 0, 1, 2, 3, 6))),

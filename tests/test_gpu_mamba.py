@@ -141,6 +141,71 @@ def test_causal_conv1d_matches_torch(seq, dtype, launches):
     assert torch.equal(got_state, want_state)                                # the window is a copy
 
 
+def _silu_bound(conv_bound, want, dtype):
+    """silu moves a difference of its input by at most 1.1x (its slope's bound); each side then has
+    its own fp32 exp and divide (a few units) and one rounding to dtype."""
+    return 1.1 * conv_bound + (2 * unit_roundoff(dtype) + 8 * unit_roundoff(torch.float32)) * (
+        want.double().abs() + conv_bound)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tree", [False, True])
+def test_conv_with_its_silu_in_the_same_launch_matches_torch(tree, dtype, launches):
+    """Mamba-2's conv then silu: one launch, the silu on the rounded conv output as the torch op."""
+    seq = 5
+    x, state, weight, bias = _conv_inputs(seq, dtype, seed=20 + tree)
+    x = x * 3                                                  # conv outputs across silu's bend and tails
+    parents, _ = _tree(seq)
+    lengths = torch.tensor([seq, 3])
+
+    def run():
+        if tree:
+            return tt.tree_conv1d(x, state, weight, bias, parents, "silu")
+        return tb.causal_conv1d(x, state, weight, bias, lengths, "silu")[0]
+    want = run()
+    with gpu.forced():
+        got = run()
+    assert launches == ["_conv_kernel"] and got.dtype == dtype
+    assert torch.equal(want, torch.nn.functional.silu(
+        tt.tree_conv1d(x, state, weight, bias, parents) if tree else tb.causal_conv1d(x, state, weight, bias, lengths)[0]))
+    terms = (x.double().abs().amax() + state.double().abs().amax()) * weight.double().abs().sum(1) + bias.double().abs()
+    conv = _conv_bound(terms.expand(BATCH, seq, CHANS), dtype)
+    assert_within(got, want, _silu_bound(conv, want, dtype), "conv + silu")
+
+
+def test_conv_declines_an_activation_it_does_not_have(launches, caplog):
+    x, state, weight, bias = _conv_inputs(3, torch.float32)
+    with caplog.at_level(logging.WARNING, logger="nemospec.gpu"), gpu.forced():
+        got = tb.causal_conv1d(x, state, weight, bias, torch.tensor([3, 3]), "relu2")[0]
+    assert launches == [] and "activation 'relu2'" in caplog.text
+    assert torch.equal(got, tb.activation(tb.causal_conv1d(x, state, weight, bias, torch.tensor([3, 3]))[0], "relu2"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("limits", [(0.0, float("inf")), (1e-3, 0.1), (None, None)])
+def test_time_step_in_one_launch_matches_the_torch_ops(limits, dtype, launches):
+    """mamba_dt: softplus(dt + bias), the clamp and the padding mask as one kernel, against the torch
+    composition, across softplus's threshold (20) and tails, with a padded row (exactly 0)."""
+    g = torch.Generator().manual_seed(5)
+    seq = 6
+    dt = (4 * torch.randn(BATCH, seq, HEADS + 1, generator=g))[..., 1:].to(dtype)   # a column slice, as the model's
+    dt[0, 0] = torch.tensor([-40.0, -19.5, 20.5, 60.0]).to(dtype)
+    bias = torch.randn(HEADS, generator=g).to(dtype)
+    lengths = torch.tensor([seq, 4])
+    want = tb.mamba_dt(dt, bias, *limits, lengths)
+    with gpu.forced():
+        got = tb.mamba_dt(dt, bias, *limits, lengths)
+    assert launches == ["_dt_kernel"] and got.dtype == dtype and got.shape == want.shape
+    assert torch.equal(want, tb.mask_padding(tb.clamp(tb.activation(dt + bias, "softplus"), *limits), lengths))
+    assert (got[1, 4:] == 0).all()
+    if limits[1] is not None and limits[1] < float("inf"):
+        assert (want == torch.tensor(limits[1]).to(dtype)).any()      # the upper bound was met
+    # the same v = dt + bias on both sides; fp32 softplus (log1p vs Kahan's form: a few units) and a
+    # rounding to dtype each
+    bound = (2 * unit_roundoff(dtype) + 8 * unit_roundoff(torch.float32)) * want.double().abs()
+    assert_within(got, want, bound + torch.finfo(dtype).smallest_normal, "mamba_dt")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("seq", [5, 7])
 def test_tree_conv1d_matches_torch(seq, dtype, launches):

@@ -202,14 +202,29 @@ def test_operator_promotion():
     assert trt.LayerType.CAST in kinds
 
 
+@pytest.mark.parametrize("limits", [(0.0, float("inf")), (1e-3, 0.1)])
+def test_mamba_dt(limits):
+    bias = randn(4, seed=2)
+
+    def cases():
+        out = []
+        for bt, t in SHAPES:
+            dt = 4 * randn(bt, t, 4, seed=1)
+            dt[0, 0] = torch.tensor([-40.0, -19.5, 20.5, 60.0])   # softplus's threshold and tails
+            out.append([dt, lengths_for(bt, t, seed=t)])
+        return out
+    check(lambda x, n: F.mamba_dt(x, bias, *limits, n), [("x", torch.float32, (-1, -1, 4)), ("n", torch.int32, (-1,))],
+          cases())
+
+
 # --- sequence mixers ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("bias", [False, True])
-def test_causal_conv1d(bias):
+@pytest.mark.parametrize("bias,act", [(False, None), (True, None), (True, "silu")])
+def test_causal_conv1d(bias, act):
     C, K = 6, 4
     w, b = randn(C, K, seed=1), (randn(C, seed=2) if bias else None)
     cases = [[randn(bt, t, C, seed=3), randn(bt, K - 1, C, seed=4), lengths_for(bt, t, seed=5)]
              for bt, t in SHAPES + [(2, 2)]]
-    check(lambda x, s, n: F.causal_conv1d(x, s, w, b, n),
+    check(lambda x, s, n: F.causal_conv1d(x, s, w, b, n, act),
           [("x", torch.float32, (-1, -1, C)), ("s", torch.float32, (-1, K - 1, C)), ("n", torch.int32, (-1,))],
           cases)
 

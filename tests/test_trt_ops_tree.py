@@ -1,5 +1,6 @@
 """The TensorRT lowerings of the token-tree ops compute what the eager ops compute (CPU interpreter),
 at two tree shapes and batch sizes, and the eager ops reduce to the chain ops on a chain."""
+import pytest
 import torch
 
 from builder import functional as F
@@ -21,11 +22,12 @@ def _parents(batch, t, seed=0):
 CASES = [(1, 8), (3, 5)]
 
 
-def test_tree_conv1d():
+@pytest.mark.parametrize("act", [None, "silu"])
+def test_tree_conv1d(act):
     C, K = 6, 4
     w, b = randn(C, K, seed=1), randn(C, seed=2)
     cases = [[randn(bt, t, C, seed=3), randn(bt, K - 1, C, seed=4), _parents(bt, t)] for bt, t in CASES]
-    check(lambda x, s, p: F.tree_conv1d(x, s, w, b, p),
+    check(lambda x, s, p: F.tree_conv1d(x, s, w, b, p, act),
           [("x", torch.float32, (-1, -1, C)), ("s", torch.float32, (-1, K - 1, C)), ("p", torch.int32, (-1, -1))],
           cases)
 

@@ -200,9 +200,9 @@ def conv_window(conv_state, x, lengths):
     return _window(torch.cat([conv_state.to(x.dtype), x], dim=1), lengths, x.shape[1])
 
 
-def causal_conv1d(x, conv_state, weight, bias, lengths):
+def causal_conv1d(x, conv_state, weight, bias, lengths, activation=None):
     if _gpu.active(x):
-        out = _gpu.dispatch("causal_conv1d", x, conv_state, weight, bias, lengths)
+        out = _gpu.dispatch("causal_conv1d", x, conv_state, weight, bias, lengths, activation)
         if out is not None:
             return out
     width = weight.shape[1]
@@ -214,7 +214,15 @@ def causal_conv1d(x, conv_state, weight, bias, lengths):
     else:
         y = tf.conv1d(padded.transpose(1, 2), weight.unsqueeze(1), bias, groups=weight.shape[0])
         y = y.transpose(1, 2)
-    return y, _window(padded, lengths, seq)
+    return (y if activation is None else _ACTIVATIONS[activation](y)), _window(padded, lengths, seq)
+
+
+def mamba_dt(dt, dt_bias, lo, hi, lengths):
+    if _gpu.active(dt):
+        out = _gpu.dispatch("mamba_dt", dt, dt_bias, lo, hi, lengths)
+        if out is not None:
+            return out
+    return mask_padding(clamp(activation(dt + dt_bias, "softplus"), lo, hi), lengths)
 
 
 def _heads(t, num_heads):

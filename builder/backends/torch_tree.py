@@ -4,12 +4,12 @@ from __future__ import annotations
 import torch
 
 from builder.backends import gpu as _gpu
-from builder.backends.torch_backend import gqa_mix, gqa_scores
+from builder.backends.torch_backend import activation as _activation, gqa_mix, gqa_scores
 
 
-def tree_conv1d(x, conv_state, weight, bias, parents):
+def tree_conv1d(x, conv_state, weight, bias, parents, activation=None):
     if _gpu.active(x):
-        out = _gpu.dispatch("tree_conv1d", x, conv_state, weight, bias, parents)
+        out = _gpu.dispatch("tree_conv1d", x, conv_state, weight, bias, parents, activation)
         if out is not None:
             return out
     batch, seq, _ = x.shape
@@ -28,7 +28,8 @@ def tree_conv1d(x, conv_state, weight, bias, parents):
     rows = torch.stack(taps[::-1], dim=-1)                                   # [B, T, K] oldest first
     window = padded.gather(1, rows.flatten(1)[..., None].expand(-1, -1, padded.shape[2]).clamp_min(0))
     y = torch.einsum("btkc,ck->btc", window.view(batch, seq, width, -1), weight)
-    return y if bias is None else y + bias
+    y = y if bias is None else y + bias
+    return y if activation is None else _activation(y, activation)
 
 
 def tree_ssm_scan(x, dt, A, B, C, D, state, ancestors):

@@ -16,8 +16,8 @@ from __future__ import annotations
 import sys
 
 from builder.backends.trt_dense import (activation, clamp, concat, embedding, gated_rms_norm, gather_rows, linear,
-                                        linear_nvfp4, mask_padding, moe, permute, reshape, rms_norm, split,
-                                        to_float32, where)
+                                        linear_nvfp4, mamba_dt, mask_padding, moe, permute, reshape, rms_norm,
+                                        split, to_float32, where)
 from builder.backends.trt_mixers import (attention, causal_conv1d, conv_window, kv_cache_update, rope, ssm_scan,
                                          ssm_state)
 from builder.backends.trt_plugin_ops import capture_buffer, fp4_markov_head, hidden_capture
@@ -27,7 +27,7 @@ __all__ = [
     "NetworkRecorder",
     # the op surface (same names and signatures as torch_backend)
     "linear", "embedding", "rms_norm", "gated_rms_norm", "activation", "clamp", "to_float32", "split",
-    "concat", "reshape", "permute", "gather_rows", "mask_padding", "conv_window", "causal_conv1d", "ssm_scan",
+    "concat", "reshape", "permute", "gather_rows", "mask_padding", "conv_window", "causal_conv1d", "mamba_dt", "ssm_scan",
     "ssm_state", "kv_cache_update", "attention", "moe", "capture_buffer", "hidden_capture", "rope", "where",
     "linear_nvfp4", "fp4_markov_head",
 ]

@@ -198,6 +198,10 @@ def _keep_mask(r, lengths, seq):
     return r.ew(t, r.reshape(lengths, [0, 1], "lengths_column"), EW.LESS, "keep")
 
 
+def mamba_dt(dt, dt_bias, lo, hi, lengths):
+    return mask_padding(clamp(activation(dt + dt_bias, "softplus"), lo, hi), lengths)
+
+
 def mask_padding(x, lengths):
     r = _recorder(x, lengths)
     with r.op("mask_padding", "native: iota < lengths, cast, multiply"):

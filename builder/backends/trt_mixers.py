@@ -10,7 +10,7 @@ import torch
 
 from builder.rope_frequencies import rope_attention_scale as _rope_attention_scale
 from builder.rope_frequencies import rope_inv_freq as _rope_inv_freq
-from builder.backends.trt_dense import _gather_rows
+from builder.backends.trt_dense import _act, _gather_rows
 from builder.backends.trt_dtypes import torch_dtype
 from builder.backends.trt_import import trt
 from builder.backends.trt_layers import EW, UN
@@ -59,7 +59,7 @@ def conv_window(conv_state, x, lengths):
         return r.wrap(_conv_window(r, padded, lens, int(state.shape[1]) + 1))
 
 
-def causal_conv1d(x, conv_state, weight, bias, lengths):
+def causal_conv1d(x, conv_state, weight, bias, lengths, activation=None):
     r = _recorder(x, conv_state, lengths)
     with r.op("causal_conv1d", "native: K shifted slices multiply-added (in fp32 for half types), state by gather"):
         t, state, lens = r.itensor(x), r.itensor(conv_state, "conv_state"), r.itensor(lengths, "lengths")
@@ -79,6 +79,8 @@ def causal_conv1d(x, conv_state, weight, bias, lengths):
             y = r.ew(y, r.reshape(r.cast(r.weight(bias, "bias"), acc_dtype), [1, 1, -1], "bias_row"),
                      EW.SUM, "add_bias")
         y = r.cast(y, dtype, "downcast")
+        if activation is not None:
+            y = _act(r, y, activation)
         return r.wrap(y), r.wrap(_conv_window(r, padded, lens, width))
 
 

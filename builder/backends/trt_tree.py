@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from builder.backends.trt_dense import _gather_rows
+from builder.backends.trt_dense import _act, _gather_rows
 from builder.backends.trt_dtypes import torch_dtype
 from builder.backends.trt_layers import EW, UN
 from builder.backends.trt_mixers import _HALF, _heads, _ssm_inputs
@@ -17,7 +17,7 @@ def _broadcast_rows(r, row, like, dtype, what):
     return r.ew(r._constant(row, what), zeros, EW.SUM, what)
 
 
-def tree_conv1d(x, conv_state, weight, bias, parents):
+def tree_conv1d(x, conv_state, weight, bias, parents, activation=None):
     r = _recorder(x, conv_state, parents)
     with r.op("tree_conv1d", "native: K-1 gathers along ancestor links, K taps multiply-added"):
         t, state, par = r.itensor(x), r.itensor(conv_state, "conv_state"), r.itensor(parents, "parents")
@@ -49,7 +49,8 @@ def tree_conv1d(x, conv_state, weight, bias, parents):
                 index = r.ew_scalar(_gather_rows(r, up, index), 0, EW.MAX, f"up{back}")
         if bias is not None:
             y = r.ew(y, r.reshape(r.cast(r.weight(bias, "bias"), acc), [1, 1, -1], "bias_row"), EW.SUM, "add_bias")
-        return r.wrap(r.cast(y, dtype, "downcast"))
+        y = r.cast(y, dtype, "downcast")
+        return r.wrap(y if activation is None else _act(r, y, activation))
 
 
 def tree_ssm_scan(x, dt, A, B, C, D, state, ancestors):

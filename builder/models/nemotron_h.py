@@ -48,14 +48,13 @@ class Mamba2Mixer:
         inner, heads, state_size = c.mamba_intermediate_size, c.mamba_num_heads, c.ssm_state_size
         gn = c.n_groups * state_size
         z, xbc_in, dt = F.split(F.linear(x, self.in_proj, self.in_proj_bias), [inner, c.conv_dim, heads])
+        act = c.mamba_hidden_act
         if tree is not None:
-            conv = (F.tree_conv1d(xbc_in, conv_state, self.conv_weight, self.conv_bias, tree[0]),)
+            conv = (F.tree_conv1d(xbc_in, conv_state, self.conv_weight, self.conv_bias, tree[0], act),)
         else:
-            conv = F.causal_conv1d(xbc_in, conv_state, self.conv_weight, self.conv_bias, lengths)
-        xbc = F.activation(conv[0], c.mamba_hidden_act)
-        xs, B, C = F.split(xbc, [inner, gn, gn])
-        dt = F.clamp(F.activation(dt + self.dt_bias, "softplus"), *c.time_step_limit)
-        dt = F.mask_padding(dt, lengths)  # padding leaves the state untouched
+            conv = F.causal_conv1d(xbc_in, conv_state, self.conv_weight, self.conv_bias, lengths, act)
+        xs, B, C = F.split(conv[0], [inner, gn, gn])
+        dt = F.mamba_dt(dt, self.dt_bias, *c.time_step_limit, lengths)   # 0 at padding: the state stays
         xs = F.reshape(xs, [0, 0, heads, c.mamba_head_dim])
         B = F.reshape(B, [0, 0, c.n_groups, state_size])
         C = F.reshape(C, [0, 0, c.n_groups, state_size])

@@ -31,7 +31,8 @@ def _kind(t) -> str:
     """A schema argument's type as one of the kinds :func:`fits` knows."""
     text = str(t)
     return {"Tensor": "tensor", "Optional[Tensor]": "tensor?", "int": "int", "Optional[int]": "int?",
-            "float": "float", "bool": "bool", "str": "str", "List[int]": "int[]"}.get(text, text)
+            "float": "float", "Optional[float]": "float?", "bool": "bool", "str": "str", "Optional[str]": "str?",
+            "List[int]": "int[]"}.get(text, text)
 
 
 def define(kernels: Iterable) -> None:
@@ -101,7 +102,8 @@ def fits(kinds: tuple, args: tuple) -> bool:
 
 def coerce(kinds: tuple, args: tuple) -> tuple:
     """``args`` as the schema takes them (a tuple of ints as a list, an int given for a float as a float)."""
-    return tuple(list(a) if k == "int[]" else float(a) if k == "float" else a for k, a in zip(kinds, args))
+    return tuple(list(a) if k == "int[]" else float(a) if k.rstrip("?") == "float" and a is not None else a
+                 for k, a in zip(kinds, args))
 
 
 def call(kernel, args: tuple):

@@ -1,6 +1,7 @@
 """Triton-lang kernels for Mamba-2's conv and selective-state updates over 1..K+1 tokens (decode,
-verify, token trees): the ops ``causal_conv1d``, ``ssm_scan``, ``ssm_state`` (torch_backend) and
-``tree_conv1d``, ``tree_ssm_scan`` (torch_tree), which stay the reference and take everything else.
+verify, token trees) and its time step: the ops ``causal_conv1d``, ``mamba_dt``, ``ssm_scan``,
+``ssm_state`` (torch_backend) and ``tree_conv1d``, ``tree_ssm_scan`` (torch_tree), which stay the
+reference and take everything else.
 
 Why separate kernels: a decode/verify chunk is a handful of rows, where the torch ops are a dozen
 small launches each (cat, unfold, einsum, a Python loop over rows); one program per (batch, head,
@@ -10,7 +11,10 @@ block of P) keeps the fp32 state in registers for the whole chunk and reads each
   ``[conv_state ; x]`` (the state cast to x's dtype first, as the reference does), accumulating in
   fp32 with the bias, rounded once to x's dtype; it also writes the new conv state, the K-1 rows
   ending at row ``lengths[b] - 1`` (``lengths`` is clamped to [0, T] in the kernel: the reference's
-  gather would raise past that). The tree variant walks each row's parent chain for its taps.
+  gather would raise past that). The tree variant walks each row's parent chain for its taps. The
+  conv's activation (silu) is applied to the rounded output in the same launch.
+* time step: softplus(dt + dt_bias), the clamp and the padding mask in one launch (seven torch ops),
+  for any number of rows.
 * scan: the recurrence h = exp(dt A) h + dt x B^T, y = C . h + D x row by row (decode's order), fp32
   in registers; heads h share group h // (H / G) of B and C. ``ssm_state`` is the same kernel without
   outputs; :func:`ssm_scan_states` also writes the state after each row (for rollbacks).
@@ -37,6 +41,8 @@ except ImportError:  # pragma: no cover
 MAX_TOKENS = 32                      # rows a chunk may have for a kernel: decode/verify/tree chunks
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 BLOCK_P = 16                         # head_dim rows of the state per program
+ACTIVATIONS = (None, "silu")         # what the conv kernel applies after the conv (Mamba-2's is silu)
+MAX_DT_HEADS = 4096                  # heads one program of the time-step kernel holds
 
 
 def _pow2(n: int) -> int:
@@ -48,10 +54,10 @@ if tl is not None:
 
     def _conv_kernel(x_ptr, s_ptr, w_ptr, bias_ptr, len_ptr, par_ptr, y_ptr, ns_ptr,
                      T, C, sx_b, sx_t, ss_b, ss_t,
-                     WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, TREE: tl.constexpr,
+                     WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, TREE: tl.constexpr, SILU: tl.constexpr,
                      BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr):
         """Program (batch, channel block). Padded row index r: r < K-1 a conv-state row, else x row
-        r-(K-1). Chain: row t's taps are r = t .. t+K-1. Tree: tap K-1 is the row itself, each earlier
+        r-(K-1). Chain: row t's taps are r = t .. t+K-1. SILU: y = silu(y) after y's rounding. Tree: tap K-1 is the row itself, each earlier
         tap the previous one's predecessor (a conv-state row's is r-1, the root's the last state row,
         a tree row's its parent). y and the new state (chain only) are contiguous [B, T|K-1, C]."""
         b64 = tl.program_id(0).to(tl.int64)
@@ -82,7 +88,11 @@ if tl is not None:
                 parent = tl.load(par_ptr + b64 * T + (cur - (WIDTH - 1)), mask=t_ok & (cur >= WIDTH), other=0)
                 cur = tl.where(cur < WIDTH, cur - 1, parent.to(tl.int32) + (WIDTH - 1))
                 cur = tl.maximum(cur, 0)                                    # as the reference's clamp_min(0)
-        tl.store(y_ptr + b64 * T * C + ts[:, None] * C + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=ok)
+        y = acc.to(y_ptr.dtype.element_ty)
+        if SILU:   # on the rounded conv output, as the torch op applies it after the conv
+            v = y.to(tl.float32)
+            y = (v / (1.0 + tl.exp(-v))).to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + b64 * T * C + ts[:, None] * C + cols[None, :], y, mask=ok)
         if not TREE:
             n = tl.minimum(tl.maximum(tl.load(len_ptr + b64).to(tl.int32), 0), T)
             ws = tl.arange(0, BLOCK_W)
@@ -162,8 +172,46 @@ if tl is not None:
             cv = tl.load(c_ptr + b64 * sc_b + i * sc_t + g * sc_g + ns, mask=n_ok, other=0.0).to(tl.float32)
             y = tl.reduce(h * cv[None, :], 1, tl.standard._sum_combine) + xi * d
             tl.store(y_ptr + ((b64 * T + i) * H + head) * P + ps, y.to(y_ptr.dtype.element_ty), mask=p_ok)
+    def _dt_kernel(dt_ptr, bias_ptr, len_ptr, out_ptr, T, H, sd_b, sd_t, lo, hi,
+                   HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, BF16: tl.constexpr,
+                   BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+        """Program (batch, block of rows): out = softplus(dt + bias) clamped, times (t < lengths[b]),
+        rounded to the dtype where the torch ops round (the sum, softplus; clamp and the mask are
+        exact; bf16 to nearest even by bits: the interpreter's bf16 cast truncates). softplus(v) = v
+        past 20 (torch's threshold), else log1p(e^v) in Kahan's form log(u) e / (u - 1), u = 1 + e (e
+        where u rounds to 1). out is contiguous [B, T, H]."""
+        b64 = tl.program_id(0).to(tl.int64)
+        ts = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+        hs = tl.arange(0, BLOCK_H)
+        ok = (ts < T)[:, None] & (hs < H)[None, :]
+        dt = tl.load(dt_ptr + b64 * sd_b + ts[:, None] * sd_t + hs[None, :], mask=ok, other=0.0).to(tl.float32)
+        bias = tl.load(bias_ptr + hs, mask=hs < H, other=0.0).to(tl.float32)
+        v = dt + bias[None, :]
+        if BF16:
+            bits = v.to(tl.int32, bitcast=True)
+            v = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+        else:
+            v = v.to(out_ptr.dtype.element_ty).to(tl.float32)
+        e = tl.exp(v)
+        u = 1.0 + e
+        sp = tl.where(u == 1.0, e, tl.log(u) * (e / tl.where(u == 1.0, 1.0, u - 1.0)))
+        sp = tl.where(v > 20.0, v, sp)
+        if BF16:
+            bits = sp.to(tl.int32, bitcast=True)
+            sp = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+        if HAS_LO:
+            sp = tl.maximum(sp, lo)
+        if HAS_HI:
+            sp = tl.minimum(sp, hi)
+        if BF16 and (HAS_LO or HAS_HI):   # a bound the clamp took, rounded as torch rounds it
+            bits = sp.to(tl.int32, bitcast=True)
+            sp = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+        n = tl.load(len_ptr + b64).to(tl.int32)
+        keep = (ts < n).to(tl.float32)
+        tl.store(out_ptr + (b64 * T + ts[:, None]) * H + hs[None, :], (sp * keep[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=ok)
 else:  # pragma: no cover
-    _conv_kernel = _ssm_kernel = _tree_ssm_kernel = None
+    _conv_kernel = _ssm_kernel = _tree_ssm_kernel = _dt_kernel = None
 
 
 # --- checks ---------------------------------------------------------------------------------------------
@@ -182,8 +230,10 @@ def _decline(x, floats=(), tokens: bool = True):
     return None
 
 
-def _conv_checks(x, conv_state, weight, bias):
+def _conv_checks(x, conv_state, weight, bias, activation):
     reason = _decline(x, (conv_state, weight, bias))
+    if reason is None and activation not in ACTIVATIONS:
+        reason = f"activation {activation!r}"
     if reason is None and (x.dim() != 3 or weight.dim() != 2 or weight.shape[0] != x.shape[2]
                            or weight.shape[1] < 2 or conv_state.shape != (x.shape[0], weight.shape[1] - 1, x.shape[2])
                            or (bias is not None and bias.shape != (x.shape[2],))):
@@ -193,7 +243,7 @@ def _conv_checks(x, conv_state, weight, bias):
     return reason
 
 
-def _conv_launch(x, conv_state, weight, bias, lengths=None, parents=None):
+def _conv_launch(x, conv_state, weight, bias, lengths=None, parents=None, activation=None):
     batch, seq, chans = x.shape
     width = weight.shape[1]
     tree = parents is not None
@@ -208,38 +258,72 @@ def _conv_launch(x, conv_state, weight, bias, lengths=None, parents=None):
     jit(_conv_kernel)[grid](
         xs, ss, weight.contiguous(), bias.contiguous() if bias is not None else weight, index, index, y, new_state,
         seq, chans, xs.stride(0), xs.stride(1), ss.stride(0), ss.stride(1),
-        WIDTH=width, HAS_BIAS=bias is not None, TREE=tree, BLOCK_T=block_t, BLOCK_W=_pow2(width - 1),
+        WIDTH=width, HAS_BIAS=bias is not None, TREE=tree, SILU=activation == "silu", BLOCK_T=block_t,
+        BLOCK_W=_pow2(width - 1),
         BLOCK_C=block_c)
     return y if tree else (y, new_state)
 
 
-def _causal_conv1d_check(x, conv_state, weight, bias, lengths):
-    reason = _conv_checks(x, conv_state, weight, bias)
+def _causal_conv1d_check(x, conv_state, weight, bias, lengths, activation=None):
+    reason = _conv_checks(x, conv_state, weight, bias, activation)
     if reason is None and tuple(lengths.shape) != (x.shape[0],):
         reason = "lengths is not [B]"
     return reason
 
 
-@register("causal_conv1d", "(Tensor x, Tensor conv_state, Tensor weight, Tensor? bias, Tensor lengths) -> (Tensor, Tensor)",
-          _causal_conv1d_check)
-def causal_conv1d(x, conv_state, weight, bias, lengths):
+@register("causal_conv1d", "(Tensor x, Tensor conv_state, Tensor weight, Tensor? bias, Tensor lengths, "
+          "str? activation=None) -> (Tensor, Tensor)", _causal_conv1d_check)
+def causal_conv1d(x, conv_state, weight, bias, lengths, activation=None):
     """(y, new_conv_state) as torch_backend.causal_conv1d, for 1..MAX_TOKENS rows."""
-    return _conv_launch(x, conv_state, weight, bias, lengths=lengths)
+    return _conv_launch(x, conv_state, weight, bias, lengths=lengths, activation=activation)
 
 
-def _tree_conv1d_check(x, conv_state, weight, bias, parents):
-    reason = _conv_checks(x, conv_state, weight, bias)
+def _tree_conv1d_check(x, conv_state, weight, bias, parents, activation=None):
+    reason = _conv_checks(x, conv_state, weight, bias, activation)
     if reason is None and tuple(parents.shape) != tuple(x.shape[:2]):
         reason = "parents is not [B, T]"
     return reason
 
 
-@register("tree_conv1d", "(Tensor x, Tensor conv_state, Tensor weight, Tensor? bias, Tensor parents) -> Tensor",
-          _tree_conv1d_check)
-def tree_conv1d(x, conv_state, weight, bias, parents):
+@register("tree_conv1d", "(Tensor x, Tensor conv_state, Tensor weight, Tensor? bias, Tensor parents, "
+          "str? activation=None) -> Tensor", _tree_conv1d_check)
+def tree_conv1d(x, conv_state, weight, bias, parents, activation=None):
     """y as torch_tree.tree_conv1d, for trees of 1..MAX_TOKENS rows (parents[b, r] < r; row 0's is
     not read)."""
-    return _conv_launch(x, conv_state, weight, bias, parents=parents)
+    return _conv_launch(x, conv_state, weight, bias, parents=parents, activation=activation)
+
+
+def _mamba_dt_check(dt, dt_bias, lo, hi, lengths):
+    reason = _decline(dt, (dt_bias,), tokens=False)
+    if reason is None and (dt.dim() != 3 or tuple(dt_bias.shape) != (dt.shape[2],) or dt.shape[2] > MAX_DT_HEADS
+                           or not isinstance(lengths, torch.Tensor) or tuple(lengths.shape) != (dt.shape[0],)):
+        reason = "shapes outside the op's contract"
+    if reason is None and dt_bias.dtype != dt.dtype:
+        reason = "dt_bias dtype differs from dt's"
+    if reason is None and lengths.device != dt.device:
+        reason = "lengths on another device"
+    return reason
+
+
+def _bound(v):
+    """A clamp bound the kernel applies: None for none (None or infinite)."""
+    return None if v is None or v in (float("inf"), float("-inf")) else float(v)
+
+
+@register("mamba_dt", "(Tensor dt, Tensor dt_bias, float? lo, float? hi, Tensor lengths) -> Tensor", _mamba_dt_check)
+def mamba_dt(dt, dt_bias, lo, hi, lengths):
+    """torch_backend.mamba_dt in one launch (the torch ops are seven on a GPU), any number of rows."""
+    batch, seq, heads = dt.shape
+    lo, hi = _bound(lo), _bound(hi)
+    out = torch.empty((batch, seq, heads), dtype=dt.dtype, device=dt.device)
+    ds = dt if dt.stride(2) == 1 else dt.contiguous()
+    block_h = _pow2(heads)
+    block_t = max(1, min(_pow2(seq), 4096 // block_h))
+    jit(_dt_kernel)[(batch, -(-seq // block_t))](
+        ds, dt_bias.contiguous(), lengths.contiguous(), out, seq, heads, ds.stride(0), ds.stride(1),
+        0.0 if lo is None else lo, 0.0 if hi is None else hi, HAS_LO=lo is not None, HAS_HI=hi is not None,
+        BF16=dt.dtype == torch.bfloat16, BLOCK_T=block_t, BLOCK_H=block_h)
+    return out
 
 
 def _ssm_checks(x, dt, A, B, C, D, state, tokens=True):
