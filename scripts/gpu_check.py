@@ -403,6 +403,7 @@ def main(argv=None) -> int:
     if args.device == "cpu" and "triton_kernels" in args.sections:   # before the probe imports triton: its
         os.environ["TRITON_INTERPRET"] = "1"                        # own @jit helpers (tl.sum) are made then
     started = time.time()
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     report = {"created": time.strftime("%Y-%m-%d %H:%M:%S"), "probe": probe(), "dry_run": args.dry_run}
     if not args.dry_run:
         cuda = report["probe"]["cuda"]["available"]
