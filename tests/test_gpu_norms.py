@@ -66,6 +66,26 @@ def test_gated_rms_norm(dtype, w_dtype, launches):
     assert launches == ["_norm_kernel"]
 
 
+def test_gated_norm_reads_the_gate_and_x_in_place_as_slices_of_wider_rows(launches, monkeypatch):
+    """As the model passes them: the gate a column slice of the input projection [B, T, W], x a slice
+    too; the kernel reads both by their row strides (no copy) and writes a contiguous output."""
+    g = torch.Generator().manual_seed(2)
+    proj = torch.randn(2, 3, 96 + 40, generator=g).to(torch.bfloat16)
+    z, x = proj[..., 5:53], proj[..., 60:108]                             # 48 columns each, rows 136 apart
+    w = (1 + 0.1 * torch.randn(48, generator=g)).to(torch.bfloat16)
+    copies = []
+    real = torch.Tensor.contiguous
+    monkeypatch.setattr(torch.Tensor, "contiguous", lambda t, *a, **k: (copies.append(t.shape), real(t, *a, **k))[1])
+    want = torch_backend.gated_rms_norm(x, z, w, 1e-5, 12)
+    copies.clear()
+    with gpu.forced():
+        got = torch_backend.gated_rms_norm(x, z, w, 1e-5, 12)
+    monkeypatch.undo()
+    assert launches == ["_norm_kernel"] and got.is_contiguous() and got.shape == x.shape
+    assert all(shape == (48,) for shape in copies), copies                 # only the weight's (a no-op)
+    assert_within(got, want, _bound(want, 12, torch.bfloat16, torch.bfloat16, True), "strided gated norm")
+
+
 @pytest.mark.parametrize("call, reason", [
     (lambda: torch_backend.rms_norm(torch.ones(2, 8, dtype=torch.float64), torch.ones(8, dtype=torch.float64), 1e-5),
      "dtypes"),

@@ -33,17 +33,19 @@ _ROUND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 if tl is not None:
 
-    def _norm_kernel(x_ptr, g_ptr, w_ptr, o_ptr, G, groups, eps,
+    def _norm_kernel(x_ptr, g_ptr, w_ptr, o_ptr, G, groups, eps, sx, sg,
                      GATED: tl.constexpr, X_ROUND: tl.constexpr, OUT_ROUND: tl.constexpr, BLOCK: tl.constexpr):
-        """Program (row, group): out = norm(x (* silu(g))) * w over the group's G columns."""
+        """Program (row, group): out = norm(x (* silu(g))) * w over the group's G columns. x and g rows
+        start sx and sg elements apart (the gate is a slice of Mamba's input projection, read in
+        place); out is contiguous."""
         row = tl.program_id(0).to(tl.int64)
         grp = tl.program_id(1)
         cols = tl.arange(0, BLOCK)
         ok = cols < G
         base = row * G * groups + grp * G
-        h = tl.load(x_ptr + base + cols, mask=ok, other=0.0).to(tl.float32)
+        h = tl.load(x_ptr + row * sx + grp * G + cols, mask=ok, other=0.0).to(tl.float32)
         if GATED:
-            gv = tl.load(g_ptr + base + cols, mask=ok, other=0.0).to(tl.float32)
+            gv = tl.load(g_ptr + row * sg + grp * G + cols, mask=ok, other=0.0).to(tl.float32)
             h = h * (gv / (1.0 + tl.exp(-gv)))   # SiLU; not tl.sigmoid: a stdlib jit function (see mamba.py)
         ms = tl.reduce(h * h, 0, tl.standard._sum_combine) / G
         n = h * (1.0 / tl.sqrt(ms + eps))
@@ -83,13 +85,21 @@ def _decline(x, weight, width: int, gate=None):
     return None
 
 
+def _rows(t):
+    """t as [rows, C] with unit column stride: a view where the layout allows one (a column slice of
+    a wider tensor does), a copy otherwise."""
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 or t2.shape[-1] == 1 else t2.contiguous()
+
+
 def _run(x, gate, weight, eps, width, out_dtype):
-    x2 = x.contiguous()
-    rows, groups = x2.numel() // x2.shape[-1], x2.shape[-1] // width
-    out = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
-    _launch(_norm_kernel, (rows, groups), x2, x2 if gate is None else gate.contiguous(), weight.contiguous(), out,
-            width, groups, float(eps), GATED=gate is not None, X_ROUND=_ROUND[x.dtype], OUT_ROUND=_ROUND[out_dtype],
-            BLOCK=max(16, 1 << (width - 1).bit_length()))
+    x2 = _rows(x)
+    g2 = x2 if gate is None else _rows(gate)
+    rows, groups = x2.shape[0], x2.shape[-1] // width
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    _launch(_norm_kernel, (rows, groups), x2, g2, weight.contiguous(), out,
+            width, groups, float(eps), x2.stride(0), g2.stride(0), GATED=gate is not None, X_ROUND=_ROUND[x.dtype],
+            OUT_ROUND=_ROUND[out_dtype], BLOCK=max(16, 1 << (width - 1).bit_length()))
     return out
 
 
