@@ -102,8 +102,8 @@ def markdown(report: dict) -> str:
     k = report["num_draft_tokens"]
     lines = [f"# nemospec bench ({report['created']}{', quick' if report['quick'] else ''})", "",
              f"Model: `{report['model']}`{_target(report)}. Greedy code completion, {report['prompts']} prompts x "
-             f"{report['max_new_tokens']} new tokens, batch 1, K = {k} draft tokens per step, median of "
-             f"{report['runs']} run(s), {report.get('backend', 'torch')} backend on both sides"
+             f"{report['max_new_tokens']} new tokens, batch 1, K = {k} draft tokens per step, the median run of "
+             f"{report['runs']} per prompt (its time and its step costs), {report.get('backend', 'torch')} backend on both sides"
              f"{_precisions(report)}; CPU torch threads "
              f"{report['machine']['cpu_threads']}, allocator {report['machine'].get('allocator', 'system')}"
              f"{_kernel(report)}, CUDA "
@@ -245,7 +245,7 @@ def readme_table(report: dict) -> str:
     m0 = report["machine"]
     lines = [f"`nemospec bench` of {report['created']} ([full report](docs/bench/report.md)): model "
              f"`{report['model']}`{_target(report)}, {report['prompts']} prompts x {report['max_new_tokens']} new tokens, batch 1, "
-             f"K = {report['num_draft_tokens']}, median of {report['runs']} run(s), "
+             f"K = {report['num_draft_tokens']}, the median run of {report['runs']} per prompt, "
              f"{report.get('backend', 'torch')} backend on both sides{_precisions(report)}; "
              f"{m0['cpu_threads']} torch thread(s), torch {m0.get('torch', '?')}, allocator "
              f"{m0.get('allocator', 'system')}{_kernel(report)}, CUDA {m0['cuda']}. {_exactness(report)}", "",
