@@ -250,9 +250,12 @@ def readme_table(report: dict) -> str:
              f"{m0['cpu_threads']} torch thread(s), torch {m0.get('torch', '?')}, allocator "
              f"{m0.get('allocator', 'system')}{_kernel(report)}, CUDA {m0['cuda']}. {_exactness(report)}", "",
              "| mode | accepted / target forward | tokens/s speculative | tokens/s target-only | speedup | "
-             "predicted by step costs |", "|---|---:|---:|---:|---:|---:|"]
+             "predicted by step costs (with prefill) |", "|---|---:|---:|---:|---:|---:|"]
     for mode, m in report["modes"].items():
-        predicted = f"{m['cost']['model_speedup']:.2f}x" if m.get("cost") else "-"
+        cost = m.get("cost") or {}
+        predicted = f"{cost['model_speedup']:.2f}x" if cost.get("model_speedup") else "-"
+        if cost.get("model_speedup_with_prefill"):
+            predicted += f" ({cost['model_speedup_with_prefill']:.2f}x)"
         lines.append(f"| {mode} | {m['mean_accepted_tokens']:.2f} | {m['tokens_per_second']:.1f} | "
                      f"{m['target_only_tokens_per_second']:.1f} | {m['speedup']:.2f}x | {predicted} |")
     s = report.get("serving")
