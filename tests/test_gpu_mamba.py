@@ -316,6 +316,29 @@ def test_declined_inputs_run_the_torch_op_and_say_so_once(case, launches, monkey
     assert len(said) == 1 and said[0].startswith(f"{op}: ") and reason in said[0], said
 
 
+@pytest.mark.parametrize("why,reason", [("float64", "dtype torch.float64"), ("bias", "dt_bias dtype differs"),
+                                        ("lengths", "shapes outside the op's contract")])
+def test_time_step_declines_what_it_was_not_written_for(why, reason, launches, monkeypatch, caplog):
+    """mamba_dt takes any number of rows; a float64 dt, a dt_bias of another dtype (the torch op
+    promotes) or lengths that are not [B] run the torch op, said once."""
+    dt = torch.randn(BATCH, 5, HEADS, dtype=torch.float64 if why == "float64" else torch.float32)
+    bias = torch.randn(HEADS, dtype={"float64": torch.float64, "bias": torch.bfloat16}.get(why, torch.float32))
+    lengths = torch.tensor([5, 3] if why != "lengths" else [5, 3, 1])
+    monkeypatch.setattr(gpu, "_warned", set())
+    call = lambda: tb.mamba_dt(dt, bias, 0.0, float("inf"), lengths[:BATCH] if why != "lengths" else lengths)  # noqa: E731
+    if why == "lengths":
+        with gpu.forced(), caplog.at_level(logging.WARNING, logger="nemospec.gpu"):
+            with pytest.raises(RuntimeError):      # the torch op refuses it too: no silent answer
+                call()
+    else:
+        want = call()
+        with caplog.at_level(logging.WARNING, logger="nemospec.gpu"), gpu.forced():
+            got = [call(), call()]
+        assert all(torch.equal(g, want) for g in got)
+    said = [r.getMessage() for r in caplog.records if r.name == "nemospec.gpu"]
+    assert launches == [] and len(said) == 1 and reason in said[0], said
+
+
 def test_a_kernel_that_fails_on_cuda_falls_back_to_the_torch_op_once(monkeypatch, caplog):
     """A kernel raising outside tests (an older Triton on the device that cannot compile it) is
     dropped for the process: the torch op answers, and the log says why, once."""
