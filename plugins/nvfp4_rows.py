@@ -79,7 +79,8 @@ if tl is not None:
                 scale = scale.to(tl.float16).to(tl.float32)
             elif ROUND == 2:
                 bits = scale.to(tl.int32, bitcast=True)
-                scale = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+                scale = tl.where(scale != scale, scale,   # NaN stays NaN (0x7FFFFFFF would carry into the sign)
+                             ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True))
             scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, BLOCK_K // 16, 16)),
                                (BLOCK_N, BLOCK_K))
             w = value * scale
@@ -87,7 +88,8 @@ if tl is not None:
                 w = w.to(tl.float16).to(tl.float32)
             elif ROUND == 2:
                 bits = w.to(tl.int32, bitcast=True)
-                w = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+                w = tl.where(w != w, w,   # NaN stays NaN (0x7FFFFFFF would carry into the sign)
+                             ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True))
             ks = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_ptr + src[:, None] * sxm + ks[None, :] * sxk,
                         mask=x_ok[:, None] & (ks < K)[None, :], other=0.0)
@@ -105,7 +107,8 @@ if tl is not None:
             acc = tl.where(x_ok[:, None], acc, float("nan"))
         if ROUND == 2:
             bits = acc.to(tl.int32, bitcast=True)
-            acc = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+            acc = tl.where(acc != acc, acc,   # NaN stays NaN (0x7FFFFFFF would carry into the sign)
+                         ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True))
         tl.store(o_ptr + offsets, acc.to(o_ptr.dtype.element_ty), mask=omask)
 else:  # pragma: no cover
     _nvfp4_kernel = None

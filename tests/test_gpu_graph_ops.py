@@ -113,6 +113,40 @@ def test_a_traced_step_keeps_the_torch_op_where_the_kernel_declines(why, args, i
     assert torch.equal(y, want_y) and torch.equal(h, want_h)
 
 
+def test_a_graph_traced_at_one_batch_serves_another_and_past_the_kernels_rows(in_graphs, monkeypatch, caplog):
+    """The compiled steps mark the batch dim dynamic and do not check guards per call: a graph traced
+    at batch 2 runs batch 3 (the fake kept the size symbolic: one graph) and batch 8, whose 40 rows
+    are past the MoE kernel's 32 (its custom op checks again and runs the torch op, said once), each
+    equal to the torch op's result within the kernel's bound."""
+    import logging
+
+    from builder.backends.gpu import moe as gmoe
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+    s = gpu_kernels.shapes("cpu")["moe"]
+    base = gpu_kernels._moe(s, "cpu", torch.float32, 8 * 5)[0]
+    step = torch.compile(lambda r, x, *rest: tb.moe(r, x, *rest), backend=backend, fullgraph=True, dynamic=False,
+                         options={"guard_filter_fn": lambda entries: [False] * len(entries)})   # as the steps
+    monkeypatch.setattr(gpu, "_warned", set())
+    with caplog.at_level(logging.WARNING, logger="nemospec.gpu"):
+        for batch in (2, 3, 8):
+            x = base[1][:batch * 5].reshape(batch, 5, -1)
+            torch._dynamo.maybe_mark_dynamic(x, 0)
+            graph_ops.CALLS.clear()
+            got = step(x, x, *base[2:])
+            with gpu.reference():
+                want = tb.moe(x, x, *base[2:])
+            assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-4, atol=1e-5), batch
+            assert graph_ops.CALLS["moe"] == (1 if batch * 5 <= gmoe.MAX_ROWS else 0), (batch, graph_ops.CALLS)
+    torch._dynamo.reset()
+    assert len(graphs) == 1, "the batch dim was fixed to the traced size"
+    said = [r.getMessage() for r in caplog.records if r.name == "nemospec.gpu"]
+    assert said == ["moe: Triton kernel not used (40 rows (kernel covers 1..32), in a compiled step); running the torch op"], said
+
+
 def test_an_argument_outside_the_schema_keeps_the_torch_op(in_graphs):
     """moe's norm_topk_prob given as the int 1 (the schema has a bool, which an int is not): the torch
     op is traced, and with True the kernel's op."""
@@ -140,4 +174,4 @@ def test_a_compiled_decode_step_runs_its_ops_as_kernels_and_keeps_the_eager_ids(
     steps = loaded.runner._forward
     assert steps.ready and not steps.broken
     assert got == want
-    assert {"rms_norm", "causal_conv1d", "ssm_scan", "gated_rms_norm", "attention", "moe"} <= set(graph_ops.CALLS)
+    assert {"rms_norm", "causal_conv1d", "mamba_dt", "ssm_scan", "gated_rms_norm", "attention", "moe"} <= set(graph_ops.CALLS)

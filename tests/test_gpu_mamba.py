@@ -190,13 +190,17 @@ def test_time_step_in_one_launch_matches_the_torch_ops(limits, dtype, launches):
     seq = 6
     dt = (4 * torch.randn(BATCH, seq, HEADS + 1, generator=g))[..., 1:].to(dtype)   # a column slice, as the model's
     dt[0, 0] = torch.tensor([-40.0, -19.5, 20.5, 60.0]).to(dtype)
+    dt[0, 1, 2] = float("nan")                                                   # stays NaN through the clamp
     bias = torch.randn(HEADS, generator=g).to(dtype)
     lengths = torch.tensor([seq, 4])
     want = tb.mamba_dt(dt, bias, *limits, lengths)
     with gpu.forced():
         got = tb.mamba_dt(dt, bias, *limits, lengths)
     assert launches == ["_dt_kernel"] and got.dtype == dtype and got.shape == want.shape
-    assert torch.equal(want, tb.mask_padding(tb.clamp(tb.activation(dt + bias, "softplus"), *limits), lengths))
+    torch.testing.assert_close(want, tb.mask_padding(tb.clamp(tb.activation(dt + bias, "softplus"), *limits), lengths),
+                               rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(got.isnan(), want.isnan()) and want[0, 1, 2].isnan()
+    got, want = got.nan_to_num(0.0), want.nan_to_num(0.0)
     assert (got[1, 4:] == 0).all()
     if limits[1] is not None and limits[1] < float("inf"):
         assert (want == torch.tensor(limits[1]).to(dtype)).any()      # the upper bound was met

@@ -37,6 +37,7 @@ MODULES = ("mamba", "attention", "nvfp4", "moe", "capture", "norms")
 _KERNELS: Dict[str, "Kernel"] = {}
 _loaded = False
 _forced = False
+_reference = 0          # > 0 inside reference(): the torch ops run whatever the tensors
 _warned: set = set()
 ENABLED = os.environ.get("NEMOSPEC_TRITON_KERNELS", "1") != "0"   # read once: traced graphs see a constant
 IN_GRAPHS = os.environ.get("NEMOSPEC_KERNELS_IN_GRAPHS", "0") not in ("", "0")
@@ -50,14 +51,17 @@ class Kernel:
     run: Callable
     check: Callable
     schema: str
+    fake: Optional[Callable] = None          # the outputs' metadata, where the torch op's is not traceable
     custom_op: Optional[Callable] = None     # torch.ops.nemospec.<op>, once graph_ops defined it
     kinds: tuple = ()                        # the schema's argument kinds, for graph_ops.fits
 
 
-def register(op: str, schema: str, check: Callable):
-    """Decorator on ``run``: the kernel for ``op``, taking what ``check`` does not decline."""
+def register(op: str, schema: str, check: Callable, fake: Optional[Callable] = None):
+    """Decorator on ``run``: the kernel for ``op``, taking what ``check`` does not decline. ``fake``
+    (outputs like the kernel's, from the arguments' metadata) stands in for the torch op while a step
+    is traced, where that op checks values (the NVFP4 global scale) that fake tensors do not have."""
     def wrap(run):
-        _KERNELS[op] = Kernel(op, run, check, schema)
+        _KERNELS[op] = Kernel(op, run, check, schema, fake)
         return run
     return wrap
 
@@ -87,7 +91,7 @@ def load() -> None:
 def active(x) -> bool:
     """True when an op on ``x`` should try its kernel: a CUDA tensor, or a CPU one inside forced();
     while ``torch.compile`` traces, only with IN_GRAPHS."""
-    return (ENABLED and isinstance(x, torch.Tensor) and (x.is_cuda or _forced)
+    return (ENABLED and not _reference and isinstance(x, torch.Tensor) and (x.is_cuda or _forced)
             and (IN_GRAPHS or not torch.compiler.is_compiling()))
 
 
@@ -118,6 +122,17 @@ def dispatch(op: str, *args) -> Optional[object]:
 def graph_state() -> str:
     """What decides which ops a traced step holds (part of a compiled step's identity)."""
     return f"kernels={ENABLED} in_graphs={IN_GRAPHS} forced={_forced}"
+
+
+@contextlib.contextmanager
+def reference():
+    """The torch ops run inside, the kernels off (a custom op's fake and its declined calls)."""
+    global _reference
+    _reference += 1
+    try:
+        yield
+    finally:
+        _reference -= 1
 
 
 @contextlib.contextmanager

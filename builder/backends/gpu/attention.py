@@ -156,7 +156,8 @@ if tl is not None:
             o = acc / l_i[:, None]
             if ROUND_BF16:  # round to nearest even by bits (the interpreter's bf16 cast truncates)
                 bits = o.to(tl.int32, bitcast=True)
-                o = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+                o = tl.where(o != o, o,   # NaN stays NaN (0x7FFFFFFF would carry into the sign)
+                             ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True))
             tl.store(out_ptr + b * sob + t[:, None] * sot + head[:, None] * soh + dims[None, :],
                      o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
@@ -195,7 +196,8 @@ if tl is not None:
         o = acc / l_i[:, None]
         if ROUND_BF16:
             bits = o.to(tl.int32, bitcast=True)
-            o = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+            o = tl.where(o != o, o,   # NaN stays NaN (0x7FFFFFFF would carry into the sign)
+                         ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True))
         tl.store(out_ptr + b * sob + t[:, None] * sot + head[:, None] * soh + dims[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dims < D)[None, :])
 else:  # pragma: no cover

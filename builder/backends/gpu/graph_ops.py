@@ -3,15 +3,20 @@ dynamo cannot trace a kernel's launch code (allocations, a Python-side grid, the
 a traced step sees one opaque op per kernel, which inductor calls from the step's graph (and its CUDA
 graph replays). Used only with ``NEMOSPEC_KERNELS_IN_GRAPHS=1`` (see the package's docstring).
 
-* ``call`` runs while a step is traced: the kernel's ``check`` on the (static) shapes, dtypes and
-  devices, and the argument types against its schema; the custom op where both pass, else None and
-  the torch op is traced (a prefill chunk past a kernel's rows, a float64 input, a Python float
-  where the schema has a tensor).
-* The op's implementation is the kernel's ``run``; its fake (what tracing sees) is the same ``run``
-  with every launch skipped (``plugins.triton_jit.dry``), so the outputs' shapes, dtypes and strides
-  are the ones the launch code allocates, not a second description of them that could drift.
-* An output that is an input (hidden capture with no delta returns the residual) is copied: a
-  custom op's outputs may not alias its inputs.
+* ``call`` runs while a step is traced: the kernel's ``check`` on the shapes, dtypes and devices,
+  and the argument types against its schema; the custom op where both pass, else None and the torch
+  op is traced (a prefill chunk past a kernel's rows, a float64 input, an int where the schema has a
+  bool).
+* A step's batch and cache dims may be symbolic (one graph serves every batch of two or more), and
+  its guards are not checked per call, so the trace-time check holds for the traced sizes only: the
+  op's implementation checks again on the real arguments and runs the torch op where the kernel
+  declines them (more rows than it was written for), said once in the log.
+* The op's fake (what tracing sees) is the torch op itself on the fake arguments, with the kernels
+  off (``gpu.reference``), or the kernel's own ``fake`` where the torch op checks values (the NVFP4
+  ops' global scale): it keeps symbolic sizes symbolic, where the launch code's grid arithmetic
+  would fix them to the traced values. The kernels' outputs equal the torch op's in shape and dtype
+  (their tests); both sides return them contiguous, and an output that is an input (hidden capture
+  with no delta returns the residual) as a copy: a custom op's outputs may not alias its inputs.
 """
 from __future__ import annotations
 
@@ -19,8 +24,6 @@ from collections import Counter
 from typing import Iterable
 
 import torch
-
-from plugins import triton_jit
 
 NAMESPACE = "nemospec"
 CALLS: Counter = Counter()     # op -> times its custom op ran (not traced): which kernels a graph launched
@@ -35,8 +38,14 @@ def _kind(t) -> str:
             "List[int]": "int[]"}.get(text, text)
 
 
+def reference_op(op: str):
+    """The torch op a kernel stands behind (``torch_backend``'s, or ``torch_tree``'s for the tree ops)."""
+    from builder.backends import torch_backend, torch_tree
+    return getattr(torch_tree, op, None) or getattr(torch_backend, op)
+
+
 def define(kernels: Iterable) -> None:
-    """Defines each kernel's custom op once per process (its schema, ``run``, the dry-run fake)."""
+    """Defines each kernel's custom op once per process (its schema, implementation and fake)."""
     global _LIB
     if _LIB is None:
         _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
@@ -46,30 +55,53 @@ def define(kernels: Iterable) -> None:
         schema = torch._C.parse_schema(f"{NAMESPACE}::{kernel.op}{kernel.schema}")
         kernel.kinds = tuple(_kind(a.type) for a in schema.arguments)
         _LIB.define(f"{kernel.op}{kernel.schema}")
-        _LIB.impl(kernel.op, _implementation(kernel.op, kernel.run), "CompositeExplicitAutograd")
-        torch.library.register_fake(f"{NAMESPACE}::{kernel.op}", _fake(kernel.run), lib=_LIB)
+        _LIB.impl(kernel.op, _implementation(kernel), "CompositeExplicitAutograd")
+        torch.library.register_fake(f"{NAMESPACE}::{kernel.op}", _fake(kernel), lib=_LIB)
         kernel.custom_op = getattr(getattr(torch.ops, NAMESPACE), kernel.op)
 
 
-def _unaliased(out, args):
+def _own(out, args):
+    """``out`` with every tensor contiguous and none an input (a copy where it is one)."""
     inputs = [a for a in args if isinstance(a, torch.Tensor)]
 
     def fresh(t):
-        return t.clone() if any(t is a or torch._C._is_alias_of(t, a) for a in inputs) else t
+        if any(t is a or torch._C._is_alias_of(t, a) for a in inputs):
+            return t.clone(memory_format=torch.contiguous_format)
+        return t.contiguous()
     return tuple(fresh(t) for t in out) if isinstance(out, tuple) else fresh(out)
 
 
-def _implementation(op, run):
+def _reference(op: str, args, traced: bool = False):
+    """The torch op on ``args`` with the kernels off; ``traced``: in the forms it takes while a step
+    is traced (``torch.compiler.is_compiling()``: no data-dependent branch, which fake tensors cannot
+    take; AOT autograd calls a fake with that flag down)."""
+    from builder.backends import gpu
+    flag = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = flag or traced
+    try:
+        with gpu.reference():
+            return reference_op(op)(*args)
+    finally:
+        torch.compiler._is_compiling_flag = flag
+
+
+def _implementation(kernel):
     def implementation(*args):
-        CALLS[op] += 1
-        return _unaliased(run(*args), args)
+        from builder.backends import gpu
+        reason = kernel.check(*args)
+        if reason is not None:   # sizes the traced ones stood for, but the kernel was not written for
+            gpu.fallback(kernel.op, f"{reason}, in a compiled step")
+            return _own(_reference(kernel.op, args), args)
+        CALLS[kernel.op] += 1
+        return _own(kernel.run(*args), args)
     return implementation
 
 
-def _fake(run):
+def _fake(kernel):
     def fake(*args):
-        with triton_jit.dry():
-            return _unaliased(run(*args), args)
+        if kernel.fake is not None:
+            return _own(kernel.fake(*args), args)
+        return _own(_reference(kernel.op, args, traced=True), args)
     return fake
 
 

@@ -189,7 +189,8 @@ if tl is not None:
         v = dt + bias[None, :]
         if BF16:
             bits = v.to(tl.int32, bitcast=True)
-            v = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+            v = tl.where(v != v, v,   # NaN stays NaN (0x7FFFFFFF would carry into the sign)
+                         ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True))
         else:
             v = v.to(out_ptr.dtype.element_ty).to(tl.float32)
         e = tl.exp(v)
@@ -198,14 +199,16 @@ if tl is not None:
         sp = tl.where(v > 20.0, v, sp)
         if BF16:
             bits = sp.to(tl.int32, bitcast=True)
-            sp = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-        if HAS_LO:
-            sp = tl.maximum(sp, lo)
+            sp = tl.where(sp != sp, sp,   # NaN stays NaN (0x7FFFFFFF would carry into the sign)
+                         ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True))
+        if HAS_LO:   # a NaN stays NaN, as torch.clamp keeps it
+            sp = tl.maximum(sp, lo, propagate_nan=tl.PropagateNan.ALL)
         if HAS_HI:
-            sp = tl.minimum(sp, hi)
+            sp = tl.minimum(sp, hi, propagate_nan=tl.PropagateNan.ALL)
         if BF16 and (HAS_LO or HAS_HI):   # a bound the clamp took, rounded as torch rounds it
             bits = sp.to(tl.int32, bitcast=True)
-            sp = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+            sp = tl.where(sp != sp, sp,   # NaN stays NaN (0x7FFFFFFF would carry into the sign)
+                         ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True))
         n = tl.load(len_ptr + b64).to(tl.int32)
         keep = (ts < n).to(tl.float32)
         tl.store(out_ptr + (b64 * T + ts[:, None]) * H + hs[None, :], (sp * keep[:, None]).to(out_ptr.dtype.element_ty),
@@ -305,16 +308,17 @@ def _mamba_dt_check(dt, dt_bias, lo, hi, lengths):
     return reason
 
 
-def _bound(v):
-    """A clamp bound the kernel applies: None for none (None or infinite)."""
-    return None if v is None or v in (float("inf"), float("-inf")) else float(v)
+def _bound(v, skipped: float):
+    """A clamp bound the kernel applies, or None where the clamp does nothing (None, or the infinity
+    on its own side: -inf below, +inf above)."""
+    return None if v is None or float(v) == skipped else float(v)
 
 
 @register("mamba_dt", "(Tensor dt, Tensor dt_bias, float? lo, float? hi, Tensor lengths) -> Tensor", _mamba_dt_check)
 def mamba_dt(dt, dt_bias, lo, hi, lengths):
     """torch_backend.mamba_dt in one launch (the torch ops are seven on a GPU), any number of rows."""
     batch, seq, heads = dt.shape
-    lo, hi = _bound(lo), _bound(hi)
+    lo, hi = _bound(lo, float("-inf")), _bound(hi, float("inf"))
     out = torch.empty((batch, seq, heads), dtype=dt.dtype, device=dt.device)
     ds = dt if dt.stride(2) == 1 else dt.contiguous()
     block_h = _pow2(heads)

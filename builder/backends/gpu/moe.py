@@ -149,7 +149,8 @@ if tl is not None:
                 z = z.to(tl.float16).to(tl.float32)
             elif ROUND == 2:
                 bits = z.to(tl.int32, bitcast=True)
-                z = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+                z = tl.where(z != z, z,   # NaN stays NaN (0x7FFFFFFF would carry into the sign)
+                             ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True))
             if ACT == 0:
                 z = tl.maximum(z, 0.0)
                 z = z * z
@@ -161,7 +162,8 @@ if tl is not None:
                 z = z * 0.5 * (1.0 + tl.math.erf(z * 0.7071067811865476))
             if ROUND == 2:
                 bits = z.to(tl.int32, bitcast=True)
-                z = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+                z = tl.where(z != z, z,   # NaN stays NaN (0x7FFFFFFF would carry into the sign)
+                             ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True))
             tl.store(h_ptr + pair[:, None] * I + cols[None, :], z.to(h_ptr.dtype.element_ty),
                      mask=r_ok[:, None] & i_ok[None, :])
 
@@ -196,7 +198,8 @@ if tl is not None:
                 acc = acc.to(tl.float16).to(tl.float32)
             elif ROUND == 2:
                 bits = acc.to(tl.int32, bitcast=True)
-                acc = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+                acc = tl.where(acc != acc, acc,   # NaN stays NaN (0x7FFFFFFF would carry into the sign)
+                             ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True))
             w = tl.load(wt_ptr + pair, mask=r_ok, other=0.0)
             tl.store(y_ptr + pair[:, None] * HOUT + cols[None, :], acc * w[:, None], mask=r_ok[:, None] & o_ok[None, :])
 
@@ -213,7 +216,8 @@ if tl is not None:
             acc += tl.load(y_ptr + (row * SLOTS + slot) * HOUT + cols, mask=o_ok, other=0.0)
         if ROUND == 2:
             bits = acc.to(tl.int32, bitcast=True)
-            acc = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+            acc = tl.where(acc != acc, acc,   # NaN stays NaN (0x7FFFFFFF would carry into the sign)
+                         ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True))
         tl.store(o_ptr + row * HOUT + cols, acc.to(o_ptr.dtype.element_ty), mask=o_ok)
 else:  # pragma: no cover
     _route_kernel = _up_kernel = _down_kernel = _sum_kernel = None

@@ -55,11 +55,13 @@ if tl is not None:
                 n = n.to(tl.float16).to(tl.float32)
             elif X_ROUND == 2:
                 bits = n.to(tl.int32, bitcast=True)
-                n = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+                n = tl.where(n != n, n,   # NaN stays NaN (0x7FFFFFFF would carry into the sign)
+                             ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True))
         out = n * w
         if OUT_ROUND == 2:
             bits = out.to(tl.int32, bitcast=True)
-            out = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+            out = tl.where(out != out, out,   # NaN stays NaN (0x7FFFFFFF would carry into the sign)
+                         ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True))
         tl.store(o_ptr + base + cols, out.to(o_ptr.dtype.element_ty), mask=ok)
 else:  # pragma: no cover
     _norm_kernel = None

@@ -61,8 +61,12 @@ def _decline(x, packed, scale, scale_2, shape, bias=None):
     return None
 
 
+def _linear_fake(x, packed, scale, scale_2, shape, bias=None):
+    return x.new_empty((*x.shape[:-1], int(shape[0])))
+
+
 @gpu.register(OP, "(Tensor x, Tensor packed, Tensor scale, Tensor scale_2, int[] shape, Tensor? bias=None) -> Tensor",
-              _decline)
+              _decline, _linear_fake)
 def linear_nvfp4(x, packed, scale, scale_2, shape, bias=None):
     """``torch_backend.linear_nvfp4`` for <= 16 rows: [..., N] in x's dtype."""
     n, k = (int(d) for d in shape)
@@ -83,8 +87,12 @@ def _markov_check(logits, prev_ids, w1, w2_packed, w2_scale, w2_scale_2):
     return None
 
 
+def _markov_fake(logits, prev_ids, w1, w2_packed, w2_scale, w2_scale_2):
+    return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+
+
 @gpu.register(MARKOV_OP, "(Tensor logits, Tensor prev_ids, Tensor w1, Tensor w2_packed, Tensor w2_scale, "
-              "Tensor w2_scale_2) -> Tensor", _markov_check)
+              "Tensor w2_scale_2) -> Tensor", _markov_check, _markov_fake)
 def fp4_markov_head(logits, prev_ids, w1, w2_packed, w2_scale, w2_scale_2):
     """The DSpark Markov head (``plugins/fp4_markov_head.py``) on the same kernel."""
     return markov.fp4_markov_head_triton(logits, prev_ids, w1, w2_packed, w2_scale, w2_scale_2)
