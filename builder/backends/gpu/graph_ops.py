@@ -71,13 +71,13 @@ def _own(out, args):
     return tuple(fresh(t) for t in out) if isinstance(out, tuple) else fresh(out)
 
 
-def _reference(op: str, args, traced: bool = False):
-    """The torch op on ``args`` with the kernels off; ``traced``: in the forms it takes while a step
-    is traced (``torch.compiler.is_compiling()``: no data-dependent branch, which fake tensors cannot
-    take; AOT autograd calls a fake with that flag down)."""
+def _reference(op: str, args):
+    """The torch op on ``args`` with the kernels off, in the forms it takes while a step is traced
+    (``torch.compiler.is_compiling()``, which AOT autograd calls a fake with down): no data-dependent
+    branch, which fake tensors cannot take and a CUDA graph cannot capture (a host sync)."""
     from builder.backends import gpu
     flag = torch.compiler._is_compiling_flag
-    torch.compiler._is_compiling_flag = flag or traced
+    torch.compiler._is_compiling_flag = True
     try:
         with gpu.reference():
             return reference_op(op)(*args)
@@ -101,7 +101,7 @@ def _fake(kernel):
     def fake(*args):
         if kernel.fake is not None:
             return _own(kernel.fake(*args), args)
-        return _own(_reference(kernel.op, args, traced=True), args)
+        return _own(_reference(kernel.op, args), args)
     return fake
 
 
