@@ -193,8 +193,8 @@ def _active(handle) -> float:
 
 def test_queue_full_is_429_and_closing_a_stream_frees_its_sequence(stack, client):
     handle, _ = stack
-    streams = [client.completions.create(model=_model(stack), prompt=f"x{i} = 1", max_tokens=120, stream=True,
-                                         extra_body={"ignore_eos": True}) for i in range(4)]
+    streams = [client.completions.create(model=_model(stack), prompt=f"x{i} = 1", max_tokens=150, stream=True,
+                                         extra_body={"ignore_eos": True}) for i in range(4)]   # near max_seq_len
     for s in streams:
         next(iter(s))                                  # each one has started
     refused = []
@@ -217,7 +217,11 @@ def test_queue_full_is_429_and_closing_a_stream_frees_its_sequence(stack, client
         s.close()                                      # the client goes away mid-stream
     for t in threads:
         t.join(60)
-    assert len(refused) >= 4 and all("busy" in r for r in refused), refused
+    # 4 running and a queue of 2: four of the six are refused, or three where one of the four finished
+    # while the six were in flight (a loaded machine: a queued request is then admitted, one more queued)
+    admitted = len(streams) - 4
+    assert len(refused) + admitted == 6 and len(refused) >= 3 and admitted <= 3, (refused, admitted)
+    assert all("busy" in r for r in refused), refused
     for s in streams:
         s.close()
     deadline = time.monotonic() + 30

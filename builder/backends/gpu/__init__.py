@@ -85,7 +85,7 @@ def load() -> None:
                 if e.name != f"{__name__}.{name}":
                     raise
         from builder.backends.gpu import graph_ops
-        graph_ops.define(_KERNELS.values())
+        graph_ops.define(_KERNELS.values(), fallback, reference)
 
 
 def active(x) -> bool:

@@ -12,7 +12,7 @@ graph replays). Used only with ``NEMOSPEC_KERNELS_IN_GRAPHS=1`` (see the package
   op's implementation checks again on the real arguments and runs the torch op where the kernel
   declines them (more rows than it was written for), said once in the log.
 * The op's fake (what tracing sees) is the torch op itself on the fake arguments, with the kernels
-  off (``gpu.reference``), or the kernel's own ``fake`` where the torch op checks values (the NVFP4
+  off (the package's ``reference``), or the kernel's own ``fake`` where the torch op checks values (the NVFP4
   ops' global scale): it keeps symbolic sizes symbolic, where the launch code's grid arithmetic
   would fix them to the traced values. The kernels' outputs equal the torch op's in shape and dtype
   (their tests); both sides return them contiguous, and an output that is an input (hidden capture
@@ -28,6 +28,7 @@ import torch
 NAMESPACE = "nemospec"
 CALLS: Counter = Counter()     # op -> times its custom op ran (not traced): which kernels a graph launched
 _LIB = None
+_GPU: dict = {}                # the package's fallback (log once) and reference (kernels off), given to define()
 
 
 def _kind(t) -> str:
@@ -44,9 +45,11 @@ def reference_op(op: str):
     return getattr(torch_tree, op, None) or getattr(torch_backend, op)
 
 
-def define(kernels: Iterable) -> None:
-    """Defines each kernel's custom op once per process (its schema, implementation and fake)."""
+def define(kernels: Iterable, fallback, reference) -> None:
+    """Defines each kernel's custom op once per process (its schema, implementation and fake);
+    ``fallback(op, reason)`` logs a declined call, ``reference()`` turns the kernels off."""
     global _LIB
+    _GPU.update(fallback=fallback, reference=reference)
     if _LIB is None:
         _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
     for kernel in kernels:
@@ -75,11 +78,10 @@ def _reference(op: str, args):
     """The torch op on ``args`` with the kernels off, in the forms it takes while a step is traced
     (``torch.compiler.is_compiling()``, which AOT autograd calls a fake with down): no data-dependent
     branch, which fake tensors cannot take and a CUDA graph cannot capture (a host sync)."""
-    from builder.backends import gpu
     flag = torch.compiler._is_compiling_flag
     torch.compiler._is_compiling_flag = True
     try:
-        with gpu.reference():
+        with _GPU["reference"]():
             return reference_op(op)(*args)
     finally:
         torch.compiler._is_compiling_flag = flag
@@ -87,10 +89,9 @@ def _reference(op: str, args):
 
 def _implementation(kernel):
     def implementation(*args):
-        from builder.backends import gpu
         reason = kernel.check(*args)
         if reason is not None:   # sizes the traced ones stood for, but the kernel was not written for
-            gpu.fallback(kernel.op, f"{reason}, in a compiled step")
+            _GPU["fallback"](kernel.op, f"{reason}, in a compiled step")
             return _own(_reference(kernel.op, args), args)
         CALLS[kernel.op] += 1
         return _own(kernel.run(*args), args)
