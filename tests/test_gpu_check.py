@@ -109,14 +109,14 @@ def test_kernels_in_graphs_section_runs_the_wide_model_with_the_kernels_in_its_s
 
     seen = []
 
-    def fake_wide_model(deadline, device, new):
-        seen.append(gpu.IN_GRAPHS)
+    def fake_wide_model(deadline, device, new, modes):
+        seen.append((gpu.IN_GRAPHS, modes))
         graph_ops.CALLS["ssm_scan"] += 3
         return {"modes": {}, "prompts": 1, "new_tokens": new, "k": 4}
     monkeypatch.setattr(gpu_check, "wide_model", fake_wide_model)
     monkeypatch.setattr(gpu, "IN_GRAPHS", False)
     section = gpu_check.SECTIONS["wide_model_kernels_in_graphs"](0.0, "cuda", 8)
-    assert seen == [True] and gpu.IN_GRAPHS is False and section["kernel_calls"] == {"ssm_scan": 3}
+    assert seen == [(True, ("eagle3",))] and gpu.IN_GRAPHS is False and section["kernel_calls"] == {"ssm_scan": 3}
     assert "Kernels run inside the compiled steps: ssm_scan x3." in markdown({"wide_model_kernels_in_graphs": section})
 
 
