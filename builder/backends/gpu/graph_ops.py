@@ -78,13 +78,15 @@ def _reference(op: str, args):
     """The torch op on ``args`` with the kernels off, in the forms it takes while a step is traced
     (``torch.compiler.is_compiling()``, which AOT autograd calls a fake with down): no data-dependent
     branch, which fake tensors cannot take and a CUDA graph cannot capture (a host sync)."""
-    flag = torch.compiler._is_compiling_flag
-    torch.compiler._is_compiling_flag = True
+    flag = getattr(torch.compiler, "_is_compiling_flag", None)   # torch's own switch; a torch without it: eager forms
+    if flag is not None:
+        torch.compiler._is_compiling_flag = True
     try:
         with _GPU["reference"]():
             return reference_op(op)(*args)
     finally:
-        torch.compiler._is_compiling_flag = flag
+        if flag is not None:
+            torch.compiler._is_compiling_flag = flag
 
 
 def _implementation(kernel):
