@@ -57,9 +57,10 @@ if tl is not None:
                      WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, TREE: tl.constexpr, SILU: tl.constexpr,
                      BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr):
         """Program (batch, channel block). Padded row index r: r < K-1 a conv-state row, else x row
-        r-(K-1). Chain: row t's taps are r = t .. t+K-1. SILU: y = silu(y) after y's rounding. Tree: tap K-1 is the row itself, each earlier
+        r-(K-1). Chain: row t's taps are r = t .. t+K-1. Tree: tap K-1 is the row itself, each earlier
         tap the previous one's predecessor (a conv-state row's is r-1, the root's the last state row,
-        a tree row's its parent). y and the new state (chain only) are contiguous [B, T|K-1, C]."""
+        a tree row's its parent). SILU: y = silu(y) after y's rounding. y and the new state (chain
+        only) are contiguous [B, T|K-1, C]."""
         b64 = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         col_ok = cols < C
