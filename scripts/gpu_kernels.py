@@ -1,7 +1,7 @@
 """The ``triton_kernels`` section of scripts/gpu_check.py: each Triton op registered in
 builder/backends/gpu at full width (bf16, CUDA) against the torch op it stands behind.
 
-Rows: Mamba-2 of Nemotron-H-8B (``ssm_scan``, ``causal_conv1d``, ``mamba_dt`` at T = 1 and 5; ``tree_ssm_scan``,
+Rows: Mamba-2 of Nemotron-H-8B (``ssm_scan``, ``causal_conv1d``, ``mamba_dt`` at T = 1 and 5, the conv with its SiLU at 5; ``tree_ssm_scan``,
 ``tree_conv1d`` over a 17-node tree), its attention over an 8192-slot cache (T = 1, 5; a 17-node
 ``tree_attention``), ``linear_nvfp4`` at 4096x4096 for 1 and 5 rows, ``rms_norm`` and
 ``gated_rms_norm`` (the hidden size; Mamba's inner width in its groups) for 5 rows, and, where
@@ -102,7 +102,7 @@ def _abs64(*ts):
 
 
 # --- rows: each builder returns (args, torch op, bound(want) -> tuple, bytes moved, shape) ----------
-def _conv(s, dev, dtype, T, tree):
+def _conv(s, dev, dtype, T, tree, act=None):
     import torch
     from builder.backends import torch_backend as tb, torch_tree as tt
     ch, w = s["heads"] * s["head_dim"] + 2 * s["groups"] * s["state"], s["conv"]
@@ -111,13 +111,19 @@ def _conv(s, dev, dtype, T, tree):
     index = _tree(dev)[0] if tree else torch.full((1,), T, device=dev)
     ref = tt.tree_conv1d if tree else tb.causal_conv1d
 
-    def bound(want):   # K products and the bias, each summed in another order: 2 gamma_(K+2) in dtype
+    def bound(want):
+        """K products and the bias, each summed in another order: 2 gamma_(K+2) in dtype; SiLU (the
+        model's) moves that by at most 1.1x and adds its own fp32 work and a rounding each side."""
         with _torch_op():
             mag = ref(*_abs64(x, state, weight, bias), index)
         y = 2 * _gamma(w + 2, dtype) * (mag if tree else mag[0])
+        if act is not None:
+            got = want if tree else want[0]
+            y = 1.1 * y + (2 * _u(dtype) + 8 * _u(torch.float32)) * (got.double().abs() + y)
         return y if tree else (y, torch.zeros_like(mag[1]))   # the new conv state is a copy: exact
     moved = (2 * T * ch + (1 if tree else 2) * (w - 1) * ch + ch * w + ch) * x.element_size()
-    return (x, state, weight, bias, index), ref, bound, moved, f"T={T}, {ch} channels, kernel {w}"
+    return ((x, state, weight, bias, index, act), ref, bound, moved,
+            f"T={T}, {ch} channels, kernel {w}" + (f", {act}" if act else ""))
 
 
 def _ssm(s, dev, dtype, T, tree):
@@ -258,6 +264,7 @@ def _rows(s, dev, dtype):
     out = []
     for op, fn, tree in (("ssm_scan", _ssm, False), ("causal_conv1d", _conv, False)):
         out += [(op, functools.partial(fn, s["mamba"], dev, dtype, T, tree)) for T in (1, 5)]
+    out += [("causal_conv1d", functools.partial(_conv, s["mamba"], dev, dtype, 5, False, "silu"))]   # as the model calls it
     out += [("mamba_dt", functools.partial(_dt, s["mamba"], dev, dtype, t)) for t in (1, 5)]
     T = len(TREE_PARENTS)
     out += [("tree_ssm_scan", functools.partial(_ssm, s["mamba"], dev, dtype, T, True)),
