@@ -265,13 +265,14 @@ def test_cli_backend_compiled(models):
 def test_bf16_draft_weights_keep_the_target_output(models, monkeypatch, tmp_path):
     """``draft_weight_dtype="bfloat16"``: the compiled draft's graphs multiply by its weights rounded
     to bf16 (traced through the bf16-weights kernel; the target's graphs are not) and speculation
-    still emits the target's greedy output. Its graphs are saved apart (``tmp_path``): they hold the
-    patched kernel that counts the calls."""
+    still emits the target's greedy output. The draft's graphs are compiled apart (``tmp_path``), so
+    they are traced here, through the patched kernel that counts the calls; the target verifying is
+    the module's compiled one (the same checkpoint and capture), whose graphs earlier tests made."""
     from builder.backends import torch_backend
     from runtime.compiled import small_linear
     monkeypatch.setenv("NEMOSPEC_COMPILE_CACHE", str(tmp_path))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    eager, _ = models
+    eager, compiled = models
     target, draft = embedded.target_dir(), embedded.draft_dir("eagle3")
     loaded = open_checkpoint(target, mode="eagle3", draft_dir=draft, backend="compiled", draft_weight_dtype="bfloat16")
     proposer = loaded.proposer()
@@ -283,7 +284,7 @@ def test_bf16_draft_weights_keep_the_target_output(models, monkeypatch, tmp_path
         monkeypatch.setattr(torch_backend, "_small_linear_bf16w", lambda x, w: (traced.append(w.shape), kernel(x, w))[1])
     prompts = RAGGED[:1]
     want = generate(eager.runner, prompts, NEW).output_ids
-    got = speculative_generate(loaded.runner, proposer, prompts, NEW, 4)
+    got = speculative_generate(compiled.runner, proposer, prompts, NEW, 4)
     assert got.output_ids == want
     assert got.extra["acceptance"]["mean_accepted_tokens"] > 1.0
     assert proposer.draft._chains.ready, "the draft chain ran compiled"
@@ -302,16 +303,16 @@ def test_a_verify_warmed_on_scratch_rows_verifies_real_rows(models, tmp_path, mo
     monkeypatch.setenv("NEMOSPEC_COMPILE_CACHE", str(tmp_path))      # compiled here, not loaded
     compiled = open_checkpoint(embedded.target_dir(), mode="eagle3", draft_dir=embedded.draft_dir("eagle3"),
                                backend="compiled")
-    compiled.runner.warm_verify(3)
-    assert (True, 3) in compiled.runner._verify_greedy.ready
+    compiled.runner.warm_verify(2)   # the length test_eagle3_greedy_ids_equal_eager[1] verifies
+    assert (True, 2) in compiled.runner._verify_greedy.ready
     i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
     prompt = [5, 9, 17, 33, 8, 100, 7, 42, 3]
     out = []
     for runner in (eager.runner, compiled.runner):
         state = runner.new_state(1, 64)
         logits, state, _ = runner.forward(i32([prompt]), i32([list(range(9))]), i32([9]), i32([[8]]), state)
-        drafts = [int(logits[0, -1].argmax()), 11, 12]
-        out.append(runner.verify_greedy(i32([drafts]), i32([[9, 10, 11]]), i32([3]), i32([[0, 1, 2]]), state))
+        drafts = [int(logits[0, -1].argmax()), 11]
+        out.append(runner.verify_greedy(i32([drafts]), i32([[9, 10]]), i32([2]), i32([[0, 1]]), state))
     (m_e, next_e, logits_e, _, _), (m_c, next_c, logits_c, _, _) = out
     assert torch.equal(m_c, m_e) and torch.equal(next_c, next_e)
     assert torch.equal(logits_c.argmax(-1), logits_e.argmax(-1))   # every row's token, not just the kept ones
