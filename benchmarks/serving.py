@@ -188,7 +188,7 @@ def main():
     p.add_argument("--engine_dir", default=None, help="default: build the embedded model's engines for --mode first")
     p.add_argument("--mode", default="eagle3", help="speculative mode of the default engine directory")
     from builder.embedded.sources import add_embedded_args
-    add_embedded_args(p, default="wide")
+    add_embedded_args(p, default="wide", given="--engine_dir")
     p.add_argument("--new_tokens", type=int, default=64)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--streams", default="1,4,16")

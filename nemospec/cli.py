@@ -74,8 +74,9 @@ def _add_build_args(p):
                    help="draft checkpoint (every mode but mtp); default with the embedded model: its trained draft")
     add_token_map_arg(p)
     p.add_argument("--strip_plan", action="store_true",
-                   help="weight-stripped refittable engines, refit at load from the directory's one copy of the "
-                        "weights (needs a TensorRT that builds them: a GPU machine)")
+                   help="one copy of the weights for every engine of the directory (weights/*.safetensors): "
+                        "refittable engines refit at load where TensorRT builds them (a GPU), else the weights "
+                        "become engine inputs bound at load (tensorrt_rtx without a GPU)")
     p.add_argument("--max_host_memory_gb", type=float, default=0.0,
                    help="refuse (exit 2) a build whose estimated peak host memory exceeds this (default: available)")
     p.add_argument("--num_layers", type=int, default=0, help="a trial build of the first N layers (default: all)")

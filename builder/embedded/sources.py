@@ -52,11 +52,11 @@ def resolve_sources(checkpoint_dir, mode=None, draft=None, quantization=None, em
     return target_dir(), draft
 
 
-def add_embedded_args(p, default: str = "small") -> None:
-    """--embedded / --embedded_factor: which embedded default a command runs when given no checkpoint
+def add_embedded_args(p, default: str = "small", given: str = "--checkpoint_dir") -> None:
+    """--embedded / --embedded_factor: which embedded default a command runs when not ``given`` a model
     (``default``: small for build, generate and serve; wide for bench and the demo, which measure speed)."""
     p.add_argument("--embedded", default=default, choices=EMBEDDED_CHOICES,
-                   help="with no --checkpoint_dir: the embedded trained model as shipped (small: its weights sit "
+                   help=f"with no {given}: the embedded trained model as shipped (small: its weights sit "
                         "in cache) or widened (wide: the same function at --embedded_factor times the width, "
                         "decoding from memory as a served model does; written once under ~/.cache/nemospec)"
                         f" (default {default})")
