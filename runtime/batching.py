@@ -286,9 +286,10 @@ class SpeculativeGroup(PlainGroup):
             gained = d[:kept] + [t]                                      # one host copy of each tensor
             lp = _logprobs(logits[b:b + 1, :kept + 1], torch.tensor([gained]), [s])[0] if want_logprobs else None
             tokens += len(gained)
-            s.gained[len(gained)] += 1
+            if made:   # a row that proposed nothing (its own K is 0) decoded: not a speculative step
+                s.gained[len(gained)] += 1
+                self.histogram[len(gained)] += 1
             s.drafted += made
-            self.histogram[len(gained)] += 1
             self.draft_tokens += made
             for j in range(kept):
                 self.accepted_at[j] += 1

@@ -142,7 +142,12 @@ class Scheduler:
             group = self.spec if (r.speculative and self.spec is not None) else self.plain
             by_group.setdefault(id(group), (group, []))[1].append(seq)
         for group, seqs in by_group.values():
-            self._deliver(seqs, group.add(seqs))
+            try:
+                emitted = group.add(seqs)
+            except Exception as error:   # their prefill failed: they hear it now (step fails the running)
+                self._fail([s for s in seqs if all(s is not g for g in group.seqs)], f"{type(error).__name__}: {error}")
+                raise
+            self._deliver(seqs, emitted)
 
     def _deliver(self, seqs, tokens):
         for seq, new in zip(seqs, tokens):
@@ -205,12 +210,16 @@ class Scheduler:
 
     def _fail_all(self, message):
         for group in self._groups():
-            for s in group.seqs:
-                try:
-                    s.on_tokens([], True, {"error": message})
-                except Exception:
-                    pass
+            self._fail(group.seqs, message)
             group.drop([])
+
+    @staticmethod
+    def _fail(seqs, message):
+        for s in seqs:
+            try:
+                s.on_tokens([], True, {"error": message})
+            except Exception:
+                pass
 
     def start(self) -> None:
         if self._thread is not None:

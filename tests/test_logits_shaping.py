@@ -181,3 +181,25 @@ def test_per_request_draft_length(setup):
     assert [s.outputs for s in seqs] == want and set(group.draft_lens) == {0}
     stats = seqs[0].speculation_stats()
     assert stats["draft_tokens"] == 0 and stats["steps"] == 0
+
+
+def test_a_row_that_proposes_nothing_is_not_a_speculative_step(setup):
+    """Batched with rows that speculate, a row whose own K is 0 decodes inside their verify steps:
+    it reports no speculative steps (as it does alone), and the group's histogram, which the server's
+    acceptance metrics read, counts only the rows that proposed."""
+    _, target, proposer = setup
+    want = [s.outputs for s in _plain(target, [SamplingParams() for _ in PROMPTS])]
+    group = SpeculativeGroup(target, lambda: proposer("eagle3"), 4, 64, policy=DraftPolicy(4))
+    seqs = [Sequence(list(p), N, SamplingParams(), frozenset(), max_draft=d) for p, d in zip(PROMPTS, (0, None, 2))]
+    group.add(seqs)
+    while True:
+        keep = [i for i, s in enumerate(group.seqs) if not s.finished]
+        if len(keep) < len(group.seqs):
+            group.drop(keep)
+        if not group.seqs:
+            break
+        group.step()
+    assert [s.outputs for s in seqs] == want
+    assert seqs[0].speculation_stats() == {"steps": 0, "draft_tokens": 0, "accepted_draft_tokens": 0, "histogram": [0]}
+    assert all(s.speculation_stats()["steps"] > 0 for s in seqs[1:])
+    assert sum(group.histogram.values()) == sum(sum(s.gained.values()) for s in seqs[1:])

@@ -187,3 +187,25 @@ def test_every_draft_mode_runs_in_flight_batches(mode, checkpoints, tmp_path_fac
     _drain(scheduler)
     assert [c.tokens for c in outs] == want
     assert scheduler.metrics["verify_rows"] > 0
+
+
+def test_a_failed_admission_answers_the_newcomers_and_keeps_serving(loaded, monkeypatch):
+    """A prefill that raises while admitting (a device out of memory, say) fails the requests being
+    admitted as well as the running ones, each told once, and the next request is served: none is
+    left without an answer for the supervisor to read as a stall."""
+    want = generate(loaded.runner, PROMPTS[:1], 8).output_ids
+    scheduler = Scheduler(loaded)
+    running, newcomer, later = Collector(), Collector(), Collector()
+    scheduler.submit(Request(PROMPTS[1], 20, speculative=False), running)
+    scheduler.step()
+    assert running.tokens and not running.finished
+    group = scheduler.plain
+    monkeypatch.setattr(group, "add", lambda seqs: (_ for _ in ()).throw(RuntimeError("out of memory")))
+    scheduler.submit(Request(PROMPTS[2], 20, speculative=False), newcomer)
+    scheduler.step()
+    for c in (running, newcomer):
+        assert c.finished and c.calls >= 1 and "out of memory" in c.info["error"], c.info
+    monkeypatch.undo()
+    scheduler.submit(Request(PROMPTS[0], 8), later)
+    _drain(scheduler)
+    assert later.finished and [later.tokens] == want
