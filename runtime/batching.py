@@ -7,7 +7,6 @@ server's scheduler drive the same groups, so a served request decodes exactly as
 """
 from __future__ import annotations
 
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 
