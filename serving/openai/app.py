@@ -19,6 +19,12 @@ from serving.openai.protocol import (StopMatcher, completion_prompt, generation,
 READY_SECONDS = 0.5
 
 
+def _ended() -> APIError:
+    """A generation whose stream closed without a finish reason: the server ended it (an error while
+    answering it), so its text is partial; never a 200 with finish_reason "stop"."""
+    return APIError(500, "the server ended the generation without finishing it (see the server's log)")
+
+
 @dataclass
 class ModelInfo:
     name: str
@@ -143,13 +149,16 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
         stops = StopMatcher(g.stop)
         try:
             async for d in stream:
+                held = stops.held
                 text.append(stops.feed(d.text))
-                tokens, reason, last = tokens + d.tokens, d.finish_reason, d
+                tokens, reason, last = tokens + _counted(d, held, stops), d.finish_reason, d
                 if stops.matched:
                     reason = "stop"
                     break
         finally:
             await stream.aclose()
+        if not reason:
+            raise _ended()
         text.append(stops.flush() if not stops.matched else "")
         out, stats = "".join(text), last.stats if last is not None else {}
         choice = ({"index": 0, "message": {"role": "assistant", "content": out}, "logprobs": None,
@@ -157,6 +166,19 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
                   {"index": 0, "text": out, "logprobs": None, "finish_reason": reason or "stop"})
         return {**base, "choices": [choice], "usage": usage(prompt_tokens, tokens),
                 "metrics": speculative_metrics(stats, info.draft_len) if stats else {}}
+
+    def _counted(d, held: str, stops: StopMatcher) -> int:
+        """The tokens of response ``d`` the request generated up to its end: all of them, or where a
+        stop string matched inside it, those up to the one that completes the match (a speculative
+        response holds a whole step; vLLM counts up to the stop as well). ``held``: the text held back
+        before ``d``."""
+        if not stops.matched or not d.ids:
+            return d.tokens
+        for n in range(1, len(d.ids) + 1):
+            seen = held + info.tokenizer.decode(d.ids[:n])
+            if any(s in seen for s in stops.stops):
+                return n
+        return d.tokens
 
     async def _first(stream):
         try:
@@ -186,8 +208,9 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
         try:
             d = first
             while d is not None:
+                held = stops.held
                 text = stops.feed(d.text)
-                tokens, reason, last = tokens + d.tokens, d.finish_reason, d
+                tokens, reason, last = tokens + _counted(d, held, stops), d.finish_reason, d
                 if stops.matched:
                     reason = "stop"
                 if text:
@@ -198,6 +221,8 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
                     d = await stream.__anext__()
                 except StopAsyncIteration:
                     d = None
+            if not reason:
+                raise _ended()
             tail_text = "" if stops.matched else stops.flush()
             if tail_text:
                 yield event(choice(tail_text))

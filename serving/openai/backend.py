@@ -26,6 +26,11 @@ class Delta:
     result: object = field(default=None, repr=False)   # the response (an InferResult): stats on demand
 
     @cached_property
+    def ids(self) -> list[int] | None:
+        """This response's token ids (read only where a stop string matched inside it)."""
+        return None if self.result is None else [int(t) for t in self.result.as_numpy("output_ids").reshape(-1)]
+
+    @cached_property
     def stats(self) -> dict:
         """steps, drafts, accepted, histogram (the request's so far), read only when asked for: the
         frontend needs them once, at the end, not per streamed response."""

@@ -1,0 +1,94 @@
+"""The OpenAI frontend's answers against a scripted backend (no Triton): what it reports is what was
+generated. A stream the server ended without a finish reason is an error, not a 200 "stop"; usage
+counts a speculative response's tokens only up to the one that completes a stop string."""
+import asyncio
+import json
+
+from tokenizers import Tokenizer
+
+from builder import embedded
+from serving.openai.app import ModelInfo, create_app
+from serving.openai.backend import Delta
+
+TOKENIZER = Tokenizer.from_file(str(embedded.target_dir() / "tokenizer.json"))
+
+
+class ScriptedDelta(Delta):
+    """A response with its token ids (a real one reads them from its Triton result)."""
+    def __init__(self, ids, finish_reason=""):
+        super().__init__(TOKENIZER.decode(ids), len(ids), finish_reason)
+        self.__dict__["ids"] = list(ids)
+
+
+class ScriptedBackend:
+    def __init__(self, responses):
+        self.responses = responses
+
+    async def ready(self):
+        return True
+
+    async def close(self):
+        pass
+
+    async def generate(self, g, max_tokens):
+        for d in self.responses:
+            yield d
+
+
+def _post(app, body: dict):
+    """One POST /v1/completions through the ASGI app: (status, body bytes)."""
+    messages, sent = [], []
+
+    async def receive():
+        if not sent:
+            sent.append(True)
+            return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+        await asyncio.sleep(3600)
+
+    async def send(message):
+        messages.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "query_string": b"", "headers": [(b"content-type", b"application/json")], "http_version": "1.1",
+             "scheme": "http", "server": ("test", 80), "client": ("test", 1), "root_path": ""}
+    asyncio.run(app(scope, receive, send))
+    status = next(m["status"] for m in messages if m["type"] == "http.response.start")
+    return status, b"".join(m.get("body", b"") for m in messages if m["type"] == "http.response.body")
+
+
+def _app(responses):
+    info = ModelInfo("m", TOKENIZER, 256, 4, None, 0)
+    return create_app(info, ScriptedBackend(responses))
+
+
+def _ids(text):
+    return TOKENIZER.encode(text).ids
+
+
+def test_a_generation_ended_without_a_finish_reason_is_an_error():
+    partial = [ScriptedDelta(_ids("def f(x):"))]         # then the stream closes: no final response
+    status, body = _post(_app(partial), {"prompt": "p", "max_tokens": 16})
+    assert status == 500 and "without finishing" in json.loads(body)["error"]["message"], body
+    status, body = _post(_app(partial), {"prompt": "p", "max_tokens": 16, "stream": True})
+    events = [json.loads(line[6:]) for line in body.decode().splitlines() if line.startswith("data: {")]
+    assert "error" in events[-1] and not any(e.get("choices", [{}])[0].get("finish_reason") for e in events[:-1])
+
+
+def test_usage_counts_up_to_the_token_that_completes_a_stop_string():
+    first, step = _ids("def f(x):\n"), _ids("    return x\n\nprint(f(2))")
+    cut = next(n for n in range(1, len(step) + 1) if "\n\n" in TOKENIZER.decode(step[:n]))
+    assert cut < len(step)           # the step's response carries tokens past the stop
+    responses = [ScriptedDelta(first), ScriptedDelta(step), ScriptedDelta(_ids(" more"), "length")]
+    for stream in (False, True):
+        status, body = _post(_app(responses), {"prompt": "p", "max_tokens": 64, "stop": "\n\n", "stream": stream,
+                                               "stream_options": {"include_usage": True} if stream else None})
+        assert status == 200, body
+        if stream:
+            events = [json.loads(line[6:]) for line in body.decode().splitlines() if line.startswith("data: {")]
+            text = "".join(c["text"] for e in events for c in e["choices"])
+            usage, reason = events[-1]["usage"], [c["finish_reason"] for e in events for c in e["choices"]][-1]
+        else:
+            out = json.loads(body)
+            text, usage, reason = out["choices"][0]["text"], out["usage"], out["choices"][0]["finish_reason"]
+        assert text == "def f(x):\n    return x" and reason == "stop"
+        assert usage["completion_tokens"] == len(first) + cut, (usage, len(first), cut)
