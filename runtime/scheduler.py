@@ -60,6 +60,7 @@ class Scheduler:
         self._stopping = False
         self.metrics = {"active_sequences": 0, "queued": 0, "steps": 0, "generated_tokens": 0,
                         "accepted_tokens": 0, "verify_rows": 0, "draft_seconds": 0.0, "verify_seconds": 0.0,
+                        "spec_steps": 0,   # steps of the speculative group (draft and verify seconds are its)
                         "max_batch_seen": 0, "requests_completed": 0, "requests_cancelled": 0}
         self.batch_sizes: Counter = Counter()
 
@@ -198,7 +199,8 @@ class Scheduler:
         except Exception as error:  # fail the running requests, keep serving
             self._fail_all(f"{type(error).__name__}: {error}")
         if self.spec is not None:
-            self.metrics.update(draft_seconds=self.spec.draft_seconds, verify_seconds=self.spec.verify_seconds,
+            self.metrics.update(spec_steps=self.spec.steps,
+                                draft_seconds=self.spec.draft_seconds, verify_seconds=self.spec.verify_seconds,
                                 accepted_tokens=sum(n * c for n, c in self.spec.histogram.items()),
                                 verify_rows=sum(self.spec.histogram.values()),
                                 draft_tokens=self.spec.draft_tokens,

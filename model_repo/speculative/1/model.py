@@ -151,7 +151,7 @@ class TritonPythonModel:
             "accepted_tokens": metric("nemospec_accepted_tokens_total", "Tokens gained over all verify rows (accepted drafts + bonus)", MF.COUNTER),
             "generated_tokens": metric("nemospec_generated_tokens_total", "Tokens generated for clients", MF.COUNTER),
             "draft_seconds": metric("nemospec_draft_seconds_total", "Seconds spent proposing drafts", MF.COUNTER),
-            "verify_seconds": metric("nemospec_verify_seconds_total", "Seconds spent in target verify forwards", MF.COUNTER),
+            "verify_seconds": metric("nemospec_verify_seconds_total", "Seconds the speculative group spent in target forwards (verify, or decode in a step with K = 0)", MF.COUNTER),
             "active_sequences": metric("nemospec_active_sequences", "Sequences in the running batch", MF.GAUGE),
             "queued": metric("nemospec_queued_requests", "Requests waiting for a batch slot", MF.GAUGE),
             "max_batch_seen": metric("nemospec_max_batch_seen", "Largest batch a step has run", MF.GAUGE),
@@ -160,8 +160,8 @@ class TritonPythonModel:
             # step over the steps since the previous one
             "accepted_per_step": metric("nemospec_accepted_tokens_per_step", "Tokens gained per verify row (mean per step over each update interval)",
                                         MF.HISTOGRAM, [1.0 + i / 2 for i in range(2 * k + 1)]),
-            "draft_latency": metric("nemospec_draft_latency_seconds", "Draft seconds per speculative step (mean over each update interval)", MF.HISTOGRAM, LATENCY_BUCKETS),
-            "verify_latency": metric("nemospec_verify_latency_seconds", "Verify seconds per speculative step (mean over each update interval)", MF.HISTOGRAM, LATENCY_BUCKETS),
+            "draft_latency": metric("nemospec_draft_latency_seconds", "Draft seconds per step of the speculative group (mean over each update interval)", MF.HISTOGRAM, LATENCY_BUCKETS),
+            "verify_latency": metric("nemospec_verify_latency_seconds", "Target forward seconds (verify, or decode in a step with K = 0) per step of the speculative group (mean over each update interval)", MF.HISTOGRAM, LATENCY_BUCKETS),
         }
         # vLLM's / TensorRT-LLM's speculative-decoding families, under nemospec_
         self.m.update({
@@ -201,6 +201,8 @@ class TritonPythonModel:
         s = dict(self.scheduler.metrics)
         last = self._last
         steps = s.get("steps", 0) - last["steps"]
+        spec_steps = s.get("spec_steps", 0) - self._spec_steps_before   # the group the latencies are of
+        self._spec_steps_before = s.get("spec_steps", 0)
         for key, name in (("steps", "steps"), ("verify_rows", "verify_rows"), ("accepted_tokens", "accepted_tokens"),
                           ("generated_tokens", "generated_tokens"), ("draft_seconds", "draft_seconds"),
                           ("verify_seconds", "verify_seconds"), ("draft_tokens", "spec_draft_tokens"),
@@ -222,10 +224,10 @@ class TritonPythonModel:
             verify = s.get("verify_seconds", 0.0) - self._verify_before
             if rows > 0:
                 self.m["accepted_per_step"].observe(accepted / rows)
-            if draft > 0:
-                self.m["draft_latency"].observe(draft / steps)
-            if verify > 0:
-                self.m["verify_latency"].observe(verify / steps)
+            if draft > 0 and spec_steps > 0:
+                self.m["draft_latency"].observe(draft / spec_steps)
+            if verify > 0 and spec_steps > 0:
+                self.m["verify_latency"].observe(verify / spec_steps)
         self._rows_before, self._accepted_before = s.get("verify_rows", 0), s.get("accepted_tokens", 0)
         self._draft_before, self._verify_before = s.get("draft_seconds", 0.0), s.get("verify_seconds", 0.0)
         gauges = {"active_sequences": s.get("active_sequences", 0), "queued": s.get("queued", 0),
@@ -236,7 +238,7 @@ class TritonPythonModel:
                 self.m[key].set(value)
                 self._gauges[key] = value
 
-    _rows_before = _accepted_before = 0
+    _rows_before = _accepted_before = _spec_steps_before = 0
     _draft_before = _verify_before = 0.0
 
     # --- requests ----------------------------------------------------------------------------------
