@@ -135,6 +135,36 @@ def test_stop_strings_and_ignore_eos(client, stack, engine_dir, tokenizer):  # n
     assert chunks[-1].usage.completion_tokens == through
 
 
+def test_logprobs_are_the_targets_for_the_emitted_tokens(client, stack, engine_dir, tokenizer):  # noqa: F811
+    """``logprobs: 0`` (completions) and ``logprobs: true`` (chat): each emitted token with the
+    target's log-softmax at its position, against an eager teacher-forced pass within how far logits
+    move between computation orders (log-softmax moves at most twice that)."""
+    import torch
+
+    from runtime.loading import open_engine_dir
+    from speculative_fixtures import teacher_forced_logits
+    from tolerances import lm_head_bound, logit_order_bound
+    prompt = "def fibonacci(n):"
+    want = offline(engine_dir, prompt, 16)
+    got = client.completions.create(model=_model(stack), prompt=prompt, max_tokens=16, temperature=0, logprobs=0)
+    lp = got.choices[0].logprobs
+    assert got.choices[0].text == want["text"] and "".join(lp.tokens) == want["text"]
+    assert lp.tokens == [tokenizer.decode([t]) for t in want["output_ids"]]
+    runner = open_engine_dir(engine_dir, backend="torch").runner
+    prompts, outputs = [tokenizer.encode(prompt).ids], [want["output_ids"]]
+    decode = teacher_forced_logits(runner, prompts, outputs)[0].double()
+    spread = float((teacher_forced_logits(runner, prompts, outputs, 4, verify=True)[0].double() - decode).abs().max())
+    bound = 2 * float(logit_order_bound(lm_head_bound(runner.module.norm_f, runner.module.lm_head), spread).max())
+    oracle = torch.log_softmax(decode, -1).gather(-1, torch.tensor(want["output_ids"])[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(lp.token_logprobs, dtype=torch.float64), oracle, rtol=0, atol=bound), \
+        (lp.token_logprobs, oracle.tolist(), bound)
+    chat = client.chat.completions.create(model=_model(stack), messages=[{"role": "user", "content": "write a loop"}],
+                                          max_tokens=8, temperature=0, logprobs=True)
+    content = chat.choices[0].logprobs.content
+    assert "".join(c.token for c in content) == chat.choices[0].message.content and len(content) == 8
+    assert all(c.logprob <= 0 and c.top_logprobs == [] for c in content)
+
+
 def test_chat_uses_the_template(client, stack, engine_dir):  # noqa: F811
     messages = [{"role": "user", "content": "write a loop"}]
     rendered = "# user: write a loop\n# assistant:\n"

@@ -8,16 +8,19 @@ from tokenizers import Tokenizer
 
 from builder import embedded
 from serving.openai.app import ModelInfo, create_app
+from serving.openai.chat_template import ChatTemplate
 from serving.openai.backend import Delta
 
 TOKENIZER = Tokenizer.from_file(str(embedded.target_dir() / "tokenizer.json"))
 
 
 class ScriptedDelta(Delta):
-    """A response with its token ids (a real one reads them from its Triton result)."""
-    def __init__(self, ids, finish_reason=""):
+    """A response with its token ids and their log-probabilities (a real one reads them from its
+    Triton result)."""
+    def __init__(self, ids, finish_reason="", logprobs=None):
         super().__init__(TOKENIZER.decode(ids), len(ids), finish_reason)
         self.__dict__["ids"] = list(ids)
+        self.__dict__["logprobs"] = list(logprobs if logprobs is not None else [-0.5] * len(ids))
 
 
 class ScriptedBackend:
@@ -35,8 +38,8 @@ class ScriptedBackend:
             yield d
 
 
-def _post(app, body: dict):
-    """One POST /v1/completions through the ASGI app: (status, body bytes)."""
+def _post(app, body: dict, path: str = "/v1/completions"):
+    """One POST through the ASGI app: (status, body bytes)."""
     messages, sent = [], []
 
     async def receive():
@@ -48,7 +51,7 @@ def _post(app, body: dict):
     async def send(message):
         messages.append(message)
 
-    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "raw_path": b"/v1/completions",
+    scope = {"type": "http", "method": "POST", "path": path, "raw_path": path.encode(),
              "query_string": b"", "headers": [(b"content-type", b"application/json")], "http_version": "1.1",
              "scheme": "http", "server": ("test", 80), "client": ("test", 1), "root_path": ""}
     asyncio.run(app(scope, receive, send))
@@ -92,3 +95,41 @@ def test_usage_counts_up_to_the_token_that_completes_a_stop_string():
             text, usage, reason = out["choices"][0]["text"], out["usage"], out["choices"][0]["finish_reason"]
         assert text == "def f(x):\n    return x" and reason == "stop"
         assert usage["completion_tokens"] == len(first) + cut, (usage, len(first), cut)
+
+
+def _events(body: bytes) -> list:
+    return [json.loads(line[6:]) for line in body.decode().splitlines() if line.startswith("data: {")]
+
+
+def test_logprobs_are_the_chosen_tokens_up_to_the_stop():
+    """completions ``logprobs: 0`` and chat ``logprobs: true``: each returned token with the
+    log-probability the server sent for it, in order, ending at the token that completes the stop
+    string; streamed, each chunk carries its tokens'. Alternatives (top_logprobs > 0) are refused."""
+    first, step = _ids("def f(x):\n"), _ids("    return x\n\nprint(f(2))")
+    cut = next(n for n in range(1, len(step) + 1) if "\n\n" in TOKENIZER.decode(step[:n]))
+    lps = [-0.25 * (i + 1) for i in range(len(first) + len(step))]
+    responses = [ScriptedDelta(first, logprobs=lps[:len(first)]), ScriptedDelta(step, logprobs=lps[len(first):])]
+    kept_ids, kept_lps = first + step[:cut], lps[:len(first) + cut]
+    pieces = [TOKENIZER.decode([t]) for t in kept_ids]
+    body = {"prompt": "p", "max_tokens": 64, "stop": "\n\n", "logprobs": 0}
+    status, raw = _post(_app(responses), body)
+    got = json.loads(raw)["choices"][0]["logprobs"]
+    assert status == 200 and got["tokens"] == pieces and got["token_logprobs"] == kept_lps
+    assert got["text_offset"] == [sum(len(p) for p in pieces[:i]) for i in range(len(pieces))]
+    assert got["top_logprobs"] == [{p: lp} for p, lp in zip(pieces, kept_lps)]
+    status, raw = _post(_app(responses), {**body, "stream": True})
+    chunks = [c["logprobs"] for e in _events(raw) for c in e["choices"] if c["logprobs"]]
+    assert [t for c in chunks for t in c["tokens"]] == pieces
+    assert [o for c in chunks for o in c["text_offset"]] == got["text_offset"]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 64, "stop": "\n\n", "logprobs": True}
+    info = ModelInfo("m", TOKENIZER, 256, 4, ChatTemplate("{{ messages[0]['content'] }}"), 0)
+    status, raw = _post(create_app(info, ScriptedBackend(responses)), chat, "/v1/chat/completions")
+    content = json.loads(raw)["choices"][0]["logprobs"]["content"]
+    assert status == 200 and [c["token"] for c in content] == pieces and [c["logprob"] for c in content] == kept_lps
+    assert all(c["top_logprobs"] == [] and bytes(c["bytes"]).decode() == c["token"] for c in content)
+    for refused, path in (({**body, "logprobs": 2}, "/v1/completions"),
+                          ({**chat, "top_logprobs": 3}, "/v1/chat/completions")):
+        status, raw = _post(create_app(info, ScriptedBackend(responses)), refused, path)
+        assert status == 400 and "no alternatives" in json.loads(raw)["error"]["message"], raw
+    status, raw = _post(_app(responses), {**body, "logprobs": None})
+    assert status == 200 and json.loads(raw)["choices"][0]["logprobs"] is None

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from serving.openai.backend import TritonBackend
 from serving.openai.chat_template import ChatTemplate
 from serving.openai.errors import APIError
+from serving.openai.logprobs import chat_logprobs, completion_logprobs
 from serving.openai.protocol import (StopMatcher, completion_prompt, generation, speculative_metrics, usage)
 
 READY_SECONDS = 0.5
@@ -145,13 +146,16 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
             first = await _first(stream)      # errors before the first byte keep their status
             return StreamingResponse(_events(first, stream, g, base, chat, prompt_tokens),
                                      media_type="text/event-stream")
-        text, tokens, reason, last = [], 0, "", None
+        text, tokens, reason, last, ids, logprobs = [], 0, "", None, [], []
         stops = StopMatcher(g.stop)
         try:
             async for d in stream:
                 held = stops.held
                 text.append(stops.feed(d.text))
-                tokens, reason, last = tokens + _counted(d, held, stops), d.finish_reason, d
+                n = _counted(d, held, stops)
+                tokens, reason, last = tokens + n, d.finish_reason, d
+                if g.logprobs:
+                    ids, logprobs = ids + (d.ids or [])[:n], logprobs + d.logprobs[:n]
                 if stops.matched:
                     reason = "stop"
                     break
@@ -161,11 +165,17 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
             raise _ended()
         text.append(stops.flush() if not stops.matched else "")
         out, stats = "".join(text), last.stats if last is not None else {}
-        choice = ({"index": 0, "message": {"role": "assistant", "content": out}, "logprobs": None,
+        chosen = _logprobs(chat, ids, logprobs) if g.logprobs else None
+        choice = ({"index": 0, "message": {"role": "assistant", "content": out}, "logprobs": chosen,
                    "finish_reason": reason or "stop"} if chat else
-                  {"index": 0, "text": out, "logprobs": None, "finish_reason": reason or "stop"})
+                  {"index": 0, "text": out, "logprobs": chosen, "finish_reason": reason or "stop"})
         return {**base, "choices": [choice], "usage": usage(prompt_tokens, tokens),
                 "metrics": speculative_metrics(stats, info.draft_len) if stats else {}}
+
+    def _logprobs(chat: bool, ids, logprobs, offset: int = 0):
+        if chat:
+            return chat_logprobs(info.tokenizer, ids, logprobs)
+        return completion_logprobs(info.tokenizer, ids, logprobs, offset)
 
     def _counted(d, held: str, stops: StopMatcher) -> int:
         """The tokens of response ``d`` the request generated up to its end: all of them, or where a
@@ -192,11 +202,11 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
         def event(choice, **extra):
             return f"data: {json.dumps({**base, 'object': chunk_object, 'choices': [choice] if choice else [], **extra})}\n\n"
 
-        def choice(text, reason=None):
+        def choice(text, reason=None, logprobs=None):
             if chat:
-                return {"index": 0, "delta": {"content": text} if text or reason is None else {}, "logprobs": None,
+                return {"index": 0, "delta": {"content": text} if text or reason is None else {}, "logprobs": logprobs,
                         "finish_reason": reason}
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
         # a text chunk is the same JSON every time but for its text: encoded once, the text spliced in
         head, _, tail = event(choice("\0")).partition(json.dumps("\0"))
@@ -204,16 +214,21 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
         if chat:
             yield event({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                          "finish_reason": None})
-        stops, tokens, reason, last = StopMatcher(g.stop), 0, "", None
+        stops, tokens, reason, last, offset = StopMatcher(g.stop), 0, "", None, 0
         try:
             d = first
             while d is not None:
                 held = stops.held
                 text = stops.feed(d.text)
-                tokens, reason, last = tokens + _counted(d, held, stops), d.finish_reason, d
+                n = _counted(d, held, stops)
+                tokens, reason, last = tokens + n, d.finish_reason, d
                 if stops.matched:
                     reason = "stop"
-                if text:
+                if g.logprobs and n:    # the tokens' log-probabilities ride with the text they make
+                    chosen = _logprobs(chat, (d.ids or [])[:n], d.logprobs[:n], offset)
+                    offset += sum(len(piece) for piece in chosen.get("tokens", ()))
+                    yield event(choice(text, logprobs=chosen))
+                elif text:
                     yield head + json.dumps(text) + tail
                 if reason:
                     break

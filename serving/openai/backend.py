@@ -15,7 +15,7 @@ from serving.openai.errors import APIError, from_triton
 from serving.openai.protocol import Generation
 
 OUTPUTS = ("text_output", "output_ids", "finish_reason", "total_draft_tokens", "total_accepted_draft_tokens",
-           "acceptance_histogram", "mean_accepted_tokens")
+           "acceptance_histogram", "mean_accepted_tokens", "output_log_probs")
 
 
 @dataclass
@@ -29,6 +29,12 @@ class Delta:
     def ids(self) -> list[int] | None:
         """This response's token ids (read only where a stop string matched inside it)."""
         return None if self.result is None else [int(t) for t in self.result.as_numpy("output_ids").reshape(-1)]
+
+    @cached_property
+    def logprobs(self) -> list[float]:
+        """This response's tokens' log-probabilities (sent with ``return_log_probs``, else empty)."""
+        values = None if self.result is None else self.result.as_numpy("output_log_probs")
+        return [] if values is None else [float(v) for v in values.reshape(-1)]
 
     @cached_property
     def stats(self) -> dict:
@@ -87,6 +93,8 @@ def ensemble_inputs(g: Generation, max_tokens: int):
         inputs.append(one("end_id", -1, np.int32, "INT32"))
     if g.min_tokens:
         inputs.append(one("min_length", g.min_tokens, np.int32, "INT32"))
+    if g.logprobs:
+        inputs.append(one("return_log_probs", True, np.bool_, "BOOL"))
     for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
         value = getattr(g, name)
         if value != (1.0 if name == "repetition_penalty" else 0.0):

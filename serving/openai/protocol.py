@@ -4,8 +4,9 @@ Fields: ``prompt`` (a string or a one-item list), ``messages``, ``max_tokens`` /
 ``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop`` (string or list), ``n`` = 1,
 ``ignore_eos`` (vLLM's), the penalties, ``top_k`` and ``min_tokens`` (vLLM's names), and nemospec's
 ``speculative`` (false: this request target-only). Unknown fields are ignored, as OpenAI's own
-server ignores what it does not know; unsupported ones (n > 1, logprobs, tools, echo, ...) are 400s
-naming the field. Per-request speculative-decoding metrics use vLLM's shape:
+server ignores what it does not know; unsupported ones (n > 1, top logprobs, tools, echo, ...) are
+400s naming the field. ``logprobs`` (completions: 0; chat: true) returns each chosen token's
+log-probability. Per-request speculative-decoding metrics use vLLM's shape:
 ``metrics.speculative_decoding`` with mean_acceptance_length, draft_acceptance_rate,
 acceptance_histogram, num_spec_steps, num_accepted_draft_tokens, num_draft_tokens, num_spec_tokens.
 """
@@ -36,6 +37,7 @@ class Generation:
     speculative: bool = True
     stream: bool = False
     include_usage: bool = False
+    logprobs: bool = False            # each chosen token's log-probability in the response
 
 
 def _number(body, name, default, low, high, integer=False):
@@ -64,10 +66,12 @@ def _unsupported(body, chat: bool):
     if body.get("best_of", 1) not in (1, None):
         raise bad("best_of", "only best_of = 1 is supported")
     logprobs = body.get("logprobs")
-    if logprobs not in (None, False) and not (not chat and logprobs == 0):
-        raise bad("logprobs", "log-probabilities are not supported by this endpoint yet")
+    if chat and logprobs not in (None, True, False):
+        raise bad("logprobs", f"expected true or false, got {logprobs!r}")
+    if not chat and logprobs is not None and logprobs is not False and (logprobs is True or logprobs != 0):
+        raise bad("logprobs", "only 0: each chosen token's log-probability (the server returns no alternatives)")
     if body.get("top_logprobs"):
-        raise bad("top_logprobs", "not supported")
+        raise bad("top_logprobs", "only 0: the server returns each chosen token's log-probability, no alternatives")
     for name in ("tools", "functions", "logit_bias", "suffix", "prompt_logprobs"):
         if body.get(name):
             raise bad(name, "not supported")
@@ -78,6 +82,11 @@ def _unsupported(body, chat: bool):
     fmt = body.get("response_format")
     if fmt not in (None, {"type": "text"}):
         raise bad("response_format", "only {\"type\": \"text\"} is supported")
+
+
+def _wants_logprobs(value, chat: bool) -> bool:
+    """chat: ``logprobs: true``; completions: ``logprobs: 0`` (validated: nothing else but null/false)."""
+    return value is True if chat else value is not None and not isinstance(value, bool)
 
 
 def generation(body, prompt: str, chat: bool) -> Generation:
@@ -114,7 +123,8 @@ def generation(body, prompt: str, chat: bool) -> Generation:
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         repetition_penalty=_number(body, "repetition_penalty", 1.0, 1e-6, 100.0),
         speculative=_flag(body, "speculative", True), stream=stream,
-        include_usage=_flag(options, "include_usage"))
+        include_usage=_flag(options, "include_usage"),
+        logprobs=_wants_logprobs(body.get("logprobs"), chat))
 
 
 def completion_prompt(body) -> str:
