@@ -1,7 +1,9 @@
 """What each sequence's settings do to the target's logits before a token is chosen or verified.
 
-Banned tokens; TensorRT-LLM's repetition, presence and frequency penalties (over the prompt and every
-token before the position scored); ``min_length`` (end ids banned while fewer tokens were generated).
+Banned tokens, and bad words of several tokens (the last banned where the history ends with the
+rest, as TensorRT-LLM's bad_words and transformers' bad_words_ids do); TensorRT-LLM's repetition,
+presence and frequency penalties (over the prompt and every token before the position scored);
+``min_length`` (end ids banned while fewer tokens were generated).
 A verify chunk's row j is shaped with the history that row continues: the sequence so far plus the
 first j drafts, so speculation samples from exactly the distribution target-only decoding would, and
 greedy speculation stays equal to greedy target-only decoding. Log-probabilities of chosen tokens
@@ -26,6 +28,14 @@ def _penalise(row: torch.Tensor, counts: torch.Tensor, p: SamplingParams) -> tor
     return row
 
 
+def _ban_bad_sequences(row: torch.Tensor, history: list, p: SamplingParams) -> None:
+    """Bans each bad sequence's last token in ``row`` [V] where ``history`` ends with the rest."""
+    for word in p.bad_sequences:
+        head = list(word[:-1])
+        if len(history) >= len(head) and history[len(history) - len(head):] == head:
+            row[word[-1]] = float("-inf")
+
+
 def shape(logits: torch.Tensor, seqs, drafts: torch.Tensor | None = None) -> torch.Tensor:
     """logits [B, T, V] for the next T positions of each sequence (T = 1 for a decode step; a verify
     chunk's rows follow ``drafts`` [B, T-1]) -> shaped logits (a copy only when something applies)."""
@@ -48,6 +58,8 @@ def shape(logits: torch.Tensor, seqs, drafts: torch.Tensor | None = None) -> tor
             logits[b, t] = _penalise(logits[b, t], counts, p)
             if len(s.outputs) + t < p.min_length and s.end_ids:
                 logits[b, t, list(s.end_ids)] = float("-inf")
+            if p.bad_sequences:
+                _ban_bad_sequences(logits[b, t], s.prompt + s.outputs + following[:t], p)
     return logits
 
 
@@ -70,10 +82,13 @@ def shape_tree(logits: torch.Tensor, seqs, tokens: torch.Tensor, parents: torch.
             continue
         history = torch.bincount(torch.tensor(s.prompt + s.outputs, dtype=torch.long), minlength=vocab).to(logits)
         for r in range(logits.shape[1]):
-            counts = history + torch.bincount(tokens[b][drafted[b, r]].long(), minlength=vocab).to(logits)
+            path = tokens[b][drafted[b, r]]                       # root's child .. r (parents come first)
+            counts = history + torch.bincount(path.long(), minlength=vocab).to(logits)
             logits[b, r] = _penalise(logits[b, r], counts, p)
             if len(s.outputs) + int(depth[b, r]) < p.min_length and s.end_ids:
                 logits[b, r, list(s.end_ids)] = float("-inf")
+            if p.bad_sequences:
+                _ban_bad_sequences(logits[b, r], s.prompt + s.outputs + path.tolist(), p)
     return logits
 
 

@@ -19,11 +19,12 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     min_length: int = 0                 # end ids are banned until this many tokens were generated
     logprobs: bool = False              # record each generated token's log-probability
+    bad_sequences: tuple[tuple[int, ...], ...] = ()   # a sequence's last token is banned after the rest
 
     @property
     def uses_history(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.min_length > 0)
+                or self.min_length > 0 or bool(self.bad_sequences))
 
     @property
     def argmax(self) -> bool:

@@ -28,7 +28,7 @@ class Request:
     seed: int | None = None
     end_ids: frozenset = frozenset()
     stop_words: tuple = ()     # generation stops after any of these token sequences (kept in the output)
-    bad_words: tuple = ()      # single-token entries are banned; longer sequences are not supported
+    bad_words: tuple = ()      # token sequences: a single token is banned, a longer one's last token after the rest
     speculative: bool = True
     top_k: int = 0
     min_length: int = 0
@@ -136,7 +136,7 @@ class Scheduler:
             generator = torch.Generator().manual_seed(r.seed) if r.seed is not None else None
             params = SamplingParams(r.temperature, r.top_p, generator, tuple(w[0] for w in r.bad_words if len(w) == 1),
                                     r.top_k, r.repetition_penalty, r.presence_penalty, r.frequency_penalty,
-                                    r.min_length, r.logprobs)
+                                    r.min_length, r.logprobs, tuple(tuple(w) for w in r.bad_words if len(w) > 1))
             seq = Sequence(list(r.prompt_ids), r.max_new_tokens, params, frozenset(r.end_ids),
                            tuple(tuple(w) for w in r.stop_words), request_id=request_id, on_tokens=cb,
                            max_draft=r.max_draft, admitted_ns=time.time_ns())

@@ -93,6 +93,22 @@ def test_min_length_bans_the_end_id_like_min_new_tokens(setup):
         assert [s.outputs for s in seqs] == [s.outputs for s in held], mode
 
 
+def test_bad_words_of_several_tokens_match_transformers_and_speculation(setup):
+    """A bad word of two tokens bans its second token right after its first (transformers'
+    bad_words_ids is the oracle); speculative verify rows check it against the drafts they follow."""
+    target_dir, target, proposer = setup
+    free = _plain(target, [SamplingParams() for _ in PROMPTS])[0].outputs
+    word = (free[3], free[4])                    # the free run says it: the ban must change the output
+    params = lambda: [SamplingParams(bad_sequences=(word,)) for _ in PROMPTS]  # noqa: E731
+    plain = _plain(target, params())
+    want, _ = _hf(target_dir, target, PROMPTS[0], bad_words_ids=[list(word)])
+    assert plain[0].outputs == want != free
+    assert not any(tuple(s.prompt[-1:] + s.outputs)[i:i + 2] == word for s in plain for i in range(len(s.outputs)))
+    for mode in ("eagle3", "dflash", "mtp"):
+        seqs, _ = _speculative(target, proposer, mode, params())
+        assert [s.outputs for s in seqs] == [s.outputs for s in plain], mode
+
+
 def test_presence_and_frequency_penalties_follow_their_formula():
     """No transformers processor for these two: the formula itself, on a verify chunk whose rows
     continue the drafts (row j counts the first j drafts too)."""

@@ -209,3 +209,26 @@ def test_a_failed_admission_answers_the_newcomers_and_keeps_serving(loaded, monk
     scheduler.submit(Request(PROMPTS[0], 8), later)
     _drain(scheduler)
     assert later.finished and [later.tokens] == want
+
+
+def test_bad_words_of_one_and_two_tokens_are_never_generated(loaded):
+    """A request's bad words: a one-token word is banned outright, a two-token one's second token
+    right after its first; speculative and target-only requests answer alike, and each ban changes
+    the answer it applies to."""
+    def run(words):
+        outs = []
+        for speculative in (True, False):
+            scheduler, c = Scheduler(loaded), Collector()
+            scheduler.submit(Request(PROMPTS[0], 20, bad_words=words, speculative=speculative), c)
+            _drain(scheduler)
+            outs.append(c.tokens)
+        assert outs[0] == outs[1], words
+        return outs[0]
+    free = generate(loaded.runner, PROMPTS[:1], 20).output_ids[0]
+    one = run(((free[1],),))
+    assert one != free and free[1] not in one
+    pair = (one[3], one[4])
+    both = run(((free[1],), pair))
+    history = PROMPTS[0] + both
+    assert both != one and free[1] not in both
+    assert not any(tuple(history[i:i + 2]) == pair for i in range(len(PROMPTS[0]) - 1, len(history) - 1))

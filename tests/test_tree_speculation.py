@@ -68,6 +68,19 @@ def test_greedy_tree_with_penalties_equals_target_only(pair):
     assert group.tree_sizes
 
 
+def test_greedy_tree_with_a_bad_word_equals_target_only(pair, reference):
+    """A two-token bad word bans its second token in every tree row whose root path ends with its
+    first: the tree's output equals target-only decoding with the same ban."""
+    target, proposer = pair
+    word = tuple(reference[0][2:4])
+    params = SamplingParams(bad_sequences=(word,))
+    want = run_group(PlainGroup(target, 80), PROMPTS[:3], 30, params)
+    assert [s.outputs for s in want][0] != reference[0][:30]
+    group = TreeSpeculativeGroup(target, lambda: proposer("eagle3"), TreeShape(8, 2, 4), 80)
+    got = run_group(group, PROMPTS[:3], 30, params)
+    assert [s.outputs for s in got] == [s.outputs for s in want] and group.tree_sizes
+
+
 @pytest.mark.parametrize("mode", ["eagle3", "eagle", "mtp"])
 def test_draft_tree_step_scores_each_node_as_its_own_chain(mode, pair):
     """Two frontier nodes with different parents, fed in one tree step, get the logits the chain
