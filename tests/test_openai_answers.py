@@ -133,3 +133,16 @@ def test_logprobs_are_the_chosen_tokens_up_to_the_stop():
         assert status == 400 and "no alternatives" in json.loads(raw)["error"]["message"], raw
     status, raw = _post(_app(responses), {**body, "logprobs": None})
     assert status == 200 and json.loads(raw)["choices"][0]["logprobs"] is None
+
+
+def test_stop_strings_wait_for_min_tokens():
+    """With ``min_tokens``, a stop string in the first tokens does not end the text (vLLM's rule);
+    one after them does."""
+    early, late = _ids("a\n\nb"), _ids(" c\n\nd")
+    responses = [ScriptedDelta(early), ScriptedDelta(late), ScriptedDelta(_ids(" e"), "length")]
+    body = {"prompt": "p", "max_tokens": 64, "stop": "\n\n"}
+    status, raw = _post(_app(responses), body)
+    assert status == 200 and json.loads(raw)["choices"][0]["text"] == "a"
+    status, raw = _post(_app(responses), {**body, "min_tokens": len(early)})
+    out = json.loads(raw)["choices"][0]
+    assert status == 200 and out["text"] == "a\n\nb c" and out["finish_reason"] == "stop", out

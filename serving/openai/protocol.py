@@ -170,11 +170,13 @@ class StopMatcher:
         self.held = ""
         self.matched = False
 
-    def feed(self, text: str) -> str:
+    def feed(self, text: str, armed: bool = True) -> str:
+        """The text that can be sent now. Not ``armed`` (fewer than ``min_tokens`` generated), a stop
+        string does not end the text, but a tail that could begin one is still held back."""
         if not self.stops:
             return text
         self.held += text
-        first = min((i for i in (self.held.find(s) for s in self.stops) if i >= 0), default=-1)
+        first = min((i for i in (self.held.find(s) for s in self.stops) if i >= 0), default=-1) if armed else -1
         if first >= 0:
             self.matched = True
             out, self.held = self.held[:first], ""
