@@ -85,13 +85,16 @@ def main():
     reference = generate(target, prompt, args.new_tokens).output_ids
     base = _median_seconds(lambda: generate(target, prompt, args.new_tokens), args.runs)
     print(f"target only (nemospec TorchRunner): {args.new_tokens / base:8.1f} tokens/s")
+    bases = {id(target): base}   # target-only on the runner each mode speculates with (its captures)
     for mode, (runner, make) in proposers.items():
         result = speculative_generate(runner, make(), prompt, args.new_tokens, args.k)
         assert result.output_ids == reference, f"{mode}: speculative output differs from target greedy"
+        if id(runner) not in bases:
+            bases[id(runner)] = _median_seconds(lambda: generate(runner, prompt, args.new_tokens), args.runs)
         spec = _median_seconds(lambda: speculative_generate(runner, make(), prompt, args.new_tokens, args.k), args.runs)
         acc = result.extra["acceptance"]["mean_accepted_tokens"]
         print(f"{mode:13s} K={args.k}: {args.new_tokens / spec:8.1f} tokens/s, mean accepted {acc:.2f}, "
-              f"speedup over target only {base / spec:.2f}x")
+              f"speedup over target only on the same runner {bases[id(runner)] / spec:.2f}x")
     from transformers import NemotronHForCausalLM
     theirs = NemotronHForCausalLM.from_pretrained(str(target_dir)).eval()
     theirs.generation_config.eos_token_id = None

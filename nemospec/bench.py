@@ -157,12 +157,17 @@ def _factor(embedded_model: str, factor: int | None) -> int:
     return factor if factor is not None else (DEFAULT_WIDE_FACTOR if embedded_model == "wide" else 1)
 
 
+def _lower_median(values, key=None):
+    """The median of an odd count, the lower of the middle two of an even one (the faster of 2 runs):
+    one statistic for every timed side of the report (bench_report.run_statistic names it)."""
+    return sorted(values, key=key)[(len(values) - 1) // 2]
+
+
 def _timed(fn, runs: int):
-    """The median run (the lower of the middle two for an even count) and its seconds: its step costs
-    and prefill are then the ones its time is made of, so the cost model explains the run it sits
-    beside (the costs of the last run beside the median time had moved mtp's gap by 0.05-0.26)."""
-    results = sorted((fn() for _ in range(runs)), key=lambda r: r.seconds)
-    median = results[(len(results) - 1) // 2]
+    """The median run (``_lower_median``) and its seconds: its step costs and prefill are then the
+    ones its time is made of, so the cost model explains the run it sits beside (the costs of the
+    last run beside the median time had moved mtp's gap by 0.05-0.26)."""
+    median = _lower_median([fn() for _ in range(runs)], key=lambda r: r.seconds)
     return median, median.seconds
 
 
@@ -288,6 +293,7 @@ def _peers(target_dir: Path, draft_dir: Path | None, prompts: list[list[int]], n
     out: dict = {}
     seconds, tokens = 0.0, 0
     with torch.inference_mode():
+        model.generate(torch.tensor([prompts[0]]), max_new_tokens=2, do_sample=False)   # warm, as our side is
         for ids in prompts:
             x = torch.tensor([ids])
             times = []
@@ -295,7 +301,7 @@ def _peers(target_dir: Path, draft_dir: Path | None, prompts: list[list[int]], n
                 start = time.perf_counter()
                 y = model.generate(x, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
                 times.append(time.perf_counter() - start)
-            seconds += statistics.median(times)
+            seconds += _lower_median(times)
             tokens += y.shape[1] - x.shape[1]
     out["transformers_generate"] = {"tokens_per_second": round(tokens / seconds, 1), "tokens": tokens}
     if draft_dir is None:
@@ -325,14 +331,18 @@ def _serving(engine_dir: Path, texts: list[str], new_tokens: int, runs: int, off
     # the offline runs' path (compiled: warmed up before the server is ready); the server's threads
     with serving(engine_dir, backend=backend, torch_threads=threads, ready_timeout=1200, **ports) as server:
         stream_generate(server.grpc_url, texts[0], 8)                     # warm-up
-        for text in texts:
+        for text in texts:   # per prompt, each side's median run (_lower_median), as offline takes it
+            pairs = []
             for _ in range(runs):
                 a = stream_generate(server.grpc_url, text, new_tokens)
                 b = stream_generate(server.grpc_url, text, new_tokens, speculative=False)
                 if a.ids != b.ids:
                     raise RuntimeError("served speculative output differs from served target-only output")
-                spec_s, plain_s, tokens = spec_s + a.seconds, plain_s + b.seconds, tokens + len(a.ids)
+                pairs.append((a, b))
                 means.append(a.mean_accepted_tokens)
+            spec_s += _lower_median([a.seconds for a, _ in pairs])
+            plain_s += _lower_median([b.seconds for _, b in pairs])
+            tokens += len(pairs[0][0].ids)
     tps = tokens / spec_s
     from serving.repository import default_torch_threads
     return {"mode": json.loads((engine_dir / "config.json").read_text())["speculative"]["mode"],

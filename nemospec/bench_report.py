@@ -98,12 +98,20 @@ def _target(report: dict) -> str:
     return out
 
 
+def run_statistic(runs: int) -> str:
+    """What the report's per-prompt figures are (bench._lower_median): the median of an odd count of
+    runs, the lower of the two middle ones of an even count."""
+    if runs % 2:
+        return "one run" if runs == 1 else f"the median run of {runs}"
+    return "the faster of 2 runs" if runs == 2 else f"the lower of the two middle runs of {runs}"
+
+
 def markdown(report: dict) -> str:
     k = report["num_draft_tokens"]
     lines = [f"# nemospec bench ({report['created']}{', quick' if report['quick'] else ''})", "",
              f"Model: `{report['model']}`{_target(report)}. Greedy code completion, {report['prompts']} prompts x "
-             f"{report['max_new_tokens']} new tokens, batch 1, K = {k} draft tokens per step, the median run of "
-             f"{report['runs']} per prompt (its time and its step costs), {report.get('backend', 'torch')} backend on both sides"
+             f"{report['max_new_tokens']} new tokens, batch 1, K = {k} draft tokens per step, {run_statistic(report['runs'])} "
+             f"per prompt (its time and its step costs), {report.get('backend', 'torch')} backend on both sides"
              f"{_precisions(report)}; CPU torch threads "
              f"{report['machine']['cpu_threads']}, allocator {report['machine'].get('allocator', 'system')}"
              f"{_kernel(report)}, CUDA "
@@ -245,7 +253,7 @@ def readme_table(report: dict) -> str:
     m0 = report["machine"]
     lines = [f"`nemospec bench` of {report['created']} ([full report](docs/bench/report.md)): model "
              f"`{report['model']}`{_target(report)}, {report['prompts']} prompts x {report['max_new_tokens']} new tokens, batch 1, "
-             f"K = {report['num_draft_tokens']}, the median run of {report['runs']} per prompt, "
+             f"K = {report['num_draft_tokens']}, {run_statistic(report['runs'])} per prompt, "
              f"{report.get('backend', 'torch')} backend on both sides{_precisions(report)}; "
              f"{m0['cpu_threads']} torch thread(s), torch {m0.get('torch', '?')}, allocator "
              f"{m0.get('allocator', 'system')}{_kernel(report)}, CUDA {m0['cuda']}. {_exactness(report)}", "",

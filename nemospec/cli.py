@@ -361,8 +361,9 @@ def cmd_generate(args):
             err.print(f"tree: {tree.max_nodes} nodes, top-{tree.topk}, depth {tree.depth}; steps by size "
                       f"{t['steps_by_size']}, accepted depth {t['steps_by_accepted_depth']}, "
                       f"{t['accepted_off_chain']} paths off the draft's top chain")
-        # the target-only step beside it: a short greedy run of the first prompt on the same runner
-        plain = generate(loaded.runner, prompts[:1], min(32, args.max_new_tokens), max_seq_len=loaded.max_seq_len,
+        # the target-only step beside it: a short greedy run of the same prompts (the same batch) on
+        # the same runner, so both sides' steps carry as many rows
+        plain = generate(loaded.runner, prompts, min(32, args.max_new_tokens), max_seq_len=loaded.max_seq_len,
                          prefill_chunk=chunk)
         cost = cost_model(result.extra["cost"].summary(), plain.extra["cost"].summary())
         err.print(cost_line(cost), markup=False)

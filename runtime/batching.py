@@ -284,7 +284,6 @@ class SpeculativeGroup(PlainGroup):
         for b, (s, d, kept, t, made) in enumerate(zip(self.seqs, drafted, m.tolist(), nxt.tolist(), proposed)):
             gained = d[:kept] + [t]                                      # one host copy of each tensor
             lp = _logprobs(logits[b:b + 1, :kept + 1], torch.tensor([gained]), [s])[0] if want_logprobs else None
-            tokens += len(gained)
             if made:   # a row that proposed nothing (its own K is 0) decoded: not a speculative step
                 s.gained[len(gained)] += 1
                 self.histogram[len(gained)] += 1
@@ -294,6 +293,7 @@ class SpeculativeGroup(PlainGroup):
                 self.accepted_at[j] += 1
             s.acceptance.record(kept, made)
             out.append(s.emit(gained, lp))
+            tokens += len(out[-1])        # emitted: the last step's run past max_new_tokens or an end id is cut
             if self.trace is not None:
                 self._trace(s, made, d[:made], kept, t, out[-1], draft, verify)
             s.position, s.last = s.position + len(gained), t

@@ -62,9 +62,9 @@ class StepCosts:
 
 
 def cost_model(speculative: dict, target_only: dict) -> dict:
-    """Both summaries side by side (``speculative``, ``target_only``), the speedup the costs predict
-    (per sequence, batch 1: tokens_per_step x target-only step / speculative step) and the parts
-    relative to a decode."""
+    """Both summaries side by side (``speculative``, ``target_only``, measured on the same prompts, so
+    at the same batch), the speedup the costs predict per sequence at that batch (tokens_per_step x
+    target-only step / speculative step) and the parts relative to a decode."""
     decode, step = target_only["step_ms"], speculative["step_ms"]
     return {"speculative": speculative, "target_only": target_only, "target_only_step_ms": decode, "target_decode_ms": target_only["verify_ms"],
             "verify_over_decode": round(speculative["verify_ms"] / target_only["verify_ms"], 3)

@@ -213,7 +213,7 @@ class CompiledRunner(TorchRunner):
 
 def warm_up(loaded, prompts, draft_len: int = 0, tree=None, **generate_args) -> float:
     """A short greedy run of ``prompts`` (speculative with ``draft_len`` > 0, with token trees of
-    shape ``tree`` if given, then target-only on the first prompt, as the CLI's cost line runs it) so
+    shape ``tree`` if given, then target-only on the same prompts, as the CLI's cost line runs it) so
     that the steps a timed run of them uses are compiled, or loaded from the cache, before it starts.
     Returns the seconds it took (0 when ``loaded`` is not on the compiled path)."""
     from runtime.generation import generate
@@ -237,7 +237,7 @@ def warm_up(loaded, prompts, draft_len: int = 0, tree=None, **generate_args) -> 
         if isinstance(draft, CompiledRunner):              # [last draft, bonus], queued after a full accept;
             for tokens in range(2, 2 + (tree.depth if tree is not None else 1)):   # after a tree: 1..depth+1 rows
                 draft.warm(tokens, len(prompts))
-    generate(loaded.runner, prompts[:1] if draft_len > 0 else prompts, steps, **generate_args)
+    generate(loaded.runner, prompts, steps, **generate_args)
     return time.perf_counter() - start
 
 

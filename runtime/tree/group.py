@@ -99,7 +99,6 @@ class TreeSpeculativeGroup(SpeculativeGroup):
             if want_logprobs:
                 rows_b = paths[b, :m + 1]
                 lp = _logprobs(logits[b:b + 1, rows_b], torch.tensor([gained]), [s])[0]
-            emitted += len(gained)
             s.gained[len(gained)] += 1
             s.drafted += self.shape.depth
             self.histogram[len(gained)] += 1
@@ -109,6 +108,7 @@ class TreeSpeculativeGroup(SpeculativeGroup):
                 self.accepted_at[j] += 1
             s.acceptance.record(m, self.shape.depth)
             out.append(s.emit(gained, lp))
+            emitted += len(out[-1])       # emitted: a run past max_new_tokens or an end id is cut
             if self.trace is not None:
                 self._trace(s, size - 1, d[:m], m, t, out[-1], draft, verify, tree_parents=parents[b].tolist(),
                             tree_tokens=tokens[b].tolist(), accepted_path=paths[b, :m + 1].tolist())
