@@ -100,20 +100,20 @@ class TreeSpeculativeGroup(SpeculativeGroup):
                 rows_b = paths[b, :m + 1]
                 lp = _logprobs(logits[b:b + 1, rows_b], torch.tensor([gained]), [s])[0]
             s.gained[len(gained)] += 1
-            s.drafted += self.shape.depth
+            s.drafted += size - 1          # every drafted node was proposed and verified
             self.histogram[len(gained)] += 1
             self.path_depths[m] += 1
             self.draft_tokens += size - 1
             for j in range(m):
                 self.accepted_at[j] += 1
-            s.acceptance.record(m, self.shape.depth)
+            s.acceptance.record(m, self.shape.depth)   # the policy's rate is per path, as a chain's
             out.append(s.emit(gained, lp))
             emitted += len(out[-1])       # emitted: a run past max_new_tokens or an end id is cut
             if self.trace is not None:
                 self._trace(s, size - 1, d[:m], m, t, out[-1], draft, verify, tree_parents=parents[b].tolist(),
                             tree_tokens=tokens[b].tolist(), accepted_path=paths[b, :m + 1].tolist())
             s.position, s.last = s.position + len(gained), t
-        self.costs.add(watch.total(), tokens=emitted, rows=n, proposals=n * self.shape.depth, draft=draft,
+        self.costs.add(watch.total(), tokens=emitted, rows=n, proposals=n * (size - 1), draft=draft,
                        verify=verify, accept=accept)
         return out
 
