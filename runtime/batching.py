@@ -244,7 +244,9 @@ class SpeculativeGroup(PlainGroup):
         dev = self.target.device
         n = len(self.seqs)
         params = [s.params for s in self.seqs]
-        drafts, q, conf = self.proposer.propose(k, params, self.policy.confidence_threshold)
+        caps = [(k if s.max_draft is None else min(k, s.max_draft)) if s.acceptance.speculating else 0
+                for s in self.seqs]   # each row's own K: its draws past it would not be verified
+        drafts, q, conf = self.proposer.propose(k, params, self.policy.confidence_threshold, caps)
         # per sequence, how many drafts it verifies: its confident prefix, 0 once its acceptance
         # fell under the floor, at most its own K (Python ints: a handful per step)
         width = drafts.shape[1]

@@ -21,6 +21,8 @@ queues the verified token; the draft consumes queued tokens at its next proposal
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from runtime.prefill import prefill
@@ -85,15 +87,24 @@ def confidence(logits, token, q):
 
 
 class _Chain:
-    """Draws of a chain draft, step by step: tokens, q rows, confidences and who is still confident."""
+    """Draws of a chain draft, step by step: tokens, q rows, confidences and who is still confident.
+    ``caps`` [B] (optional): each row's own draft length; its positions past it are never verified, so
+    they are drawn greedily and leave the row's generator where its own K left it (a seeded request
+    draws the same numbers whatever draft length the rest of its batch runs)."""
 
-    def __init__(self, params, vocab, stop_below):
-        self.params, self.vocab, self.stop_below = params, vocab, stop_below
+    def __init__(self, params, vocab, stop_below, caps=None):
+        self.params, self.vocab, self.stop_below, self.caps = params, vocab, stop_below, caps
         self.tokens, self.probs, self.conf = [], [], []
         self.going = None
 
+    def _params_at(self, j: int):
+        if self.caps is None:
+            return self.params
+        return [p if j < c or not p.temperature else replace(p, temperature=0.0, generator=None)
+                for p, c in zip(self.params, self.caps)]
+
     def draw(self, logits):
-        token, q = draw(logits, self.params)
+        token, q = draw(logits, self._params_at(len(self.tokens)))
         self.tokens.append(token)
         self.probs.append(q)
         if self.stop_below:
@@ -143,12 +154,12 @@ class ModelDraftProposer(_PerSequence):
         self.pending = [p[-1:] if keep_last else [] for p in self.pending]
         return logits[:, 0]
 
-    def propose(self, k, params, stop_below=0.0):
+    def propose(self, k, params, stop_below=0.0, caps=None):
         dev = self.runner.device
         logits = self._consume(keep_last=False)
         self.base = list(self.consumed)
         self.snapshots = [dict(self.state)]
-        chain = _Chain(params, logits.shape[-1], stop_below)
+        chain = _Chain(params, logits.shape[-1], stop_below, caps)
         token = chain.draw(logits)
         one = torch.ones(len(self.base), dtype=torch.int32, device=dev)
         zero = torch.zeros(len(self.base), 1, dtype=torch.int32, device=dev)
@@ -294,14 +305,14 @@ class FeatureDraftProposer(_PerSequence):
         self._queued_consumed()
         return tokens, None, conf.cpu() if stop_below else None
 
-    def propose(self, k, params, stop_below=0.0):
+    def propose(self, k, params, stop_below=0.0, caps=None):
         if self._fused(k, params):
             return self._propose_chain(k, stop_below)
         if any(self.pending):
             self._catch_up()
         dev = self.draft.device
         batch = self.logits.shape[0]
-        chain = _Chain(params, self.logits.shape[-1], stop_below)
+        chain = _Chain(params, self.logits.shape[-1], stop_below, caps)
         token = chain.draw(self.logits)
         one = torch.ones(batch, dtype=torch.int32, device=dev)
         zero = torch.zeros(batch, 1, dtype=torch.int32, device=dev)
@@ -411,13 +422,13 @@ class BlockDraftProposer(_AuxProposer):
             if last:
                 return logits
 
-    def propose(self, k, params, stop_below=0.0):
+    def propose(self, k, params, stop_below=0.0, caps=None):
         if hasattr(self.draft, "block_chain") and all(p.argmax for p in params):
             anchor = torch.tensor(self.anchor, dtype=torch.long, device=self.draft.device)
             tokens, conf = self._run(k, lambda feeds, state: self.draft.block_chain(feeds, state, anchor))
             return tokens, None, conf.cpu() if stop_below else None
         base = self._run(k)                                          # [B, k, Vd]
-        chain = _Chain(params, self.draft.target_vocab, stop_below)
+        chain = _Chain(params, self.draft.target_vocab, stop_below, caps)
         prev = torch.tensor(self.anchor, dtype=torch.long)[:, None]
         for j in range(k):
             token = chain.draw(self.draft.block_row(base, j, prev)[:, 0])
@@ -482,11 +493,11 @@ class ParallelDraftProposer(_AuxProposer):
             if last:
                 return self.draft.to_target_vocab(logits)
 
-    def propose(self, k, params, stop_below=0.0):
+    def propose(self, k, params, stop_below=0.0, caps=None):
         logits = self._logits(k)
         if all(p.argmax for p in params):   # every row's argmax (and its probability) at once
             return logits.argmax(-1), None, top_probability(logits).cpu() if stop_below else None
-        chain = _Chain(params, self.draft.target_vocab, stop_below)
+        chain = _Chain(params, self.draft.target_vocab, stop_below, caps)
         for j in range(k):
             chain.draw(logits[:, j])
         return chain.result()

@@ -78,6 +78,22 @@ def test_seeded_sampling_does_not_depend_on_the_batch(loaded):
     assert len(alone) == 16
 
 
+def test_a_seeded_request_with_its_own_draft_length_does_not_depend_on_the_batch(loaded):
+    """A seeded request drafting fewer tokens than the rest of its batch (num_draft_tokens 1 beside
+    requests at the engine's K): its draws past its own K are not made from its generator, so its
+    output is the one it gives alone."""
+    def sample(extra):
+        scheduler = Scheduler(loaded)
+        mine = Collector()
+        scheduler.submit(Request([5, 9, 17], 16, temperature=1.2, top_p=0.9, seed=7, max_draft=1), mine)
+        for p in extra:
+            scheduler.submit(Request(p, 16, temperature=0.7, seed=len(p)), Collector())
+        _drain(scheduler)
+        return mine.tokens
+    alone = sample([])
+    assert sample(PROMPTS[:3]) == alone and len(alone) == 16
+
+
 def test_cancel_frees_the_sequence(loaded):
     scheduler = Scheduler(loaded)
     doomed, other = Collector(), Collector()
