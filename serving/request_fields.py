@@ -25,6 +25,7 @@ class Options:
     exclude_input_in_output: bool = False   # the TensorRT-LLM backend's default: prompt + completion
     return_log_probs: bool = False
     return_perf_metrics: bool = False
+    return_acceptance: bool = False          # the acceptance counts in every streamed response
 
 
 # (field, what it does, the neutral values accepted)
@@ -135,5 +136,6 @@ def parse(inputs: dict, parameters: dict, *, vocab: int, default_end, max_draft_
     if fields["top_p"] == 0:
         raise BadInput("top_p: expected a value in (0, 1], got 0.0")
     options = Options(stream=_flag(inputs, "stream"), exclude_input_in_output=_flag(inputs, "exclude_input_in_output"),
-                      return_log_probs=fields["logprobs"], return_perf_metrics=_flag(inputs, "return_perf_metrics"))
+                      return_log_probs=fields["logprobs"], return_perf_metrics=_flag(inputs, "return_perf_metrics"),
+                      return_acceptance=_flag(inputs, "return_acceptance"))
     return fields, options

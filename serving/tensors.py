@@ -34,7 +34,8 @@ TEXT_INPUTS = {
 }
 
 # the speculative model's request inputs, in the TensorRT-LLM ensemble's order (num_draft_tokens is
-# that backend's tensorrt_llm-model input, exposed here as the per-request K)
+# that backend's tensorrt_llm-model input, exposed here as the per-request K; return_acceptance is
+# nemospec's: the request's acceptance counts in every streamed response, not only the last)
 REQUEST_INPUTS = (
     Tensor("decoder_text_input", "STRING"),
     Tensor("num_return_sequences", "INT32"),
@@ -67,6 +68,7 @@ REQUEST_INPUTS = (
     Tensor("guided_decoding_guide_type", "STRING", ragged=True),
     Tensor("guided_decoding_guide", "STRING", ragged=True),
     Tensor("num_draft_tokens", "INT32"),
+    Tensor("return_acceptance", "BOOL"),
 )
 
 # outputs of speculative that postprocessing passes through unchanged (text_output is made there)

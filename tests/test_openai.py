@@ -128,11 +128,15 @@ def test_stop_strings_and_ignore_eos(client, stack, engine_dir, tokenizer):  # n
                                     extra_body={"ignore_eos": True})
     assert got.choices[0].text == want[:want.index(stop)] and got.choices[0].finish_reason == "stop"
     assert got.usage.completion_tokens == through < len(ids), (got.usage, through)
+    spec = got.model_extra["metrics"]["speculative_decoding"]   # the counts as of the stop's response
+    assert spec["num_spec_steps"] == sum(spec["acceptance_histogram"]) > 0
+    assert spec["num_accepted_draft_tokens"] == sum(j * c for j, c in enumerate(spec["acceptance_histogram"]))
     chunks = list(client.completions.create(model=_model(stack), prompt=prompt, max_tokens=32, temperature=0,
                                             stop=stop, stream=True, stream_options={"include_usage": True},
                                             extra_body={"ignore_eos": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want[:want.index(stop)]
     assert chunks[-1].usage.completion_tokens == through
+    assert chunks[-1].model_extra["metrics"]["speculative_decoding"]["num_spec_steps"] > 0
 
 
 def test_logprobs_are_the_targets_for_the_emitted_tokens(client, stack, engine_dir, tokenizer):  # noqa: F811

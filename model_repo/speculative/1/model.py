@@ -317,10 +317,14 @@ class TritonPythonModel:
         if finished or options.return_log_probs:
             out += [pb_utils.Tensor("cum_log_probs", np.array([[sum(entry.logprobs)]], dtype=np.float32)),
                     pb_utils.Tensor("output_log_probs", np.asarray(logprobs, dtype=np.float32).reshape(1, 1, -1))]
-        if not (finished or options.return_perf_metrics):
-            return out
         spec = entry.speculation
         drafts, accepted = int(spec["draft_tokens"]), int(spec["accepted_draft_tokens"])
+        if not (finished or options.return_perf_metrics):
+            if options.return_acceptance:    # three small tensors, not the perf metrics' fifteen
+                out += [one("total_accepted_draft_tokens", accepted, np.int32), one("total_draft_tokens", drafts, np.int32),
+                        pb_utils.Tensor("acceptance_histogram",
+                                        np.asarray(spec["histogram"] or [0], dtype=np.int32).reshape(1, -1))]
+            return out
         out += [one("batch_index", 0, np.int32),
                 one("sequence_index", 0, np.int32),
                 # one fixed KV slot per sequence, allocated at admission, never shared
