@@ -6,12 +6,27 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from builder.errors import NemospecError
+
+
+def _check_replaceable(final: Path, replaceable) -> None:
+    """An existing file is never replaced; an existing non-empty directory only where ``replaceable``
+    says it is this command's own output (an earlier build), so a mistyped --output_dir cannot
+    delete a checkpoint or anything else."""
+    if final.is_file() or final.is_symlink() and not final.is_dir():
+        raise NemospecError(f"--output_dir {final}: exists and is a file; expected a directory to write")
+    if final.is_dir() and replaceable is not None and any(final.iterdir()) and not replaceable(final):
+        raise NemospecError(f"--output_dir {final}: exists and holds other files (not an earlier output of "
+                            "this command); remove it or choose another directory")
+
 
 @contextmanager
-def atomic_dir(final):
+def atomic_dir(final, replaceable=None):
     """Yields a fresh temporary directory next to ``final``; renames it into place when the block
-    succeeds (replacing an existing ``final``), deletes it when the block raises."""
+    succeeds (replacing an existing ``final`` that ``replaceable`` accepts), deletes it when the block
+    raises or the process is terminated."""
     final = Path(final)
+    _check_replaceable(final, replaceable)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(f".{final.name}.tmp-{time.time_ns()}")
     tmp.mkdir()

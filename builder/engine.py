@@ -40,6 +40,16 @@ from builder.checkpoint import TORCH_DTYPES, checkpoint_hash, convert_weights, l
 from builder.errors import BuildError
 from builder.integrity import record_files
 from builder.models.nemotron_h import NemotronH
+from builder.tokenizer_file import load_tokenizer
+
+def is_engine_dir(path) -> bool:
+    """Whether ``path`` holds an engine directory `nemospec build` wrote (its config.json's format)."""
+    try:
+        return str(json.loads((Path(path) / "config.json").read_text()).get("format", "")).startswith(
+            "nemospec-engine-dir/")
+    except (OSError, ValueError, AttributeError):
+        return False
+
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
@@ -87,8 +97,9 @@ class BuildOptions:
         if self.max_tree_nodes < 1 or self.tree_topk < 0 or self.tree_depth < 0:
             raise BuildError(f"--max_tree_nodes: expected >= 1, --tree_topk and --tree_depth >= 0 (0: the default); got "
                              f"{self.max_tree_nodes}, {self.tree_topk}, {self.tree_depth}")
-        if self.max_host_memory_gb < 0 or self.num_layers < 0:
-            raise BuildError("--max_host_memory_gb and --num_layers: expected >= 0 (0: the default)")
+        for flag, value in (("--max_host_memory_gb", self.max_host_memory_gb), ("--num_layers", self.num_layers)):
+            if value < 0:
+                raise BuildError(f"{flag}: expected >= 0 (0: the default), got {value}")
         if self.dtype not in ("auto",) + tuple(TORCH_DTYPES):
             raise BuildError(f"--dtype: expected auto, float32, float16 or bfloat16, got {self.dtype}")
         if self.draft_weight_dtype not in ("auto", "float32", "bfloat16"):
@@ -372,6 +383,8 @@ def build(checkpoint_dir, output_dir, options: BuildOptions, log=print, draft_di
     mode = options.speculative_decoding_mode
     started = time.perf_counter()
     checkpoint_dir, output_dir = Path(checkpoint_dir), Path(output_dir)
+    if (checkpoint_dir / "tokenizer.json").is_file():   # a damaged one fails now, not every later generate
+        load_tokenizer(checkpoint_dir / "tokenizer.json")
     log(f"reading checkpoint {checkpoint_dir} (memory-mapped)")
     from builder import quantization  # an NVFP4 checkpoint keeps its linears packed: FP4 constants in the engine
     quantized = quantization.is_nvfp4_checkpoint(checkpoint_dir)
@@ -388,6 +401,8 @@ def build(checkpoint_dir, output_dir, options: BuildOptions, log=print, draft_di
         raise BuildError("--quantization: quantizes the draft; it needs --speculative_decoding_mode")
     if token_map and not mode:
         raise BuildError("--speculative_token_map: cuts a draft's LM head; it needs --speculative_decoding_mode")
+    if draft_dir is not None and not mode:
+        raise BuildError(f"--draft_dir {draft_dir}: a draft needs --speculative_decoding_mode (its kind)")
     # --strip_plan: refittable constants where TensorRT can build them, else weights as engine inputs
     method = ("refit" if strip_plan_supported()[0] else "inputs") if options.strip_plan else None
     draft_files = sorted(Path(draft_dir).glob("*.safetensors")) if mode and draft_dir else []
@@ -399,7 +414,7 @@ def build(checkpoint_dir, output_dir, options: BuildOptions, log=print, draft_di
     build_memory.check(est, limit, options, config.num_layers)
 
     contracts, report_engines, refit = {}, {}, {}
-    with atomic_dir(output_dir) as tmp:
+    with atomic_dir(output_dir, replaceable=is_engine_dir) as tmp:
         log(f"writing weights into {output_dir}/weights")
         (tmp / "weights").mkdir()
         packed = quantized and options.strip_plan

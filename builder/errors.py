@@ -5,6 +5,8 @@ expected. The CLI maps :class:`NemospecError` to exit code 2.
 """
 from __future__ import annotations
 
+import argparse
+
 
 def _one_line(message: object) -> str:
     return " ".join(str(message).split())
@@ -27,3 +29,15 @@ class BuildError(NemospecError):
 
 class DraftError(NemospecError):
     """A draft checkpoint (EAGLE, EAGLE-3, ...) is malformed or does not fit its target model."""
+
+
+class UnavailableError(NemospecError, RuntimeError):
+    """What this machine cannot run (the TensorRT backend without a CUDA GPU)."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser with its errors on one line (exit 2), pointing at --help instead of printing
+    the whole usage block first."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {_one_line(message)} (see {self.prog} --help)\n")

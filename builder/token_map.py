@@ -64,8 +64,8 @@ def digest(ids: torch.Tensor) -> str:
 def rank_tokens(tokenizer_file, paths, size: int) -> list[int]:
     """The ``size`` most frequent token ids of the text files under ``paths`` (files or directories,
     read as UTF-8 with errors ignored), by count, ties by id."""
-    from tokenizers import Tokenizer
-    tok = Tokenizer.from_file(str(tokenizer_file))
+    from builder.tokenizer_file import load_tokenizer
+    tok = load_tokenizer(tokenizer_file)
     files = []
     for p in map(Path, paths):
         if not p.exists():

@@ -15,13 +15,14 @@ if __name__ == "__main__":   # a model process: mimalloc first (runtime.allocato
     from runtime.allocator import preload
     preload()
 
-import argparse
 import json
 import platform
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from builder.errors import ArgumentParser
 
 import torch
 from rich.console import Console
@@ -354,7 +355,7 @@ def _serving(engine_dir: Path, texts: list[str], new_tokens: int, runs: int, off
 
 
 def run_bench(args) -> dict:
-    from tokenizers import Tokenizer
+    from builder.tokenizer_file import load_tokenizer
 
     from builder.embedded.sources import resolve_sources
     from nemospec.bench_report import write_report
@@ -379,7 +380,7 @@ def run_bench(args) -> dict:
     root.mkdir(parents=True, exist_ok=True)
     embedded_model, factor = getattr(args, "embedded", "small"), getattr(args, "embedded_factor", None)
     target_dir, _ = resolve_sources(args.checkpoint_dir, None, None, None, embedded_model, factor)
-    tokenizer = Tokenizer.from_file(str(Path(target_dir) / "tokenizer.json"))
+    tokenizer = load_tokenizer(Path(target_dir) / "tokenizer.json")
     texts = list(PROMPTS[:2 if quick else args.prompts])
     prompts = [tokenizer.encode(t).ids for t in texts]
     report: dict = {"created": time.strftime("%Y-%m-%d %H:%M:%S"), "quick": quick, "num_draft_tokens": k,
@@ -442,7 +443,7 @@ def cmd_bench(args) -> int:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="nemospec bench", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="nemospec bench", description=__doc__.splitlines()[0])
     add_bench_args(p)
     return cmd_bench(p.parse_args(argv))
 

@@ -6,14 +6,15 @@ if __name__ == "__main__":   # a model process: mimalloc first (runtime.allocato
     from nemospec import preload_for
     preload_for(sys.argv[1:])
 
-import argparse
 import json
+import signal
+import threading
 import sys
 from dataclasses import replace
 
 from rich.console import Console
 
-from builder.errors import NemospecError
+from builder.errors import ArgumentParser, NemospecError
 from builder.embedded.sources import add_embedded_args, resolve_sources
 from builder.engine import TREE_STEP_KINDS
 from runtime import allocator
@@ -47,9 +48,13 @@ def cmd_token_map(args):
         raise NemospecError(f"--size: expected >= 1, got {args.size}")
     tokenizer = Path(args.tokenizer) if args.tokenizer else embedded.target_dir() / "tokenizer.json"
     if not tokenizer.is_file():
-        raise NemospecError(f"--tokenizer: {tokenizer}: no such file")
+        raise NemospecError(f"--tokenizer: {tokenizer}: expected a tokenizer.json file"
+                            f"{', got a directory' if tokenizer.is_dir() else ', no such file'}")
+    output = Path(args.output)
+    if output.is_dir() or not output.parent.is_dir():
+        raise NemospecError(f"--output {output}: expected a file path in an existing directory")
     ids = rank_tokens(tokenizer, args.corpus, args.size)
-    Path(args.output).write_text(json.dumps(ids) + "\n")
+    output.write_text(json.dumps(ids) + "\n")
     err.print(f"wrote {len(ids)} token ids (most frequent first) to {args.output}", markup=False)
     return 0
 
@@ -93,7 +98,7 @@ def _add_build_args(p):
 
 
 def _parser():
-    parser = argparse.ArgumentParser(prog="nemospec", description="TensorRT engines and speculative decoding for NemotronH")
+    parser = ArgumentParser(prog="nemospec", description="TensorRT engines and speculative decoding for NemotronH")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_build_args(sub.add_parser("build", help="build an engine directory from a checkpoint"))
 
@@ -170,6 +175,8 @@ def cmd_build(args):
                                                           args.embedded_factor)
     if args.max_draft_len is None:
         args.max_draft_len = 4 if args.speculative_decoding_mode else 0
+    elif args.max_draft_len and not args.speculative_decoding_mode:
+        raise NemospecError(f"--max_draft_len {args.max_draft_len}: draft tokens need a --speculative_decoding_mode")
     if args.speculative_decoding_mode:
         policy_from(args.max_draft_len, vars(args))  # a bad flag exits 2 before anything is built
     options = BuildOptions(args.max_batch_size, args.max_input_len, args.max_seq_len, args.max_draft_len, args.dtype,
@@ -251,8 +258,8 @@ def cmd_generate(args):
         loaded = open_engine_dir(args.engine_dir, backend, matmul_precision=args.matmul_precision)
     tokenizer = None
     if loaded.tokenizer_path is not None:
-        from tokenizers import Tokenizer
-        tokenizer = Tokenizer.from_file(str(loaded.tokenizer_path))
+        from builder.tokenizer_file import load_tokenizer
+        tokenizer = load_tokenizer(loaded.tokenizer_path)
     prompts = _prompts(args, tokenizer)
     if args.temperature < 0:
         raise NemospecError(f"--temperature: expected >= 0, got {args.temperature}")
@@ -269,6 +276,9 @@ def cmd_generate(args):
     if auto_k and (not speculate or args.tree):
         raise NemospecError("--num_draft_tokens auto: picks a chain's K; this run is "
                             + ("a tree run (size trees with --max_tree_nodes)" if args.tree else "target-only"))
+    if args.num_draft_tokens is not None and not auto_k and not loaded.speculative:
+        raise NemospecError(f"--num_draft_tokens: {args.engine_dir or 'this model'} does not speculate "
+                            "(built without --speculative_decoding_mode)")
     if args.num_draft_tokens is not None and not auto_k and not 1 <= k <= loaded.max_draft_len:
         raise NemospecError(f"--num_draft_tokens: expected 1..{loaded.max_draft_len} (the engine's max_draft_len), got {k}")
     if args.trace is not None and not speculate:
@@ -417,14 +427,24 @@ def cmd_quantize(args):
     return 0
 
 
+def _terminate_as_exit(signum, frame):
+    """SIGTERM unwinds like Ctrl-C, so an output directory being written is removed (atomic_dir)."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv=None):
     args = _parser().parse_args(argv)
+    if args.command in ("build", "quantize", "token_map") and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminate_as_exit)
     try:
         return {"build": cmd_build, "generate": cmd_generate, "serve": cmd_serve,
                 "quantize": cmd_quantize, "bench": cmd_bench, "token_map": cmd_token_map}[args.command](args)
     except NemospecError as e:
         err.print(f"error: {e}", markup=False)
         return 2
+    except KeyboardInterrupt:
+        err.print("interrupted", markup=False)
+        return 130
 
 
 def build_main(argv=None):

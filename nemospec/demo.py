@@ -14,13 +14,13 @@ if __name__ == "__main__":   # a model process: mimalloc first (runtime.allocato
     from runtime.allocator import preload
     preload()
 
-import argparse
 import os
 import time
 from pathlib import Path
 
 from rich.console import Console
 
+from builder.errors import ArgumentParser
 from nemospec.bench import MODES, PROMPTS, build_mode_engines
 
 console = Console(highlight=False)
@@ -28,7 +28,7 @@ console = Console(highlight=False)
 
 def offline_cost_line(engine_dir: Path, prompt: str, max_new_tokens: int, backend: str) -> str:
     import torch
-    from tokenizers import Tokenizer
+    from builder.tokenizer_file import load_tokenizer
 
     from runtime.compiled.runner import warm_up
     from runtime.step_costs import cost_line
@@ -39,7 +39,7 @@ def offline_cost_line(engine_dir: Path, prompt: str, max_new_tokens: int, backen
     from serving.repository import default_torch_threads
     torch.set_num_threads(default_torch_threads())   # as the server ran: its saved steps load here
     loaded = open_engine_dir(engine_dir, backend)     # the backend the server ran
-    ids = Tokenizer.from_file(str(loaded.tokenizer_path)).encode(prompt).ids
+    ids = load_tokenizer(loaded.tokenizer_path).encode(prompt).ids
     k = loaded.max_draft_len
     warm_up(loaded, [ids], k)
     for _ in range(2):  # the second pair is measured (warm)
@@ -76,7 +76,7 @@ def openai_chat(engine_dir: Path, grpc_url: str) -> str:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workdir", default="build/demo")
     p.add_argument("--mode", default=os.environ.get("MODE") or "eagle3", choices=MODES)
     p.add_argument("--prompt", default=PROMPTS[1])

@@ -150,8 +150,8 @@ def calibration_prompts(tokenizer_path, vocab_size: int) -> list[list[int]]:
     """CALIBRATION_TEXTS encoded with the model's tokenizer (token ids spread over the vocabulary where
     there is none)."""
     if tokenizer_path is not None:
-        from tokenizers import Tokenizer
-        tok = Tokenizer.from_file(str(tokenizer_path))
+        from builder.tokenizer_file import load_tokenizer
+        tok = load_tokenizer(tokenizer_path)
         prompts = [tok.encode(t).ids for t in CALIBRATION_TEXTS]
         if all(prompts):
             return prompts

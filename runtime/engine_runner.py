@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from builder.engine import TORCH_DTYPES
+from builder.errors import UnavailableError
 from runtime import state as state_lib
 from runtime.drafts import EagerDraft
 from runtime.runner import verify_tree_greedy
@@ -39,7 +40,8 @@ class TensorRTExecutor:
     def __init__(self, engine_dir, contract):
         from builder.backends.trt_import import HAS_PLUGIN_LAYERS, trt
         if not torch.cuda.is_available():
-            raise RuntimeError("the TensorRT backend needs a CUDA GPU; use --backend torch on this machine")
+            raise UnavailableError("--backend tensorrt: the TensorRT backend needs a CUDA GPU; use --backend torch "
+                                   "or compiled on this machine")
         if HAS_PLUGIN_LAYERS:  # engines may hold our plugin layers: register them before deserializing
             from plugins.hidden_capture import register_tensorrt_plugin
             register_tensorrt_plugin()

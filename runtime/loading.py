@@ -1,7 +1,6 @@
 """Open a checkpoint or an engine directory: the target runner, the draft, what generation needs."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from builder.drafts import draft_from_engine_dir
 from builder.engine import (TORCH_DTYPES, BuildOptions, check_matmul_precision, draft_component, draft_components,
                             target_component, tree_verify_component)
 from builder.errors import NemospecError
+from runtime.engine_meta import read_engine_meta
 from builder.models.nemotron_h import NemotronH
 from runtime.draft_policy import policy_from
 from runtime.drafts import EagerDraft
@@ -178,11 +178,12 @@ def open_engine_dir(engine_dir, backend="auto", device=None, matmul_precision: s
     meta_path = engine_dir / "config.json"
     if not meta_path.is_file():
         raise NemospecError(f"{meta_path}: missing; is {engine_dir} an engine directory built by `nemospec build`?")
-    meta = json.loads(meta_path.read_text())
-    if "target" not in meta.get("engines", {}):
-        raise NemospecError(f"{meta_path}: field 'engines.target' missing; not a nemospec engine directory")
+    meta = read_engine_meta(meta_path, TORCH_DTYPES)
     backend = resolve_backend(backend)
-    config = NemotronHConfig.from_dict(meta["model"])
+    try:
+        config = NemotronHConfig.from_dict(meta["model"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise NemospecError(f"{meta_path}: field 'model': {type(e).__name__}: {e}; rebuild the engine directory") from None
     _check_verify_contract(meta, meta_path, config)
     build, spec = meta["build"], meta.get("speculative")
     if matmul_precision is not None:

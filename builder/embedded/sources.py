@@ -39,7 +39,12 @@ def resolve_sources(checkpoint_dir, mode=None, draft=None, quantization=None, em
                     embedded_factor=None):
     """(checkpoint_dir, draft_dir) with the embedded default filled in where neither was given:
     ``embedded="wide"`` (or an ``embedded_factor`` > 1) picks the widened copy (``wide_root``)."""
+    if embedded_factor is not None and (isinstance(embedded_factor, bool) or embedded_factor < 1):
+        raise CheckpointError(f"--embedded_factor: expected an integer >= 1, got {embedded_factor}")
     if checkpoint_dir is not None:
+        if embedded_factor is not None:
+            raise CheckpointError("--embedded_factor: applies to the embedded model only; "
+                                  f"leave it out with --checkpoint_dir {checkpoint_dir}")
         return checkpoint_dir, draft
     factor = embedded_factor if embedded_factor is not None else (DEFAULT_WIDE_FACTOR if embedded == "wide" else 1)
     if embedded == "small" and embedded_factor not in (None, 1):

@@ -32,13 +32,12 @@ import shutil
 import sys
 from pathlib import Path
 
-import torch
 from safetensors.torch import load_file, save_file
 
 from builder import embedded
 from builder.atomic_dir import atomic_dir
 from builder.embedded.widen_maps import Rule, TargetMaps, apply, heads_to_units, segments, tiled, widen_target_config
-from builder.errors import CheckpointError
+from builder.errors import ArgumentParser, CheckpointError
 
 DEFAULT_FACTOR = 4
 FEATURE_DRAFTS = ("eagle3", "peagle", "dflash", "dspark", "dspark_nvfp4")
@@ -161,12 +160,15 @@ def source_kinds(root: Path) -> dict[str, Path]:
     manifest = root / "MANIFEST.json"
     if not manifest.is_file():
         raise CheckpointError(f"{manifest}: missing (the source must be the shipped embedded model)")
-    entries = json.loads(manifest.read_text()).get("checkpoints", {})
+    try:
+        entries = json.loads(manifest.read_text()).get("checkpoints", {})
+    except (UnicodeDecodeError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{manifest}: not the shipped manifest ({type(e).__name__}: {e})") from None
     out = {}
     for kind in KINDS:
-        entry = entries.get(kind)
-        if entry is None:
-            raise CheckpointError(f"{manifest}: no checkpoint named {kind}")
+        entry = entries.get(kind) if isinstance(entries, dict) else None
+        if not isinstance(entry, dict) or not isinstance(entry.get("files"), dict):
+            raise CheckpointError(f"{manifest}: no checkpoint named {kind} with its files")
         for file, digest in entry["files"].items():
             path = root / kind / file
             if not path.is_file() or embedded.sha256(path) != digest:
@@ -210,7 +212,7 @@ def _factor(text: str) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m builder.embedded.widen", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="python -m builder.embedded.widen", description=__doc__.split("\n\n")[0])
     p.add_argument("--factor", type=_factor, default=DEFAULT_FACTOR, help="width multiple K (default 4)")
     p.add_argument("--output_dir", required=True, help="directory to write (replaced whole)")
     p.add_argument("--source", default=None, help="the shipped embedded model's directory (default: this package's)")

@@ -1,0 +1,44 @@
+"""An engine directory's config.json, checked before anything is built from it: a damaged or foreign
+file is one line naming the file and the field (exit 2 in the CLI), never a KeyError deep in loading."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from builder.errors import NemospecError
+
+BUILD_COUNTS = ("max_seq_len", "max_input_len", "max_batch_size")
+
+
+def _fail(path: Path, what: str):
+    raise NemospecError(f"{path}: {what}; rebuild the engine directory with `nemospec build`")
+
+
+def read_engine_meta(path: Path, dtypes) -> dict:
+    """The parsed file, with the fields the loaders read present and of the right kind."""
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        _fail(path, f"not readable JSON ({e})")
+    if not isinstance(meta, dict):
+        _fail(path, f"expected a JSON object, got {type(meta).__name__}")
+    for field in ("engines", "model", "build"):
+        if not isinstance(meta.get(field), dict):
+            _fail(path, f"field '{field}' missing or not an object")
+    if "target" not in meta["engines"]:
+        _fail(path, "field 'engines.target' missing; not a nemospec engine directory")
+    build = meta["build"]
+    if build.get("dtype") not in dtypes:
+        _fail(path, f"field 'build.dtype': expected one of {', '.join(dtypes)}, got {build.get('dtype')!r}")
+    for key in BUILD_COUNTS:
+        value = build.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            _fail(path, f"field 'build.{key}': expected an integer >= 1, got {value!r}")
+    spec = meta.get("speculative")
+    if spec is not None:
+        if not isinstance(spec, dict) or not isinstance(spec.get("mode"), str) or not isinstance(spec.get("draft"), dict):
+            _fail(path, "field 'speculative': expected an object with 'mode' and 'draft'")
+        draft_len = build.get("max_draft_len")
+        if isinstance(draft_len, bool) or not isinstance(draft_len, int) or draft_len < 1:
+            _fail(path, f"field 'build.max_draft_len': expected an integer >= 1 for a speculative engine, got {draft_len!r}")
+    return meta

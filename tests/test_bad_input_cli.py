@@ -1,0 +1,111 @@
+"""Bad input to the commands, as a probe of every command found it: exit 2 with one line naming the
+file, field or flag, no traceback, and nothing of the user's overwritten or left half-written."""
+import json
+import shutil
+
+import pytest
+import torch
+
+from nemospec import cli
+
+
+def _run(capsys, *argv):
+    code = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _one_error_line(err: str) -> str:
+    """The error: one line (progress lines of a build may precede it), and no traceback."""
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert len(lines) == 1 and "Traceback" not in err and lines[0] == err.rstrip("\n").splitlines()[-1], err
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bad") / "eng"
+    assert cli.main(["build", "--output_dir", str(out)]) == 0     # the embedded small model, target only
+    return out
+
+
+DAMAGES = {
+    "not an object": lambda c: [],
+    "no build": lambda c: {k: v for k, v in c.items() if k != "build"},
+    "no max_seq_len": lambda c: {**c, "build": {k: v for k, v in c["build"].items() if k != "max_seq_len"}},
+    "max_seq_len a string": lambda c: {**c, "build": {**c["build"], "max_seq_len": "abc"}},
+    "no model": lambda c: {k: v for k, v in c.items() if k != "model"},
+    "speculative without its draft": lambda c: {**c, "speculative": {"mode": "eagle3"}},
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGES, ids=list(DAMAGES))
+def test_a_damaged_engine_config_is_one_line_naming_it(engine, tmp_path, capsys, damage):
+    broken = tmp_path / "eng"
+    shutil.copytree(engine, broken)
+    meta = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps(DAMAGES[damage](meta)))
+    code, _, err = _run(capsys, "generate", "--engine_dir", broken, "--input_ids", "1,2,3", "--max_new_tokens", 2)
+    assert code == 2 and "config.json" in _one_error_line(err), err
+
+
+def test_a_broken_tokenizer_is_named_at_build_and_at_generate(engine, tmp_path, capsys):
+    from builder import embedded
+    source = tmp_path / "ckpt"
+    shutil.copytree(embedded.target_dir(), source)
+    (source / "tokenizer.json").write_text('{"x":')
+    code, _, err = _run(capsys, "build", "--checkpoint_dir", source, "--output_dir", tmp_path / "out")
+    assert code == 2 and "tokenizer.json" in _one_error_line(err) and not (tmp_path / "out").exists()
+    broken = tmp_path / "eng"
+    shutil.copytree(engine, broken)
+    (broken / "tokenizer.json").write_text('{"x":')
+    code, _, err = _run(capsys, "generate", "--engine_dir", broken, "--prompt", "hi", "--max_new_tokens", 2)
+    assert code == 2 and "tokenizer.json" in _one_error_line(err)
+
+
+def test_an_output_dir_that_is_not_an_earlier_build_is_never_replaced(engine, tmp_path, capsys):
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("keep")
+    code, _, err = _run(capsys, "build", "--output_dir", a_file)
+    assert code == 2 and "is a file" in _one_error_line(err) and a_file.read_text() == "keep"
+    other = tmp_path / "mine"
+    other.mkdir()
+    (other / "notes.txt").write_text("keep")
+    code, _, err = _run(capsys, "build", "--output_dir", other)
+    assert code == 2 and "holds other files" in _one_error_line(err) and (other / "notes.txt").read_text() == "keep"
+    again = tmp_path / "again"
+    shutil.copytree(engine, again)
+    assert _run(capsys, "build", "--output_dir", again)[0] == 0    # an earlier build is rebuilt in place
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["build", "--embedded", "wide", "--embedded_factor", "0"], "--embedded_factor"),
+    (["build", "--embedded_factor", "3", "--checkpoint_dir", "CKPT"], "--embedded_factor"),
+    (["build", "--max_draft_len", "4"], "--max_draft_len"),
+    (["build", "--num_layers", "-1"], "--num_layers"),
+    (["build", "--draft_dir", "DRAFT"], "--draft_dir"),
+])
+def test_flags_that_make_no_sense_are_refused_by_name(tmp_path, capsys, argv, named):
+    from builder import embedded
+    subs = {"CKPT": str(embedded.target_dir()), "DRAFT": str(embedded.draft_dir("eagle3"))}
+    code, _, err = _run(capsys, *[subs.get(a, a) for a in argv], "--output_dir", tmp_path / "o")
+    assert code == 2 and named in _one_error_line(err) and not (tmp_path / "o").exists(), err
+
+
+def test_argument_errors_are_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["build", "--output_dir", "o", "--speculative_decoding_mode", "medusa"])
+    _, err = capsys.readouterr()
+    assert exit_.value.code == 2 and "--speculative_decoding_mode" in _one_error_line(err)
+
+
+def test_generate_flags_the_engine_cannot_honour(engine, tmp_path, capsys):
+    code, _, err = _run(capsys, "generate", "--engine_dir", engine, "--input_ids", "1,2", "--max_new_tokens", 2,
+                        "--num_draft_tokens", 2)
+    assert code == 2 and "does not speculate" in _one_error_line(err)
+    if not torch.cuda.is_available():
+        code, _, err = _run(capsys, "generate", "--engine_dir", engine, "--input_ids", "1,2", "--max_new_tokens", 2,
+                            "--backend", "tensorrt")
+        assert code == 2 and "CUDA GPU" in _one_error_line(err)
+    code, _, err = _run(capsys, "token_map", "--corpus", engine / "config.json", "--size", 4, "--output", tmp_path)
+    assert code == 2 and "--output" in _one_error_line(err)
