@@ -175,7 +175,8 @@ def cmd_build(args):
                                                           args.embedded_factor)
     if args.max_draft_len is None:
         args.max_draft_len = 4 if args.speculative_decoding_mode else 0
-    elif args.max_draft_len and not args.speculative_decoding_mode:
+    elif args.max_draft_len and not args.speculative_decoding_mode and not (
+            args.quantization or args.speculative_token_map or args.draft_dir or args.tree_engines):   # each says so itself
         raise NemospecError(f"--max_draft_len {args.max_draft_len}: draft tokens need a --speculative_decoding_mode")
     if args.speculative_decoding_mode:
         policy_from(args.max_draft_len, vars(args))  # a bad flag exits 2 before anything is built

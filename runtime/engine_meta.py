@@ -36,8 +36,10 @@ def read_engine_meta(path: Path, dtypes) -> dict:
             _fail(path, f"field 'build.{key}': expected an integer >= 1, got {value!r}")
     spec = meta.get("speculative")
     if spec is not None:
-        if not isinstance(spec, dict) or not isinstance(spec.get("mode"), str) or not isinstance(spec.get("draft"), dict):
-            _fail(path, "field 'speculative': expected an object with 'mode' and 'draft'")
+        if not isinstance(spec, dict) or not isinstance(spec.get("mode"), str):
+            _fail(path, "field 'speculative': expected an object with 'mode'")
+        if spec["mode"] != "mtp" and not isinstance(spec.get("draft"), dict):   # MTP's layers are the target's
+            _fail(path, f"field 'speculative.draft': expected the {spec['mode']} draft's config object")
         draft_len = build.get("max_draft_len")
         if isinstance(draft_len, bool) or not isinstance(draft_len, int) or draft_len < 1:
             _fail(path, f"field 'build.max_draft_len': expected an integer >= 1 for a speculative engine, got {draft_len!r}")
