@@ -28,7 +28,9 @@ def setup(checkpoints, tmp_path_factory):
 
 
 def _run(group, params_list, end_ids=frozenset(), max_draft=None, n=N):
-    seqs = [Sequence(list(p), n, prm, end_ids, max_draft=max_draft) for p, prm in zip(PROMPTS, params_list)]
+    """``max_draft``: every sequence's own K, or a list of one per sequence."""
+    drafts = max_draft if isinstance(max_draft, list) else [max_draft] * len(PROMPTS)
+    seqs = [Sequence(list(p), n, prm, end_ids, max_draft=d) for p, prm, d in zip(PROMPTS, params_list, drafts)]
     group.add(seqs)
     while True:
         keep = [i for i, s in enumerate(group.seqs) if not s.finished]
@@ -205,16 +207,7 @@ def test_a_row_that_proposes_nothing_is_not_a_speculative_step(setup):
     acceptance metrics read, counts only the rows that proposed."""
     _, target, proposer = setup
     want = [s.outputs for s in _plain(target, [SamplingParams() for _ in PROMPTS])]
-    group = SpeculativeGroup(target, lambda: proposer("eagle3"), 4, 64, policy=DraftPolicy(4))
-    seqs = [Sequence(list(p), N, SamplingParams(), frozenset(), max_draft=d) for p, d in zip(PROMPTS, (0, None, 2))]
-    group.add(seqs)
-    while True:
-        keep = [i for i, s in enumerate(group.seqs) if not s.finished]
-        if len(keep) < len(group.seqs):
-            group.drop(keep)
-        if not group.seqs:
-            break
-        group.step()
+    seqs, group = _speculative(target, proposer, "eagle3", [SamplingParams() for _ in PROMPTS], max_draft=[0, None, 2])
     assert [s.outputs for s in seqs] == want
     assert seqs[0].speculation_stats() == {"steps": 0, "draft_tokens": 0, "accepted_draft_tokens": 0, "histogram": [0]}
     assert all(s.speculation_stats()["steps"] > 0 for s in seqs[1:])
