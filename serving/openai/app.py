@@ -161,7 +161,8 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
                 n = _counted(d, held, stops)
                 tokens, reason, last = tokens + n, d.finish_reason, d
                 if g.logprobs:
-                    ids, logprobs = ids + (d.ids or [])[:n], logprobs + d.logprobs[:n]
+                    ids.extend((d.ids or [])[:n])
+                    logprobs.extend(d.logprobs[:n])
                 if stops.matched:
                     reason = "stop"
                     break
