@@ -156,9 +156,8 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
         stops = StopMatcher(g.stop)
         try:
             async for d in stream:
-                held = stops.held
-                text.append(stops.feed(d.text, _armed(g, tokens + d.tokens)))
-                n = _counted(d, held, stops)
+                piece, n = _read(d, stops, g, tokens)
+                text.append(piece)
                 tokens, reason, last = tokens + n, d.finish_reason, d
                 if g.logprobs:
                     ids.extend((d.ids or [])[:n])
@@ -184,13 +183,19 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
             return chat_logprobs(info.tokenizer, ids, logprobs)
         return completion_logprobs(info.tokenizer, ids, logprobs, offset)
 
-    def _counted(d, held: str, stops: StopMatcher) -> int:
-        """The tokens of response ``d`` the request generated up to its end: all of them, or where a
-        stop string matched inside it, those up to the one that completes the match (a speculative
-        response holds a whole step; vLLM counts up to the stop as well). ``held``: the text held back
-        before ``d``."""
+    def _read(d, stops: StopMatcher, g, tokens: int):
+        """Response ``d`` after ``tokens`` generated: (its text that can be sent, its tokens counted):
+        all of them, or where a stop string matched inside it, those up to the one that completes
+        the match (a speculative response holds a whole step; vLLM counts up to the stop as well)."""
+        held = stops.held
+        text = stops.feed(d.text, _armed(g, tokens + d.tokens))
         if not stops.matched or not d.ids:
-            return d.tokens
+            return text, d.tokens
+        return text, _through_stop(d, held, stops)
+
+    def _through_stop(d, held: str, stops: StopMatcher) -> int:
+        """How many of ``d``'s tokens complete the matched stop string (``held``: the text held back
+        before ``d``)."""
         for n in range(1, len(d.ids) + 1):
             seen = held + info.tokenizer.decode(d.ids[:n])
             if any(s in seen for s in stops.stops):
@@ -225,9 +230,7 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
         try:
             d = first
             while d is not None:
-                held = stops.held
-                text = stops.feed(d.text, _armed(g, tokens + d.tokens))
-                n = _counted(d, held, stops)
+                text, n = _read(d, stops, g, tokens)
                 tokens, reason, last = tokens + n, d.finish_reason, d
                 if stops.matched:
                     reason = "stop"
