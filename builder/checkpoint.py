@@ -29,7 +29,7 @@ import torch
 from safetensors import safe_open
 
 from builder import nvfp4_format, quantization
-from builder.config import NemotronHConfig, load_config
+from builder.config import NemotronHConfig, defaulted_sizes, load_config
 from builder.errors import CheckpointError
 from builder.safetensors_io import mmap_tensors
 
@@ -172,7 +172,7 @@ def validate_mtp(config: NemotronHConfig, tensors: dict, where: str) -> None:
             raise CheckpointError(f"{where}: missing tensor {name} (MTP layer), expected shape {_fmt(shape)}")
         if tuple(tensors[name].shape) != shape:
             raise CheckpointError(f"{where}: tensor {name} has shape {_fmt(tuple(tensors[name].shape))}, "
-                                  f"expected {_fmt(shape)}")
+                                  f"expected {_fmt(shape)}{defaulted_sizes(config)}")
 
 
 def storage_order(names) -> list[str]:
@@ -352,7 +352,7 @@ def load_checkpoint(checkpoint_dir: str | os.PathLike) -> tuple[NemotronHConfig,
                     want = (config.n_routed_experts, *expected[probe])
                     if shape != want:
                         raise CheckpointError(f"{path}: fused expert tensor {stored!r} has shape {_fmt(shape)}, "
-                                              f"expected {_fmt(want)} [experts, out, in]")
+                                              f"expected {_fmt(want)} [experts, out, in]{defaulted_sizes(config)}")
                     for e in range(shape[0]):
                         _add(entries, f"{base}.{e}.{proj}.weight", _Entry(path, stored, shape[1:], dtype, e), path)
                 else:
@@ -383,7 +383,7 @@ def load_checkpoint(checkpoint_dir: str | os.PathLike) -> tuple[NemotronHConfig,
         want = expected.get(name, optional.get(name))
         if want is not None and entry.shape != want:
             raise CheckpointError(f"{entry.file}: tensor {entry.stored!r} has shape {_fmt(entry.shape)}, "
-                                  f"expected {_fmt(want)}")
+                                  f"expected {_fmt(want)}{defaulted_sizes(config)}")
 
     # 4. Map the tensors, one mapping per file (nothing is read until used); fused experts split into views.
     order = [n for n in expected] + [n for n in optional if n in entries] + \
@@ -496,7 +496,7 @@ def load_nvfp4_checkpoint(checkpoint_dir: str | os.PathLike, keep_quantized: boo
         want = shapes.get(name)
         if want is not None and tuple(w.shape) != tuple(want):
             raise CheckpointError(f"{where_of.get(name, layout.where)}: tensor {name!r} has shape "
-                                  f"{_fmt(tuple(w.shape))}, expected {_fmt(tuple(want))}")
+                                  f"{_fmt(tuple(w.shape))}, expected {_fmt(tuple(want))}{defaulted_sizes(config)}")
     order = list(expected) + [n for n in optional if n in weights] + \
         sorted(n for n in weights if n.startswith(MTP_PREFIX))
     weights = {n: weights[n] for n in order}

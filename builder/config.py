@@ -291,6 +291,13 @@ _INT_FIELDS = (
     "moe_shared_expert_intermediate_size", "num_experts_per_tok", "n_group", "topk_group",
     "num_nextn_predict_layers",
 )
+# the fields that size tensors: one a config.json leaves out takes transformers' default, and the
+# shape errors that follow say so (``defaulted_sizes``)
+_SIZE_FIELDS = (
+    "vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+    "mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups", "conv_kernel",
+    "n_routed_experts", "moe_intermediate_size", "moe_shared_expert_intermediate_size",
+)
 _FLOAT_FIELDS = ("time_step_min", "time_step_max", "routed_scaling_factor", "layer_norm_epsilon")
 _BOOL_FIELDS = (
     "attention_bias", "mlp_bias", "use_conv_bias", "use_bias", "norm_topk_prob", "tie_word_embeddings",
@@ -495,9 +502,21 @@ def parse_hf_config(raw: Mapping[str, Any], source: str = CONFIG_FILE) -> Nemotr
 
         dtype_key = next((k for k in ("dtype", "torch_dtype") if raw.get(k) is not None), None)
         values["dtype"] = _parse_dtype(raw[dtype_key], dtype_key) if dtype_key else "float32"
-        return NemotronHConfig(**values)
+        config = NemotronHConfig(**values)
+        object.__setattr__(config, "_defaulted", tuple(n for n in _SIZE_FIELDS if n not in values))
+        return config
     finally:
         _SOURCE.reset(token)
+
+
+def defaulted_sizes(config: NemotronHConfig) -> str:
+    """"" or a clause naming the tensor-sizing fields config.json left out (their defaults were used),
+    for a shape error: a missing hidden_size otherwise reads as a wrong tensor."""
+    names = getattr(config, "_defaulted", ())
+    if not names:
+        return ""
+    shown = ", ".join(f"{n} (default {getattr(config, n)})" for n in names)
+    return f"; {CONFIG_FILE} has no {shown}"
 
 
 def load_config(checkpoint_dir: str | os.PathLike) -> NemotronHConfig:

@@ -337,6 +337,11 @@ def choose_quantized(shapes: Mapping[str, Sequence[int]], exclude_modules: Seque
     linear weights minus ModelOpt's default exclusions, ``exclude_modules`` and input dims that are
     not a multiple of the block size; conv1d modules are listed as kept (ModelOpt's default)."""
     patterns = tuple(DEFAULT_EXCLUDE_MODULES) + tuple(p for p in exclude_modules if p)
+    modules = [_module(n) for n in quantizable_weight_names(shapes, shapes)]
+    for p in exclude_modules:   # a typo would quantize the very layer it meant to keep
+        if p and not any(m == p or fnmatch.fnmatchcase(m, p) for m in modules):
+            raise CheckpointError(f"--exclude_modules {p!r}: matches no linear module (they are named like "
+                                  f"{modules[0] if modules else 'backbone.layers.0.mixer.in_proj'}; wildcards: *)")
     chosen, excluded = [], []
     for name in quantizable_weight_names(shapes, shapes):
         module = _module(name)

@@ -64,7 +64,7 @@ def _add_build_args(p):
                    help="Hugging Face NemotronH checkpoint (safetensors); default: the embedded trained model")
     p.add_argument("--output_dir", required=True, help="engine directory to write")
     p.add_argument("--max_batch_size", type=int, default=8)
-    p.add_argument("--max_input_len", type=int, default=512, help="longest prefill chunk")
+    p.add_argument("--max_input_len", type=int, default=512, help="longest prefill chunk; generate splits a longer prompt into chunks, serve refuses it")
     p.add_argument("--max_seq_len", type=int, default=1024, help="prompt + generated tokens")
     p.add_argument("--max_draft_len", type=int, default=None,
                    help="K: draft tokens verified per step (default: 4 with a speculative mode, else 0)")
@@ -232,7 +232,7 @@ def _prompts(args, tokenizer):
 
 
 def cmd_generate(args):
-    from runtime.generation import generate
+    from runtime.generation import check_request, generate
     from runtime.loading import open_checkpoint, open_engine_dir
     from runtime.step_costs import cost_model
     if args.engine_dir is None:
@@ -300,6 +300,10 @@ def cmd_generate(args):
         if engines and loaded.speculative.get("mode") in TREE_STEP_KINDS and tree.topk > tree.max_nodes:
             raise NemospecError(f"--tree_topk: expected at most {tree.max_nodes} (--max_tree_nodes: the draft_tree "
                                 f"engine's widest frontier) on --backend {loaded.backend}, got {tree.topk}")
+    try:   # a request the engine cannot serve is refused before any step compiles
+        check_request(prompts, args.max_new_tokens, loaded.max_seq_len, loaded.config.vocab_size)
+    except ValueError as e:
+        raise NemospecError(str(e)) from None
     trace_file = None
     if args.trace is not None:
         try:

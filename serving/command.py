@@ -61,6 +61,9 @@ def add_serve_args(p) -> None:
                         "model counts as hung: not ready, restarted (0: off)")
     p.add_argument("--shutdown_timeout", type=float, default=6.0,
                    help="seconds requests in flight get after SIGTERM/SIGINT; then the server and its stubs are killed")
+    p.add_argument("--ready_timeout", type=float, default=600.0,
+                   help="seconds the first start may take to report ready (a cold compiled start of a large model "
+                        "with --warm_up all can need more); past it, exit 2 with the server log's last lines")
     p.add_argument("--endpoints_json", default=None, metavar="FILE",
                    help="write the endpoint URLs as one JSON object to FILE (whole, before the ready line), for "
                         "scripts that wait for readiness and then connect")
@@ -80,6 +83,8 @@ def cmd_serve(args, out=print) -> int:
     limits = limits_from({flag: getattr(args, flag, None) for flag in LIMITS})
     if not 0 < args.shutdown_timeout <= 60:
         raise NemospecError(f"--shutdown_timeout: expected 0 < seconds <= 60, got {args.shutdown_timeout}")
+    if not args.ready_timeout > 0:
+        raise NemospecError(f"--ready_timeout: expected a positive number of seconds, got {args.ready_timeout}")
 
     backend = args.backend
     if backend == "auto":   # the library's auto stays eager on the CPU (a quick start for tests and the demo)
@@ -89,7 +94,7 @@ def cmd_serve(args, out=print) -> int:
             out("backend auto: the compiled path (--backend torch starts at once, eagerly); its steps "
                 "compile before the server is ready, minutes the first time on this machine", file=sys.stderr)
 
-    def start(ready_timeout: float = 600.0):
+    def start(ready_timeout: float = args.ready_timeout):
         return start_server(args.engine_dir, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
                             metrics_port=args.metrics_port, model_repo_dir=args.model_repo_dir, api_key=args.api_key,
                             backend=backend, torch_threads=args.torch_threads, warm_up=args.warm_up,

@@ -109,3 +109,41 @@ def test_generate_flags_the_engine_cannot_honour(engine, tmp_path, capsys):
         assert code == 2 and "CUDA GPU" in _one_error_line(err)
     code, _, err = _run(capsys, "token_map", "--corpus", engine / "config.json", "--size", 4, "--output", tmp_path)
     assert code == 2 and "--output" in _one_error_line(err)
+
+
+def test_a_size_the_config_leaves_out_is_named_beside_the_shape_it_breaks(tmp_path, capsys):
+    """transformers' defaults fill a field config.json leaves out (hidden_size 4096), so the first
+    error is a tensor's shape: it names the missing field too."""
+    from builder import embedded
+    source = tmp_path / "ckpt"
+    shutil.copytree(embedded.target_dir(), source)
+    config = json.loads((source / "config.json").read_text())
+    del config["hidden_size"]
+    (source / "config.json").write_text(json.dumps(config))
+    code, _, err = _run(capsys, "build", "--checkpoint_dir", source, "--output_dir", tmp_path / "out")
+    line = _one_error_line(err)
+    assert code == 2 and "has shape" in line and "config.json has no hidden_size (default 4096)" in line, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_exclude_pattern_that_matches_no_module_is_refused(tmp_path, capsys):
+    from builder import embedded
+    code, _, err = _run(capsys, "quantize", "--checkpoint_dir", embedded.target_dir(), "--output_dir", tmp_path / "q",
+                        "--exclude_modules", "backbone.layers.*.mixer.out_proj,backbone.layer.0.mlp.*")
+    line = _one_error_line(err)
+    assert code == 2 and "--exclude_modules 'backbone.layer.0.mlp.*'" in line and "matches no linear module" in line
+    assert not (tmp_path / "q").exists()
+
+
+def test_a_request_past_max_seq_len_is_refused_before_any_step_compiles(engine, capsys):
+    from runtime.compiled import steps
+    before = len(steps.COMPILE_LOG)
+    code, _, err = _run(capsys, "generate", "--engine_dir", engine, "--backend", "compiled", "--input_ids", "1,2",
+                        "--max_new_tokens", 5000)
+    assert code == 2 and "exceeds max_seq_len" in _one_error_line(err) and steps.COMPILE_LOG[before:] == [], err
+
+
+@pytest.mark.parametrize("flag, value", [("--ready_timeout", 0), ("--shutdown_timeout", 0)])
+def test_serve_timeouts_out_of_range_are_refused_before_a_server_starts(engine, capsys, flag, value):
+    code, _, err = _run(capsys, "serve", "--engine_dir", engine, "--no_verify", flag, value)
+    assert code == 2 and flag in _one_error_line(err), err
