@@ -7,6 +7,7 @@ parallel run can put these compiles (the costliest of the suite) beside test_com
 import pytest
 
 from compiled_helpers import NEW, RAGGED, eager_and_compiled, graphs as _graphs
+from runtime.compiled.runner import warm_up
 from runtime.generation import generate
 from runtime.speculative import speculative_generate
 from runtime.tree.draft import TreeShape
@@ -57,19 +58,21 @@ def test_compiled_fused_trees_equal_the_eager_step_by_step_trees_on_a_ragged_bat
 def test_eagle3_tree_greedy_ids_equal_eager(models, monkeypatch):
     """Tree speculation on the compiled path: the draft's whole tree (catch-up, tree steps, top-k
     selection) is one graph and the tree verify + greedy accept + tree rollback another; the trees
-    grown and paths kept equal the eager step-by-step path's, and so do the ids; a second run with
-    another max_new_tokens builds no graph."""
+    grown and paths kept equal the eager step-by-step path's, and so do the ids; after the CLI's
+    warm-up no run builds a graph, another max_new_tokens included (on a cold store the draft's
+    prompt chunks, which a run meets once, had compiled inside the run after the warm-up's)."""
     eager, compiled = models
     shape = TreeShape(6, 2, 3)
     prompts = RAGGED[:1]
     want = generate(eager.runner, prompts, NEW).output_ids
     _, want_steps = _unfused_tree_steps(eager, prompts, shape, monkeypatch)
+    warm_up(compiled, prompts, shape.depth, shape)
+    before = _graphs()
     got, steps = _tree_steps(compiled, prompts, shape)
     assert got.output_ids == want and got.extra["acceptance"]["tree"]["steps_by_size"] == {
         "7": got.extra["acceptance"]["num_verify_forwards"]}
     assert steps == want_steps
     assert compiled.runner._verify_tree_greedy.ready and compiled.proposer().draft._trees.ready
-    before = _graphs()
     again = speculative_generate(compiled.runner, compiled.proposer(), prompts, NEW + 7, 3, tree=shape)
     assert again.output_ids == generate(eager.runner, prompts, NEW + 7).output_ids and _graphs() == before
 

@@ -84,6 +84,8 @@ class CompiledDraft(EagerDraft):
     def tree_chain(self, ids, features, positions, lengths, state, shape):
         """The whole greedy tree (``EagerDraft.tree_chain``) as one graph per tree shape, the
         catch-up chunk padded to K+1 rows, as ``run`` pads it."""
+        if features is not None:
+            self._feature = (features.shape[-1], features.dtype)
         return self._catch_up_graph(self._trees, self._tree_chain, shape, f"tree ({shape.max_nodes} nodes",
                                     (self.pad_to,), ids, features, positions, lengths, state)
 
@@ -104,9 +106,7 @@ class CompiledDraft(EagerDraft):
     def warm_chain(self, k: int, batch: int = 1) -> None:
         """Runs the chain of ``k`` proposals on a scratch state for every catch-up bucket until each
         graph is compiled (or loaded): which buckets a short warm-up run meets depends on what it
-        accepted, and a bucket first met mid-run would stall it for a compile. Then the plain step's
-        buckets (``run``: 1 row, and 2..K+1 padded to K+1), which a catch-up outside a chain takes (a
-        step proposing one token, as a request's last steps do, or a sampled one)."""
+        accepted, and a bucket first met mid-run would stall it for a compile. Then ``warm_steps``."""
         if self.kind not in FEATURE_DRAFTS or self._feature is None:
             return
         for rows in self.catch_up_rows:
@@ -114,6 +114,15 @@ class CompiledDraft(EagerDraft):
             state = self.new_state(batch, 2 * MAX_TOKENS)
             for _ in range(STEP_CALLS):
                 self.chain(ids, features, positions, lengths, state, k)
+        self.warm_steps(batch)
+
+    def warm_steps(self, batch: int = 1) -> None:
+        """The plain step's buckets (``run``: 1 row, and 2..K+1 padded to K+1) until compiled: a
+        catch-up outside a chain or tree takes them (a step proposing one token, as a request's last
+        steps do, or a sampled one), and so does a prompt's context (``_prompt_chunks``), which a run
+        meets once: the timed run after a one-run warm-up would compile them (6-7 s here)."""
+        if self.kind not in FEATURE_DRAFTS or self._feature is None:
+            return
         for rows in sorted({1, self.pad_to}):
             ids, features, positions, lengths = self._scratch_chunk(rows, batch)
             state = self.new_state(batch, 2 * MAX_TOKENS)

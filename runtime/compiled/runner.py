@@ -226,8 +226,11 @@ def warm_up(loaded, prompts, draft_len: int = 0, tree=None, **generate_args) -> 
         proposer = loaded.proposer()
         speculative_generate(loaded.runner, proposer, prompts, steps * (draft_len + 1), draft_len, tree=tree,
                              **generate_args)
-        if isinstance(getattr(proposer, "draft", None), CompiledDraft) and tree is None:
-            proposer.draft.warm_chain(draft_len, len(prompts))
+        if isinstance(getattr(proposer, "draft", None), CompiledDraft):
+            if tree is None:
+                proposer.draft.warm_chain(draft_len, len(prompts))
+            else:
+                proposer.draft.warm_steps(len(prompts))
         policy = getattr(loaded, "draft_policy", None)
         if tree is None and policy is not None and policy.confidence_threshold:   # steps trimmed to fewer drafts
             for tokens in loaded.runner.verify_buckets:
