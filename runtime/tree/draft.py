@@ -26,7 +26,7 @@ from runtime.sampling import SamplingParams, ban, probabilities
 
 @dataclass(frozen=True)
 class TreeShape:
-    """The build/serve options of tree speculation (``--max_tree_nodes``, ``--tree_topk``, depth)."""
+    """The build, generate and bench options of tree speculation (``--max_tree_nodes``, ``--tree_topk``, depth)."""
     max_nodes: int = 16      # drafted nodes per verify, the root excluded
     topk: int = 4            # children per expanded node and nodes expanded per depth
     depth: int = 4           # the deepest node (draft forwards per step: depth - 1 for chain drafts)
@@ -215,7 +215,7 @@ def _select(tokens, parents, scores, depths, heads, qs, max_nodes, sampled) -> D
                      torch.cat([zero, depth_of[chosen]], 1), q)
 
 
-# --- flags: recorded at build (BuildOptions), overridable by generate, bench and serve --------------
+# --- flags: recorded at build (BuildOptions), overridable by generate and bench (serve runs chains) --
 TREE_FLAGS = {  # flag -> (type, build default, help)
     "max_tree_nodes": (int, 16, "tree speculation: drafted nodes verified per step (the root excluded)"),
     "tree_topk": (int, 0, "tree speculation: children per expanded node, and nodes expanded per depth "
@@ -242,8 +242,8 @@ def default_topk(mode: str | None) -> int:
 
 def add_tree_args(parser, build: bool) -> None:
     """At build the tree flags set the engine directory's defaults and maximum node count; at
-    generate, bench and serve ``--tree`` turns tree speculation on (off by default) and the flags
-    override the recorded values."""
+    generate and bench ``--tree`` turns tree speculation on (off by default) and the flags override
+    the recorded values; the server verifies chains only."""
     group = parser.add_argument_group("tree speculation")
     if build:
         group.add_argument("--tree_engines", action="store_true",
@@ -255,7 +255,7 @@ def add_tree_args(parser, build: bool) -> None:
                            help="verify a token tree per step instead of a chain (every draft kind; torch and "
                                 "compiled backends, and engine backends of a directory built with --tree_engines)")
     for flag, (kind, default, text) in TREE_FLAGS.items():
-        sized = flag == "max_tree_nodes" and not build     # generate, serve: `auto` sizes the tree here
+        sized = flag == "max_tree_nodes" and not build     # generate: `auto` sizes the tree here
         group.add_argument(f"--{flag}", type=_nodes_arg if sized else kind, default=default if build else None,
                            help=text + ("" if build else " (default: the engine directory's)") + (
                                "; auto (generate): the size, or the chain, whose measured costs and acceptance "
