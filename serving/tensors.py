@@ -31,6 +31,9 @@ TEXT_INPUTS = {
     "max_tokens": ("REQUEST_OUTPUT_LEN", Tensor("max_tokens", "INT32", optional=False)),
     "bad_words": ("BAD_WORDS_DICT", Tensor("bad_words", "STRING", (-1,))),
     "stop_words": ("STOP_WORDS_DICT", Tensor("stop_words", "STRING", (-1,))),
+    # vLLM's: false tokenizes the prompt without the tokenizer's special tokens (a rendered chat
+    # template writes its own BOS; a second would precede it)
+    "add_special_tokens": ("ADD_SPECIAL_TOKENS", Tensor("add_special_tokens", "BOOL")),
 }
 
 # the speculative model's request inputs, in the TensorRT-LLM ensemble's order (num_draft_tokens is

@@ -11,6 +11,7 @@ import io
 import json
 import queue
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -657,3 +658,26 @@ def test_draft_len_schedule_auto_is_measured_before_serving(draft_target_engine_
 def test_cli_serve_bad_engine_dir(tmp_path, capsys):
     assert cli.main(["serve", "--engine_dir", str(tmp_path)]) == 2
     assert "--engine_dir" in capsys.readouterr().err
+
+
+def test_add_special_tokens_false_leaves_the_tokenizers_bos_out(engine_dir, tmp_path):
+    """Most checkpoints' tokenizers add a BOS: preprocessing adds it to a prompt unless the request
+    sends add_special_tokens false (the OpenAI frontend does for chat, whose rendered template writes
+    its own: the model would otherwise see two)."""
+    from tokenizers import Tokenizer
+    from tokenizers.processors import TemplateProcessing
+    bos_engine = tmp_path / "engine"
+    shutil.copytree(engine_dir, bos_engine)
+    tok = Tokenizer.from_file(str(bos_engine / "tokenizer.json"))
+    bos = tok.id_to_token(1)
+    tok.post_processor = TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, 1)])
+    tok.save(str(bos_engine / "tokenizer.json"))
+    prompt_ids = tok.encode("def f(x):", add_special_tokens=False).ids
+    with launch.serving(bos_engine, **free_ports()) as handle:
+        outputs = {}
+        for special in (True, False):
+            status, got = generate(handle, text_input="def f(x):", max_tokens=1, add_special_tokens=special)
+            assert status == 200, got
+            outputs[special] = got["output_ids"]
+    assert outputs[True][:len(prompt_ids) + 1] == [1] + prompt_ids
+    assert outputs[False][:len(prompt_ids)] == prompt_ids and outputs[False][0] != 1

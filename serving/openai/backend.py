@@ -95,6 +95,8 @@ def ensemble_inputs(g: Generation, max_tokens: int):
         inputs.append(one("min_length", g.min_tokens, np.int32, "INT32"))
     if g.logprobs:
         inputs.append(one("return_log_probs", True, np.bool_, "BOOL"))
+    if not g.add_special_tokens:
+        inputs.append(one("add_special_tokens", False, np.bool_, "BOOL"))
     if g.stop:   # a stop string ends the stream before the last response: every one carries the counts
         inputs.append(one("return_acceptance", True, np.bool_, "BOOL"))
     for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):

@@ -2,15 +2,29 @@
 from __future__ import annotations
 
 
+def _kind(status: int) -> str:
+    """The error ``type`` for a status: a 4xx without its own type is the client's request
+    (invalid_request_error), never "server_error", which would blame the server for it."""
+    known = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error",
+             503: "service_unavailable"}
+    return known.get(status, "invalid_request_error" if 400 <= status < 500 else "server_error")
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, kind: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
-        self.kind = kind or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                             429: "rate_limit_error", 503: "service_unavailable"}.get(status, "server_error")
+        self.kind = kind or _kind(status)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
+
+
+def shown(value, limit: int = 80) -> str:
+    """``value`` as an error message quotes it, cut short: a 400-digit number or a long list sent
+    back in full would bury the message."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def bad(param: str, message: str) -> APIError:

@@ -2,11 +2,12 @@
 
 Fields: ``prompt`` (a string or a one-item list), ``messages``, ``max_tokens`` /
 ``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop`` (string or list), ``n`` = 1,
-``ignore_eos`` (vLLM's), the penalties, ``top_k`` and ``min_tokens`` (vLLM's names), and nemospec's
-``speculative`` (false: this request target-only). Unknown fields are ignored, as OpenAI's own
-server ignores what it does not know; unsupported ones (n > 1, top logprobs, tools, echo, ...) are
-400s naming the field. ``logprobs`` (completions: 0; chat: true) returns each chosen token's
-log-probability. Per-request speculative-decoding metrics use vLLM's shape:
+``ignore_eos`` (vLLM's), the penalties, ``top_k`` and ``min_tokens`` (vLLM's names), chat's
+``add_generation_prompt`` and ``chat_template_kwargs`` (vLLM's), and nemospec's ``speculative``
+(false: this request target-only). Unknown fields, which change nothing (``user``, ``metadata``,
+...), are ignored; those the server cannot honour (n > 1, top logprobs, tools, echo, vLLM's min_p,
+guided decoding, ...: ``fields.REFUSED``) are 400s naming the field unless at their neutral value.
+``logprobs`` (completions: 0; chat: true) returns each chosen token's log-probability. Per-request speculative-decoding metrics use vLLM's shape:
 ``metrics.speculative_decoding`` with mean_acceptance_length, draft_acceptance_rate,
 acceptance_histogram, num_spec_steps, num_accepted_draft_tokens, num_draft_tokens, num_spec_tokens.
 """
@@ -15,9 +16,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from serving.openai.errors import bad
+from serving.openai.errors import bad, shown
+from serving.openai.fields import refuse_unhonoured
 
 MAX_STOPS = 4                 # OpenAI's limit on stop sequences
+INT32_MAX = (1 << 31) - 1     # the ensemble's INT32 inputs (max_tokens, top_k, min_length): a larger value wraps
 
 
 @dataclass
@@ -37,34 +40,40 @@ class Generation:
     speculative: bool = True
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False    # vLLM's stream_options.continuous_usage_stats: usage in every chunk
     logprobs: bool = False            # each chosen token's log-probability in the response
+    add_special_tokens: bool = True   # vLLM's: chat defaults to false (the template writes its own)
+    limit_field: str = "max_tokens"   # the field max_tokens came from (chat: max_completion_tokens), for errors
 
 
-def _number(body, name, default, low, high, integer=False):
-    value = body.get(name, default)
+def _number(body, name, default, low, high, integer=False, where=None):
+    """``body[name]`` checked against [low, high], compared exactly before any conversion to float:
+    a JSON integer past a double's range (10**400) is a 400 like any other, not an OverflowError."""
+    value, where = body.get(name, default), where or name
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not float(value).is_integer()):
-        raise bad(name, f"expected {'an integer' if integer else 'a number'}, got {value!r}")
-    if not math.isfinite(value) or not low <= value <= high:
-        raise bad(name, f"expected a value in [{low}, {high}], got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            (integer and isinstance(value, float) and not value.is_integer()):
+        raise bad(where, f"expected {'an integer' if integer else 'a number'}, got {shown(value)}")
+    if (isinstance(value, float) and not math.isfinite(value)) or not low <= value <= high:
+        raise bad(where, f"expected a value in [{low}, {high}], got {shown(value)}")
     return int(value) if integer else float(value)
 
 
-def _flag(body, name, default=False):
+def _flag(body, name, default=False, where=None):
+    """A boolean; ``where`` names it in the error when it sits inside an object (stream_options)."""
     value = body.get(name, default)
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise bad(name, f"expected true or false, got {value!r}")
+        raise bad(where or name, f"expected true or false, got {shown(value)}")
     return value
 
 
 def _unsupported(body, chat: bool):
-    if body.get("n", 1) not in (1, None):
-        raise bad("n", f"only n = 1 is supported, got {body.get('n')!r}")
-    if body.get("best_of", 1) not in (1, None):
-        raise bad("best_of", "only best_of = 1 is supported")
+    for name in ("n", "best_of"):      # typed first: JSON true is not 1 choice
+        if _number(body, name, 1, 1, INT32_MAX, integer=True) != 1:
+            raise bad(name, f"only {name} = 1 is supported, got {body.get(name)!r}")
     logprobs = body.get("logprobs")
     if chat and logprobs not in (None, True, False):
         raise bad("logprobs", f"expected true or false, got {logprobs!r}")
@@ -72,16 +81,7 @@ def _unsupported(body, chat: bool):
         raise bad("logprobs", "only 0: each chosen token's log-probability (the server returns no alternatives)")
     if body.get("top_logprobs"):
         raise bad("top_logprobs", "only 0: the server returns each chosen token's log-probability, no alternatives")
-    for name in ("tools", "functions", "logit_bias", "suffix", "prompt_logprobs"):
-        if body.get(name):
-            raise bad(name, "not supported")
-    if body.get("tool_choice") not in (None, "none"):
-        raise bad("tool_choice", "tools are not supported")
-    if body.get("echo"):
-        raise bad("echo", "not supported")
-    fmt = body.get("response_format")
-    if fmt not in (None, {"type": "text"}):
-        raise bad("response_format", "only {\"type\": \"text\"} is supported")
+    refuse_unhonoured(body, chat)
 
 
 def _wants_logprobs(value, chat: bool) -> bool:
@@ -96,7 +96,7 @@ def generation(body, prompt: str, chat: bool) -> Generation:
     _unsupported(body, chat)
     limit = body.get("max_completion_tokens") if chat and body.get("max_completion_tokens") is not None else None
     name = "max_completion_tokens" if limit is not None else "max_tokens"
-    max_tokens = _number(body, name, None if chat else 16, 1, 1 << 31, integer=True)
+    max_tokens = _number(body, name, None if chat else 16, 1, INT32_MAX, integer=True)
     stop = body.get("stop")
     stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
@@ -116,20 +116,34 @@ def generation(body, prompt: str, chat: bool) -> Generation:
         prompt=prompt, max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
-        top_k=_number(body, "top_k", 0, -1, 1 << 31, integer=True) if body.get("top_k") != -1 else 0,
+        top_k=_number(body, "top_k", 0, -1, INT32_MAX, integer=True) if body.get("top_k") != -1 else 0,
         seed=seed, stop=stops, ignore_eos=_flag(body, "ignore_eos"),
-        min_tokens=_number(body, "min_tokens", 0, 0, 1 << 31, integer=True),
+        min_tokens=_number(body, "min_tokens", 0, 0, INT32_MAX, integer=True),
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         repetition_penalty=_number(body, "repetition_penalty", 1.0, 1e-6, 100.0),
         speculative=_flag(body, "speculative", True), stream=stream,
-        include_usage=_flag(options, "include_usage"),
-        logprobs=_wants_logprobs(body.get("logprobs"), chat))
+        include_usage=_flag(options, "include_usage", where="stream_options.include_usage"),
+        continuous_usage=_flag(options, "continuous_usage_stats", where="stream_options.continuous_usage_stats"),
+        logprobs=_wants_logprobs(body.get("logprobs"), chat), limit_field=name,
+        add_special_tokens=_flag(body, "add_special_tokens", not chat))
+
+
+def chat_options(body) -> tuple[bool, dict]:
+    """vLLM's ``add_generation_prompt`` (default true) and ``chat_template_kwargs`` (extra variables
+    for the template, checked by ``ChatTemplate.render``)."""
+    add = _flag(body, "add_generation_prompt", True)
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise bad("chat_template_kwargs", f"expected an object, got {kwargs!r}")
+    return add, kwargs or {}
 
 
 def completion_prompt(body) -> str:
     prompt = body.get("prompt") if isinstance(body, dict) else None
     if isinstance(prompt, list):
+        if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise bad("prompt", "token-id prompts are not supported; send the text")
         if len(prompt) != 1:
             raise bad("prompt", f"expected a string or a one-item list (batches are not supported), got {len(prompt)} items")
         prompt = prompt[0]

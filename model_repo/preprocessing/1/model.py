@@ -62,7 +62,8 @@ class TritonPythonModel:
             raise BadInput("text_input: not valid UTF-8") from None
         if not text:
             raise BadInput("text_input: empty; expected a prompt of at least one token")
-        ids = self.tokenizer.encode(text).ids
+        special = self._raw(request, "ADD_SPECIAL_TOKENS")
+        ids = self.tokenizer.encode(text, add_special_tokens=bool(special[0]) if special else True).ids
         if not ids:
             raise BadInput("text_input: the prompt has no tokens")
         if len(ids) > self.max_input_len:

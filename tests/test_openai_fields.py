@@ -1,0 +1,292 @@
+"""The OpenAI frontend against a recording backend (no Triton): every request field is honoured or
+refused with a 400 naming it, numbers past what the ensemble takes are 400s (never a 500 or a wrapped
+value), chat renders what the client sent (parts joined as vLLM joins them, vLLM's template options),
+and every error body, of any route, is OpenAI's error JSON."""
+import asyncio
+import json
+
+import pytest
+from tokenizers import Tokenizer
+from tokenizers.processors import TemplateProcessing
+
+from serving.openai.app import ModelInfo, create_app
+from serving.openai.chat_template import ChatTemplate
+from test_openai_answers import TOKENIZER, ScriptedDelta, _events, _ids
+
+TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+            "{% if flavour %}[{{ flavour }}]{% endif %}{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+class RecordingBackend:
+    """Answers "hello world" and records what each request asked the ensemble for."""
+    def __init__(self):
+        self.calls = []
+
+    async def ready(self):
+        return True
+
+    async def close(self):
+        pass
+
+    async def generate(self, g, max_tokens):
+        self.calls.append((g, max_tokens))
+        yield ScriptedDelta(_ids("hello"))
+        yield ScriptedDelta(_ids(" world"), "length")
+
+
+class FailingBackend(RecordingBackend):
+    """A bug in the backend after ``good`` responses (a real one converts Triton's errors, not bugs)."""
+    def __init__(self, good: int):
+        super().__init__()
+        self.good = good
+
+    async def generate(self, g, max_tokens):
+        for _ in range(self.good):
+            yield ScriptedDelta(_ids("hello"))
+        raise RuntimeError("a bug")
+
+
+def _app(backend=None, template=TEMPLATE, tokenizer=TOKENIZER):
+    backend = backend or RecordingBackend()
+    info = ModelInfo("m", tokenizer, 256, 4, ChatTemplate(template) if template else None, 0)
+    return create_app(info, backend), backend
+
+
+def _call(app, path="/v1/completions", body=None, method="POST", raw=None, swallow=False):
+    """One request through the ASGI app: (status, body bytes). ``swallow``: the app re-raises an
+    unexpected exception after answering it (Starlette's server-error path); keep the answer."""
+    messages, sent = [], []
+    data = raw if raw is not None else json.dumps(body).encode() if body is not None else b""
+
+    async def receive():
+        if not sent:
+            sent.append(True)
+            return {"type": "http.request", "body": data, "more_body": False}
+        await asyncio.sleep(3600)
+
+    async def send(message):
+        messages.append(message)
+
+    scope = {"type": "http", "method": method, "path": path, "raw_path": path.encode(), "query_string": b"",
+             "headers": [(b"content-type", b"application/json")], "http_version": "1.1", "scheme": "http",
+             "server": ("test", 80), "client": ("test", 1), "root_path": ""}
+    try:
+        asyncio.run(app(scope, receive, send))
+    except RuntimeError:
+        if not swallow:
+            raise
+    status = next(m["status"] for m in messages if m["type"] == "http.response.start")
+    return status, b"".join(m.get("body", b"") for m in messages if m["type"] == "http.response.body")
+
+
+def _error(status, raw, want_status, param):
+    assert status == want_status, (status, raw)
+    error = json.loads(raw)["error"]
+    assert error["param"] == param and param in error["message"], error
+    return error
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+PROMPT = {"prompt": "p"}
+
+
+def test_numbers_past_a_double_are_400s_not_500s():
+    """A JSON integer too large for a float (10**400) was converted before its range check: an
+    OverflowError, a plain-text 500."""
+    for field in ("max_tokens", "temperature", "top_k", "seed", "n"):
+        app, backend = _app()
+        _error(*_call(app, body={**PROMPT, field: 10 ** 400}), 400, field)
+        assert not backend.calls
+
+
+def test_limits_the_ensemble_cannot_take_are_refused_naming_the_field_sent():
+    """max_tokens, top_k and min_tokens go to the ensemble as INT32: 2**31 wrapped to -2**31 there
+    (its error then quoted a number the client never sent); a limit past max_seq_len is refused here
+    naming the field the client used (chat: max_completion_tokens), and a min_tokens above the
+    limit is refused as vLLM refuses it."""
+    for body, param in (({**PROMPT, "max_tokens": 1 << 31}, "max_tokens"), ({**PROMPT, "top_k": 1 << 31}, "top_k"),
+                        ({**PROMPT, "max_tokens": 300}, "max_tokens"),
+                        ({**PROMPT, "max_tokens": 8, "min_tokens": 9}, "min_tokens")):
+        app, backend = _app()
+        error = _error(*_call(app, body=body), 400, param)
+        assert not backend.calls, body
+        if body.get("max_tokens") == 300:
+            assert "max_seq_len 256" in error["message"]
+    app, backend = _app()
+    error = _error(*_call(app, "/v1/chat/completions", {**CHAT, "max_completion_tokens": 300}), 400,
+                   "max_completion_tokens")
+    assert "max_seq_len" in error["message"] and not backend.calls
+    app, backend = _app()
+    status, raw = _call(app, body={**PROMPT, "max_tokens": 255, "min_tokens": 255})
+    assert status == 200 and backend.calls[0][1] == 255, raw
+
+
+def test_n_and_best_of_must_be_integers():
+    """JSON true equals 1 in Python: ``n: true`` was taken as one choice."""
+    for field in ("n", "best_of"):
+        app, _ = _app()
+        _error(*_call(app, body={**PROMPT, field: True}), 400, field)
+        app, _ = _app()
+        assert _call(app, body={**PROMPT, field: 1})[0] == 200
+
+
+@pytest.mark.parametrize("path,extra,param", [
+    ("/v1/completions", {"min_p": 0.1}, "min_p"),
+    ("/v1/completions", {"stop_token_ids": [2]}, "stop_token_ids"),
+    ("/v1/completions", {"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+    ("/v1/completions", {"skip_special_tokens": False}, "skip_special_tokens"),
+    ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
+    ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json"),
+    ("/v1/completions", {"prompt_logprobs": 0}, "prompt_logprobs"),
+    ("/v1/completions", {"max_completion_tokens": 4}, "max_completion_tokens"),
+    ("/v1/chat/completions", {"function_call": "auto"}, "function_call"),
+    ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
+    ("/v1/chat/completions", {"reasoning_effort": "low"}, "reasoning_effort"),
+    ("/v1/chat/completions", {"continue_final_message": True}, "continue_final_message"),
+    ("/v1/chat/completions", {"chat_template": "{{ messages }}"}, "chat_template"),
+    ("/v1/chat/completions", {"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+])
+def test_fields_the_server_cannot_honour_are_refused(path, extra, param):
+    """Each was accepted and dropped: a 200 answering a different request than the one sent."""
+    app, backend = _app()
+    _error(*_call(app, path, {**(CHAT if "chat" in path else PROMPT), **extra}), 400, param)
+    assert not backend.calls
+
+
+def test_neutral_values_of_those_fields_are_accepted():
+    neutral = {"min_p": 0, "stop_token_ids": [], "skip_special_tokens": True, "logit_bias": {}, "tools": [],
+               "tool_choice": "none", "include_stop_str_in_output": False, "response_format": {"type": "text"},
+               "user": "u", "metadata": {"k": "v"}, "length_penalty": 1.0, "add_special_tokens": True}
+    app, backend = _app()
+    status, raw = _call(app, "/v1/chat/completions", {**CHAT, **neutral})
+    assert status == 200 and len(backend.calls) == 1, raw
+
+
+def test_add_special_tokens_is_vllms_chat_false_completions_true():
+    """The ensemble's preprocessing tokenizes with the tokenizer's special tokens unless the request
+    sends add_special_tokens false: chat does by default (its template writes its own BOS, as vLLM and
+    transformers' apply_chat_template leave the tokenizer's out), completions on request; usage counts
+    the prompt the model sees."""
+    from serving.openai.backend import ensemble_inputs
+    with_bos = Tokenizer.from_str(TOKENIZER.to_str())
+    bos = with_bos.token_to_id("<s>")
+    with_bos.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    app, backend = _app(tokenizer=with_bos)
+    cases = [("/v1/chat/completions", CHAT, False), ("/v1/completions", PROMPT, True),
+             ("/v1/completions", {**PROMPT, "add_special_tokens": False}, False),
+             ("/v1/chat/completions", {**CHAT, "add_special_tokens": True}, True)]
+    for path, body, special in cases:
+        status, raw = _call(app, path, body)
+        g = backend.calls[-1][0]
+        sent = {t.name(): t for t in ensemble_inputs(g, 8)}
+        assert status == 200 and g.add_special_tokens is special and ("add_special_tokens" in sent) is not special
+        prompt_ids = with_bos.encode(g.prompt, add_special_tokens=special).ids
+        assert (prompt_ids[0] == bos) is special
+        assert json.loads(raw)["usage"]["prompt_tokens"] == len(prompt_ids), (path, body)
+    _error(*_call(app, body={**PROMPT, "add_special_tokens": "no"}), 400, "add_special_tokens")
+
+
+def _chat_prompt(body):
+    app, backend = _app()
+    status, raw = _call(app, "/v1/chat/completions", body)
+    assert status == 200, raw
+    return backend.calls[0][0].prompt
+
+
+def test_text_parts_are_joined_with_a_newline_and_must_be_text():
+    """vLLM joins a message's text parts with a newline: joined with nothing, "Hello" and "world"
+    reached the model as "Helloworld". A part whose text is null reached it as "None"."""
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]
+    assert _chat_prompt({"messages": [{"role": "user", "content": parts}]}) == "<user>Hello\nworld\n<assistant>"
+    app, _ = _app()
+    bad = {"messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]}
+    _error(*_call(app, "/v1/chat/completions", bad), 400, "messages[0].content")
+
+
+def test_roles_are_openais():
+    """A role OpenAI does not define was rendered blindly by the template."""
+    app, backend = _app()
+    body = {"messages": [{"role": "wizard", "content": "x"}]}
+    _error(*_call(app, "/v1/chat/completions", body), 400, "messages[0].role")
+    assert not backend.calls
+    assert _chat_prompt({"messages": [{"role": "developer", "content": "x"}]}) == "<developer>x\n<assistant>"
+
+
+def test_vllms_template_options_are_honoured_or_refused():
+    """``add_generation_prompt: false`` and ``chat_template_kwargs`` were dropped: the prompt always
+    ended with the generation prompt and the template never saw the kwargs. A kwarg the template does
+    not read, or one naming what the server sets, is refused."""
+    assert _chat_prompt({**CHAT, "add_generation_prompt": False}) == "<user>hi\n"
+    assert _chat_prompt({**CHAT, "chat_template_kwargs": {"flavour": "terse"}}) == "<user>hi\n[terse]<assistant>"
+    for kwargs, param in (({"enable_thinking": False}, "chat_template_kwargs.enable_thinking"),
+                          ({"messages": []}, "chat_template_kwargs.messages"),
+                          ("x", "chat_template_kwargs")):
+        app, backend = _app()
+        _error(*_call(app, "/v1/chat/completions", {**CHAT, "chat_template_kwargs": kwargs}), 400, param)
+        assert not backend.calls
+
+
+def test_every_error_body_is_openais_error_json():
+    """An unknown path or method answered FastAPI's {"detail": ...}; a body nested past the JSON
+    parser's depth and a bug in the backend a plain-text 500; a non-string model a 404."""
+    app, _ = _app()
+    status, raw = _call(app, "/v1/nope", {})
+    assert status == 404 and json.loads(raw)["error"]["type"] == "not_found_error", raw
+    status, raw = _call(app, "/v1/completions", method="GET")
+    assert status == 405 and json.loads(raw)["error"]["type"] == "invalid_request_error", raw
+    _error(*_call(app, raw=b"[" * 100000), 400, "body")
+    _error(*_call(app, body={**PROMPT, "model": 5}), 400, "model")
+    app, _ = _app(FailingBackend(0))
+    status, raw = _call(app, body=PROMPT, swallow=True)
+    assert status == 500 and json.loads(raw)["error"]["type"] == "server_error", raw
+    app, _ = _app()
+    assert _call(app, body=PROMPT)[0] == 200          # and the server keeps answering
+
+
+def test_models_retrieve():
+    """``client.models.retrieve(name)`` (GET /v1/models/{id}) was a 404 for the served model too."""
+    app, _ = _app()
+    status, raw = _call(app, "/v1/models/m", method="GET")
+    assert status == 200 and json.loads(raw) == {"id": "m", "object": "model", "created": 0, "owned_by": "nemospec",
+                                                 "max_model_len": 256}
+    status, raw = _call(app, "/v1/models/other", method="GET")
+    assert status == 404 and json.loads(raw)["error"]["param"] == "model"
+
+
+def test_a_stream_that_fails_midway_ends_with_an_error_event():
+    """A bug after the first chunk cut the stream with no error and no [DONE]: a client read the text
+    so far as the whole answer."""
+    app, _ = _app(FailingBackend(2))
+    status, raw = _call(app, body={**PROMPT, "stream": True})
+    events = _events(raw)
+    assert status == 200 and events[-1]["error"]["code"] == 500, raw
+    assert not any(c["finish_reason"] for e in events[:-1] for c in e["choices"])
+    assert raw.decode().rstrip().endswith("data: [DONE]")
+
+
+def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk():
+    """vLLM's ``stream_options.continuous_usage_stats`` (aiperf's --per-chunk-usage) was dropped:
+    no chunk carried usage, though the client asked for it in each."""
+    for path, base in (("/v1/completions", PROMPT), ("/v1/chat/completions", CHAT)):
+        app, _ = _app()
+        body = {**base, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        status, raw = _call(app, path, body)
+        events = _events(raw)
+        assert status == 200 and all("usage" in e for e in events), raw
+        done = [e["usage"]["completion_tokens"] for e in events]
+        assert done == sorted(done) and done[-1] == len(_ids("hello")) + len(_ids(" world")), done
+        assert all(e["usage"]["total_tokens"] == e["usage"]["prompt_tokens"] + e["usage"]["completion_tokens"]
+                   for e in events)
+
+
+def test_errors_inside_stream_options_name_the_nested_field():
+    app, _ = _app()
+    body = {**PROMPT, "stream": True, "stream_options": {"include_usage": "yes"}}
+    _error(*_call(app, body=body), 400, "stream_options.include_usage")
+
+
+def test_a_token_id_prompt_is_refused_as_one():
+    """A list of token ids was refused as a batch of several prompts."""
+    app, _ = _app()
+    error = _error(*_call(app, body={"prompt": [1, 2, 3]}), 400, "prompt")
+    assert "token-id" in error["message"], error
