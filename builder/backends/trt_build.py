@@ -5,7 +5,6 @@ import contextlib
 import functools
 import os
 import sys
-from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from builder.backends.trt_import import FLAVOUR, trt

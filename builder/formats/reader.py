@@ -20,7 +20,7 @@ from safetensors import safe_open
 from builder.checkpoint import checkpoint_files
 from builder.errors import CheckpointError, DraftError
 from builder.formats.fields import Fields
-from builder.formats.tensors import Shape, draft_tensors, fmt
+from builder.formats.tensors import draft_tensors, fmt
 
 CONFIG_FILE = "config.json"
 FLOAT_DTYPES = ("F32", "F16", "BF16")
