@@ -310,10 +310,13 @@ def cmd_generate(args):
             trace_file = open(args.trace, "w", encoding="utf-8")
         except OSError as e:
             raise NemospecError(f"--trace {args.trace}: cannot write ({e.strerror})") from None
+    # the run's policy: the warm-ups compile what it verifies (a confidence stop's shorter chunks)
+    run_policy = (lambda kk: policy_from(kk, loaded.build_options, args)) if speculate else (lambda kk: None)
     try:
         if loaded.backend == "compiled":  # compile (or load from the cache) the steps this run uses, untimed
             from runtime.compiled.runner import warm_up
-            warm_up(loaded, prompts, k if speculate else 0, tree, max_seq_len=loaded.max_seq_len, prefill_chunk=chunk)
+            warm_up(loaded, prompts, k if speculate else 0, tree, policy=run_policy(k), max_seq_len=loaded.max_seq_len,
+                    prefill_chunk=chunk)
         if auto_nodes:   # each candidate size (and the chain) on the first prompt; keep the fastest
             from runtime.tree.sizing import calibrate_tree, describe as describe_tree
 
@@ -333,16 +336,18 @@ def cmd_generate(args):
             err.print(describe(choice), markup=False)
             k = choice["k"]
             if loaded.backend == "compiled":
-                warm_up(loaded, prompts, k, None, max_seq_len=loaded.max_seq_len, prefill_chunk=chunk)
+                warm_up(loaded, prompts, k, None, policy=run_policy(k), max_seq_len=loaded.max_seq_len,
+                        prefill_chunk=chunk)
         if speculate:
             from runtime.speculative import speculative_generate
-            policy = policy_from(k, loaded.build_options, args)
+            policy = run_policy(k)
             if policy.auto_schedule:   # this run's batch size: measure both sides, keep K or turn speculation off
                 from runtime.draft_len import calibrate_schedule, describe_schedule
                 schedule_choice = calibrate_schedule(
                     loaded, prompts, k, [len(prompts)], max_seq_len=loaded.max_seq_len, prefill_chunk=chunk,
                     warm=None if loaded.backend != "compiled" else lambda kk, batch: warm_up(
-                        loaded, batch, kk, None, max_seq_len=loaded.max_seq_len, prefill_chunk=chunk))
+                        loaded, batch, kk, None, policy=run_policy(kk), max_seq_len=loaded.max_seq_len,
+                        prefill_chunk=chunk))
                 err.print(describe_schedule(schedule_choice), markup=False)
                 policy.schedule = schedule_choice["schedule"]
             result = speculative_generate(loaded.runner, loaded.proposer(), prompts, args.max_new_tokens, k,

@@ -141,6 +141,19 @@ def test_warm_up_compiles_every_catch_up_bucket_and_nothing_compiles_after(model
     assert _compiled_keys(compiled)[0] == before, "compiled mid-run"
 
 
+def test_warm_up_with_a_confidence_stop_compiles_every_verify_length_up_to_k_plus_1(models):
+    """A confidence stop trims steps to shorter verifies: warm_up, given the run's policy, compiles
+    each verify bucket up to the whole K + 1, which a warm-up whose every step was trimmed never meets
+    (`generate --num_draft_tokens 8 --draft_confidence_threshold 0.3` on the wide model compiled the
+    9-token verify inside its timed run)."""
+    from runtime.compiled.runner import warm_up
+    from runtime.draft_policy import DraftPolicy
+    _, compiled = models
+    warm_up(compiled, RAGGED[:1], 4, policy=DraftPolicy(4, confidence_threshold=0.999))
+    ready = {key for key in compiled.runner._verify_greedy.ready if key[0]}
+    assert {(True, t) for t in compiled.runner.verify_buckets if t <= 5} <= ready, ready
+
+
 def test_warm_up_compiles_the_plain_draft_steps_a_prompt_chunk_meets(one_thread):
     """A prompt's draft context runs in K+1-row chunks whose last may hold one row (a 7-token prompt:
     5 + 1), a step the warm-up's own prompt (6 tokens: one 5-row chunk) never meets: warm_up compiles

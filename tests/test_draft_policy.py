@@ -112,3 +112,24 @@ def test_rejection_with_fewer_proposals_is_distributed_as_the_target():
     p0, p1 = torch.softmax(p_logits[0, 0], -1), torch.softmax(p_logits[0, 1], -1)
     assert chi_square_p(torch.bincount(torch.tensor(firsts), minlength=6), p0)[0] > 1e-3
     assert chi_square_p(torch.bincount(torch.tensor(seconds), minlength=6), p1)[0] > 1e-3
+
+
+def test_generate_warms_up_with_the_policy_its_flags_give(monkeypatch):
+    """`generate --backend compiled --draft_confidence_threshold P` warmed up with the engine's
+    recorded policy (none), so the timed run compiled the shorter verify chunks the confidence stop
+    cuts to (K=8, P=0.3, wide model: 447 ms a verify, mostly compiles). The warm-up now gets the run's
+    policy; stopped there, before any step compiles."""
+    from nemospec import cli
+    from runtime.compiled import runner
+    seen = []
+
+    def warm_up(loaded, prompts, k, tree, policy=None, **kwargs):
+        seen.append((k, policy))
+        raise NemospecError("stopped after the warm-up call")
+
+    monkeypatch.setattr(runner, "warm_up", warm_up)
+    code = cli.main(["generate", "--backend", "compiled", "--speculative_decoding_mode", "eagle3",
+                     "--input_ids", "1,2,3", "--max_new_tokens", "4", "--draft_confidence_threshold", "0.3"])
+    assert code == 2 and len(seen) == 1
+    k, policy = seen[0]
+    assert k == 4 and policy is not None and policy.confidence_threshold == 0.3

@@ -211,11 +211,13 @@ class CompiledRunner(TorchRunner):
                               _prepare(accepted_rows, batch, {}))
 
 
-def warm_up(loaded, prompts, draft_len: int = 0, tree=None, **generate_args) -> float:
+def warm_up(loaded, prompts, draft_len: int = 0, tree=None, policy=None, **generate_args) -> float:
     """A short greedy run of ``prompts`` (speculative with ``draft_len`` > 0, with token trees of
     shape ``tree`` if given, then target-only on the same prompts, as the CLI's cost line runs it) so
     that the steps a timed run of them uses are compiled, or loaded from the cache, before it starts.
-    Returns the seconds it took (0 when ``loaded`` is not on the compiled path)."""
+    ``policy``: the run's draft policy (default ``loaded.draft_policy``): a confidence stop verifies
+    shorter chunks, whose buckets are warmed too. Returns the seconds it took (0 when ``loaded`` is not
+    on the compiled path)."""
     from runtime.generation import generate
     from runtime.speculative import speculative_generate
     if not isinstance(loaded.runner, CompiledRunner):
@@ -224,17 +226,17 @@ def warm_up(loaded, prompts, draft_len: int = 0, tree=None, **generate_args) -> 
     steps = STEP_CALLS + 2
     if draft_len > 0:
         proposer = loaded.proposer()
+        policy = policy if policy is not None else getattr(loaded, "draft_policy", None)
         speculative_generate(loaded.runner, proposer, prompts, steps * (draft_len + 1), draft_len, tree=tree,
-                             **generate_args)
+                             policy=policy, **generate_args)
         if isinstance(getattr(proposer, "draft", None), CompiledDraft):
             if tree is None:
                 proposer.draft.warm_chain(draft_len, len(prompts))
             else:
                 proposer.draft.warm_steps(len(prompts))
-        policy = getattr(loaded, "draft_policy", None)
-        if tree is None and policy is not None and policy.confidence_threshold:   # steps trimmed to fewer drafts
-            for tokens in loaded.runner.verify_buckets:
-                if tokens <= draft_len:
+        if tree is None and policy is not None and policy.confidence_threshold:   # steps trimmed to fewer drafts,
+            for tokens in loaded.runner.verify_buckets:    # and the whole K, which a warm-up trimming every step misses
+                if tokens <= draft_len + 1:
                     loaded.runner.warm_verify(tokens, len(prompts))
         draft = getattr(proposer, "runner", None)          # a draft_target draft: a NemotronH of its own
         if isinstance(draft, CompiledRunner):              # [last draft, bonus], queued after a full accept;
