@@ -38,25 +38,36 @@ class ScriptedBackend:
             yield d
 
 
-def _post(app, body: dict, path: str = "/v1/completions"):
-    """One POST through the ASGI app: (status, body bytes)."""
+def _call(app, path="/v1/completions", body=None, method="POST", raw=None, swallow=False):
+    """One request through the ASGI app: (status, body bytes). ``swallow``: the app re-raises an
+    unexpected exception after answering it (Starlette's server-error path); keep the answer."""
     messages, sent = [], []
+    data = raw if raw is not None else json.dumps(body).encode() if body is not None else b""
 
     async def receive():
         if not sent:
             sent.append(True)
-            return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+            return {"type": "http.request", "body": data, "more_body": False}
         await asyncio.sleep(3600)
 
     async def send(message):
         messages.append(message)
 
-    scope = {"type": "http", "method": "POST", "path": path, "raw_path": path.encode(),
-             "query_string": b"", "headers": [(b"content-type", b"application/json")], "http_version": "1.1",
-             "scheme": "http", "server": ("test", 80), "client": ("test", 1), "root_path": ""}
-    asyncio.run(app(scope, receive, send))
+    scope = {"type": "http", "method": method, "path": path, "raw_path": path.encode(), "query_string": b"",
+             "headers": [(b"content-type", b"application/json")], "http_version": "1.1", "scheme": "http",
+             "server": ("test", 80), "client": ("test", 1), "root_path": ""}
+    try:
+        asyncio.run(app(scope, receive, send))
+    except RuntimeError:
+        if not swallow:
+            raise
     status = next(m["status"] for m in messages if m["type"] == "http.response.start")
     return status, b"".join(m.get("body", b"") for m in messages if m["type"] == "http.response.body")
+
+
+def _post(app, body: dict, path: str = "/v1/completions"):
+    """One POST through the ASGI app: (status, body bytes)."""
+    return _call(app, path, body)
 
 
 def _app(responses):

@@ -2,7 +2,6 @@
 refused with a 400 naming it, numbers past what the ensemble takes are 400s (never a 500 or a wrapped
 value), chat renders what the client sent (parts joined as vLLM joins them, vLLM's template options),
 and every error body, of any route, is OpenAI's error JSON."""
-import asyncio
 import json
 
 import pytest
@@ -11,7 +10,7 @@ from tokenizers.processors import TemplateProcessing
 
 from serving.openai.app import ModelInfo, create_app
 from serving.openai.chat_template import ChatTemplate
-from test_openai_answers import TOKENIZER, ScriptedDelta, _events, _ids
+from test_openai_answers import TOKENIZER, ScriptedDelta, _call, _events, _ids
 
 TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
             "{% if flavour %}[{{ flavour }}]{% endif %}{% if add_generation_prompt %}<assistant>{% endif %}")
@@ -50,33 +49,6 @@ def _app(backend=None, template=TEMPLATE, tokenizer=TOKENIZER):
     backend = backend or RecordingBackend()
     info = ModelInfo("m", tokenizer, 256, 4, ChatTemplate(template) if template else None, 0)
     return create_app(info, backend), backend
-
-
-def _call(app, path="/v1/completions", body=None, method="POST", raw=None, swallow=False):
-    """One request through the ASGI app: (status, body bytes). ``swallow``: the app re-raises an
-    unexpected exception after answering it (Starlette's server-error path); keep the answer."""
-    messages, sent = [], []
-    data = raw if raw is not None else json.dumps(body).encode() if body is not None else b""
-
-    async def receive():
-        if not sent:
-            sent.append(True)
-            return {"type": "http.request", "body": data, "more_body": False}
-        await asyncio.sleep(3600)
-
-    async def send(message):
-        messages.append(message)
-
-    scope = {"type": "http", "method": method, "path": path, "raw_path": path.encode(), "query_string": b"",
-             "headers": [(b"content-type", b"application/json")], "http_version": "1.1", "scheme": "http",
-             "server": ("test", 80), "client": ("test", 1), "root_path": ""}
-    try:
-        asyncio.run(app(scope, receive, send))
-    except RuntimeError:
-        if not swallow:
-            raise
-    status = next(m["status"] for m in messages if m["type"] == "http.response.start")
-    return status, b"".join(m.get("body", b"") for m in messages if m["type"] == "http.response.body")
 
 
 def _error(status, raw, want_status, param):
