@@ -143,9 +143,8 @@ def test_warm_up_compiles_every_catch_up_bucket_and_nothing_compiles_after(model
 
 def test_warm_up_with_a_confidence_stop_compiles_every_verify_length_up_to_k_plus_1(models):
     """A confidence stop trims steps to shorter verifies: warm_up, given the run's policy, compiles
-    each verify bucket up to the whole K + 1, which a warm-up whose every step was trimmed never meets
-    (`generate --num_draft_tokens 8 --draft_confidence_threshold 0.3` on the wide model compiled the
-    9-token verify inside its timed run)."""
+    each verify bucket up to the whole K + 1 (its own run drafts the whole K, whatever the policy's
+    schedule: the graphs of the K it was asked to warm)."""
     from runtime.compiled.runner import warm_up
     from runtime.draft_policy import DraftPolicy
     _, compiled = models

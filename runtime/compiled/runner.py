@@ -226,14 +226,14 @@ def warm_up(loaded, prompts, draft_len: int = 0, tree=None, policy=None, **gener
     steps = STEP_CALLS + 2
     if draft_len > 0:
         proposer = loaded.proposer()
-        policy = policy if policy is not None else getattr(loaded, "draft_policy", None)
         speculative_generate(loaded.runner, proposer, prompts, steps * (draft_len + 1), draft_len, tree=tree,
-                             policy=policy, **generate_args)
+                             **generate_args)   # at draft_len itself: a policy's schedule must not change it
         if isinstance(getattr(proposer, "draft", None), CompiledDraft):
             if tree is None:
                 proposer.draft.warm_chain(draft_len, len(prompts))
             else:
                 proposer.draft.warm_steps(len(prompts))
+        policy = policy if policy is not None else getattr(loaded, "draft_policy", None)
         if tree is None and policy is not None and policy.confidence_threshold:   # steps trimmed to fewer drafts,
             for tokens in loaded.runner.verify_buckets:    # and the whole K, which a warm-up trimming every step misses
                 if tokens <= draft_len + 1:
