@@ -233,8 +233,17 @@ def _active(handle) -> float:
     return 0.0
 
 
+def _completed(handle) -> float:
+    """Requests the speculative model finished (outcome completed), as its metrics count them."""
+    for line in handle.metrics().splitlines():
+        if line.startswith("nemospec_requests_total") and 'outcome="completed"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def test_queue_full_is_429_and_closing_a_stream_frees_its_sequence(stack, client):
     handle, _ = stack
+    completed = _completed(handle)
     streams = [client.completions.create(model=_model(stack), prompt=f"x{i} = 1", max_tokens=150, stream=True,
                                          extra_body={"ignore_eos": True}) for i in range(4)]   # near max_seq_len
     for s in streams:
@@ -255,14 +264,17 @@ def test_queue_full_is_429_and_closing_a_stream_frees_its_sequence(stack, client
     deadline = time.monotonic() + 60
     while len(refused) < 4 and time.monotonic() < deadline:
         time.sleep(0.05)
+    time.sleep(0.3)                                    # the metrics are updated every 0.1 s
+    finished = _completed(handle) - completed
     for s in list(streams):
         s.close()                                      # the client goes away mid-stream
     for t in threads:
         t.join(60)
-    # 4 running and a queue of 2: four of the six are refused, or three where one of the four finished
-    # while the six were in flight (a loaded machine: a queued request is then admitted, one more queued)
+    # 4 running and a queue of 2: four of the six are refused; each of the four that finished while the
+    # six were in flight (a loaded machine: seen with 1 and with 3) lets a queued one run and one more
+    # queue, so two are admitted plus one per stream finished
     admitted = len(streams) - 4
-    assert len(refused) + admitted == 6 and len(refused) >= 3 and admitted <= 3, (refused, admitted)
+    assert len(refused) + admitted == 6 and refused and admitted <= 2 + finished, (refused, admitted, finished)
     assert all("busy" in r for r in refused), refused
     for s in streams:
         s.close()
