@@ -70,6 +70,7 @@ class BuildOptions:
     draft_confidence_threshold: float = 0.0
     acceptance_rate_threshold: float = 0.0
     acceptance_rate_window_size: int = 8
+    draft_len_adaptive: bool = False
     # tree speculation defaults (runtime.tree.draft; generate/serve --tree turns it on)
     max_tree_nodes: int = 16
     tree_topk: int = 0          # 0: by draft kind (runtime.tree.draft.default_topk)

@@ -33,6 +33,9 @@ from runtime.compiled import small_linear
 _err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 MODES = ("draft_target", "eagle", "eagle3", "mtp", "dflash", "dspark", "dspark_nvfp4", "peagle")
+#: a mode's suffix for its engines built with --draft_len_adaptive on (e.g. eagle3_adaptive): each
+#: sequence picks its K up to --num_draft_tokens step by step (runtime.adaptive_draft_len)
+ADAPTIVE = "_adaptive"
 QUICK_MODES = ("eagle3", "dflash")
 # code to complete (written for this benchmark; the model was trained on the stdlib's style)
 PROMPTS = (
@@ -93,15 +96,17 @@ def build_mode_engines(checkpoint, mode: str, root: Path, k: int, draft_weight_d
     from builder.engine import BuildOptions, build
     from builder.embedded.sources import resolve_sources
     from builder.token_map import MODES as MAPPED_MODES
+    adaptive = mode.endswith(ADAPTIVE)
+    mode = mode.removesuffix(ADAPTIVE)
     quant = "nvfp4_w4a16" if mode.endswith("_nvfp4") else None
     base = mode.removesuffix("_nvfp4")
     target, draft = resolve_sources(checkpoint, base, None, quant, embedded_model, embedded_factor)
     if checkpoint is not None and base not in ("mtp",):
         draft = embedded.draft_dir(base, quant)
-    out = root / "engines" / mode
+    out = root / "engines" / (mode + (ADAPTIVE if adaptive else ""))
     options = BuildOptions(max_batch_size=4, max_input_len=256, max_seq_len=512, max_draft_len=k, dtype="auto",
                            speculative_decoding_mode=base, draft_weight_dtype=draft_weight_dtype,
-                           matmul_precision=matmul_precision)
+                           matmul_precision=matmul_precision, draft_len_adaptive=adaptive)
     report = build(target, out, options, log=lambda m: None, draft_dir=draft,
                    draft_quantization=quant if draft is None or not (Path(draft) / "hf_quant_config.json").is_file()
                    else None, token_map=token_map if base in MAPPED_MODES else None)
@@ -184,8 +189,9 @@ def _offline(engine_dir: Path, prompts: list[list[int]], new_tokens: int, k: int
     from runtime.compiled.runner import warm_up
     from runtime.compiled.steps import COMPILE_LOG
     loaded = open_engine_dir(engine_dir, backend)
+    policy = loaded.draft_policy        # the engines' recorded policy (an adaptive K: each of its lengths)
     warm_up(loaded, prompts[:1], k)
-    speculative_generate(loaded.runner, loaded.proposer(), prompts[:1], 8, k)      # warm-up (allocations, caches)
+    speculative_generate(loaded.runner, loaded.proposer(), prompts[:1], 8, k, policy=policy)   # allocations, caches
     generate(loaded.runner, prompts[:1], 8)
     trees = _TreeRuns(loaded, tree, k) if tree is not None else None
     compiled_before = len(COMPILE_LOG)
@@ -194,10 +200,12 @@ def _offline(engine_dir: Path, prompts: list[list[int]], new_tokens: int, k: int
     spec_s = plain_s = 0.0
     tokens = forwards = 0
     hist: dict[str, int] = {}
+    lengths: dict[str, int] = {}          # verify steps by the K they drafted (an adaptive policy's choices)
     spec_costs, plain_costs = StepCosts(), StepCosts()
     outside = {"speculative": 0.0, "target_only": 0.0}     # seconds of the runs outside their steps (prefill)
     for ids in prompts:
-        spec, s = _timed(lambda: speculative_generate(loaded.runner, loaded.proposer(), [ids], new_tokens, k), runs)
+        spec, s = _timed(lambda: speculative_generate(loaded.runner, loaded.proposer(), [ids], new_tokens, k,
+                                                      policy=policy), runs)
         plain, t = _timed(lambda: generate(loaded.runner, [ids], new_tokens), runs)
         if spec.output_ids != plain.output_ids:
             raise RuntimeError(f"{engine_dir}: speculative output differs from target-only greedy")
@@ -212,9 +220,13 @@ def _offline(engine_dir: Path, prompts: list[list[int]], new_tokens: int, k: int
         forwards += a["num_verify_forwards"]
         for n, c in a["histogram"].items():
             hist[n] = hist.get(n, 0) + c
+        for n, c in a["steps_by_draft_len"].items():
+            lengths[n] = lengths.get(n, 0) + c
     total = sum(hist.values())
     mean = sum(int(n) * c for n, c in hist.items()) / total if total else 0.0
     out = {"mean_accepted_tokens": round(mean, 3), "histogram": hist, "verify_forwards": forwards,
+           "steps_by_draft_len": dict(sorted(lengths.items(), key=lambda kv: int(kv[0]))),
+           "draft_len_adaptive": bool(policy is not None and policy.adaptive),
            "tokens": tokens, "tokens_per_second": round(tokens / spec_s, 1),
            "target_only_tokens_per_second": round(tokens / plain_s, 1), "speedup": round(plain_s / spec_s, 3),
            "exact": True, "cost": with_prefill(cost_model(spec_costs.summary(), plain_costs.summary()),
@@ -363,10 +375,11 @@ def run_bench(args) -> dict:
         torch.set_num_threads(args.threads)
     quick = args.quick
     modes = tuple(args.modes.split(",")) if args.modes else (QUICK_MODES if quick else MODES)
-    unknown = [m for m in modes if m not in MODES]
+    unknown = [m for m in modes if m.removesuffix(ADAPTIVE) not in MODES]
     if unknown:
         from builder.errors import NemospecError
-        raise NemospecError(f"--modes: unknown mode(s) {', '.join(unknown)}; expected some of {', '.join(MODES)}")
+        raise NemospecError(f"--modes: unknown mode(s) {', '.join(unknown)}; expected some of {', '.join(MODES)}, "
+                             f"each optionally with {ADAPTIVE}")
     new_tokens = 24 if quick else args.max_new_tokens
     backend = args.backend or ("torch" if quick else "compiled")
     runs = 1 if quick else args.runs

@@ -14,6 +14,7 @@ import torch
 
 from runtime import acceptance
 from runtime.prefill import prefill
+from runtime.adaptive_draft_len import StepCostTable, best_length, candidate_lengths
 from runtime.draft_policy import AcceptanceTracker, DraftPolicy
 from runtime.logits_shaping import shape, token_logprobs
 from runtime.sampling import SamplingParams, draw
@@ -41,6 +42,7 @@ class Sequence:
     request_id: int = -1
     on_tokens: object = None                            # the scheduler's callback for this request
     acceptance: AcceptanceTracker | None = None         # set by a speculative group
+    adaptive_k: int = 0                                 # its K this step (--draft_len_adaptive)
 
     def emit(self, tokens, logprobs=None) -> list[int]:
         """Appends tokens (and their log-probabilities, if given) up to the first that finishes it."""
@@ -188,6 +190,7 @@ class SpeculativeGroup(PlainGroup):
         self.histogram = Counter()
         self.draft_tokens = 0                # proposed over all verify rows
         self.accepted_at = Counter()         # draft position j (0-based) -> rows that accepted it
+        self.step_costs = StepCostTable() if self.policy.adaptive else None   # --draft_len_adaptive
 
     @property
     def draft_seconds(self) -> float:
@@ -215,7 +218,20 @@ class SpeculativeGroup(PlainGroup):
         n = len(self.seqs)
         k = min(self.draft_len, self.policy.k_for_batch(n), self.capacity - 1 - max(s.position for s in self.seqs),
                 max(self.draft_len if s.max_draft is None else s.max_draft for s in self.seqs))
+        if k > 0 and self.step_costs is not None:   # each sequence's own K from its acceptance; the step drafts the most
+            candidates = candidate_lengths(k, getattr(self.target, "verify_buckets", ()))
+            for s in self.seqs:
+                own = k if s.max_draft is None else min(k, s.max_draft)
+                s.adaptive_k = best_length(s.acceptance.rate.rate, [c for c in candidates if c <= own] or [own],
+                                           lambda kk: self.step_costs.cost(n, kk))
+            k = max(s.adaptive_k for s in self.seqs)
         return k if any(s.acceptance.speculating for s in self.seqs) else 0
+
+    def _own_k(self, s: Sequence, k: int) -> int:
+        """A sequence's K this step: the step's, capped by its request's and its adaptive choice."""
+        if s.max_draft is not None:
+            k = min(k, s.max_draft)
+        return k if self.step_costs is None else min(k, s.adaptive_k)
 
     def _target_only_step(self, watch):
         """K = 0 (the batch-size schedule, or no sequence speculating): a plain decode step whose
@@ -244,14 +260,14 @@ class SpeculativeGroup(PlainGroup):
         dev = self.target.device
         n = len(self.seqs)
         params = [s.params for s in self.seqs]
-        caps = [(k if s.max_draft is None else min(k, s.max_draft)) if s.acceptance.speculating else 0
+        caps = [self._own_k(s, k) if s.acceptance.speculating else 0
                 for s in self.seqs]   # each row's own K: its draws past it would not be verified
         drafts, q, conf = self.proposer.propose(k, params, self.policy.confidence_threshold, caps)
         # per sequence, how many drafts it verifies: its confident prefix, 0 once its acceptance
         # fell under the floor, at most its own K (Python ints: a handful per step)
         width = drafts.shape[1]
         confident = self.policy.confident_lengths(conf).tolist() if conf is not None else [width] * n
-        proposed = [min(c if s.acceptance.speculating else 0, k if s.max_draft is None else s.max_draft)
+        proposed = [min(c if s.acceptance.speculating else 0, self._own_k(s, k))
                     for c, s in zip(confident, self.seqs)]
         k = self._verify_width(max(proposed), width)
         proposed = [min(p, k) for p in proposed]
@@ -299,8 +315,11 @@ class SpeculativeGroup(PlainGroup):
             if self.trace is not None:
                 self._trace(s, made, d[:made], kept, t, out[-1], draft, verify)
             s.position, s.last = s.position + len(gained), t
-        self.costs.add(watch.total(), tokens=tokens, rows=n, proposals=sum(proposed), draft=draft,
+        seconds = watch.total()
+        self.costs.add(seconds, tokens=tokens, rows=n, proposals=sum(proposed), draft=draft,
                        verify=verify, accept=accept)
+        if self.step_costs is not None:
+            self.step_costs.record(n, k, seconds)
         return out
 
     def drop(self, keep):

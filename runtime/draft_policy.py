@@ -12,6 +12,8 @@ Three controls, each exact whatever K it picks (acceptance only ever keeps verif
 * ``acceptance_rate_threshold`` over ``acceptance_rate_window_size`` speculative steps (TensorRT-LLM's
   names): once a sequence's rolling accepted / drafted ratio falls under it, that sequence decodes
   target-only for the rest of the request.
+* ``draft_len_adaptive``: each sequence drafts, step by step, the K its own recent acceptance and the
+  group's measured step costs predict fastest (``runtime.adaptive_draft_len``), up to the K above.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from builder.errors import NemospecError
+from runtime.adaptive_draft_len import SequenceRate
 
 
 AUTO_SCHEDULE = "auto"
@@ -51,6 +54,7 @@ class DraftPolicy:
     acceptance_rate_threshold: float = 0.0
     acceptance_rate_window_size: int = 8
     auto_schedule: bool = False                      # --draft_len_schedule auto: the schedule is to be measured
+    adaptive: bool = False                           # --draft_len_adaptive: each sequence's K from its acceptance
 
     def __post_init__(self):
         if not 0 <= self.confidence_threshold < 1:
@@ -82,14 +86,18 @@ class DraftPolicy:
 
 
 class AcceptanceTracker:
-    """One sequence's rolling accepted/drafted ratio; ``speculating`` turns off for good under the floor."""
+    """One sequence's rolling accepted/drafted ratio; ``speculating`` turns off for good under the floor.
+    With an adaptive policy also its decayed acceptance rate (``rate``), which picks its K."""
 
     def __init__(self, policy: DraftPolicy):
         self.policy = policy
         self.window: deque = deque(maxlen=policy.acceptance_rate_window_size)
         self.speculating = True
+        self.rate = SequenceRate() if policy.adaptive else None
 
     def record(self, accepted: int, drafted: int) -> None:
+        if self.rate is not None:
+            self.rate.record(accepted, drafted)
         if drafted <= 0 or not self.policy.acceptance_rate_threshold:
             return
         self.window.append((accepted, drafted))
@@ -100,6 +108,16 @@ class AcceptanceTracker:
 
 
 # --- flags: recorded at build (BuildOptions), overridable by generate and serve -------------------
+def on_off(text) -> bool:
+    """argparse type of a switch flag: on/off (true/false, 1/0, and a recorded bool as itself)."""
+    if isinstance(text, bool):
+        return text
+    value = {"on": True, "true": True, "1": True, "off": False, "false": False, "0": False}.get(str(text).lower())
+    if value is None:
+        raise ValueError(f"expected on or off, got {text!r}")
+    return value
+
+
 POLICY_FLAGS = {  # flag -> (type, build default, help)
     "draft_len_schedule": (str, "", "K by batch size, TensorRT-LLM style: 'max_batch:K,...' (e.g. 1:4,4:3,8:2,16:0; "
                                     "past the largest batch size 0 = target-only); auto: measured at start "
@@ -109,6 +127,9 @@ POLICY_FLAGS = {  # flag -> (type, build default, help)
     "acceptance_rate_threshold": (float, 0.0, "turn speculation off for a request whose accepted/drafted ratio over "
                                                "the last --acceptance_rate_window_size steps falls under this (0 = never)"),
     "acceptance_rate_window_size": (int, 8, "speculative steps in the acceptance-rate window"),
+    "draft_len_adaptive": (on_off, False, "on: each sequence drafts, step by step, the K (up to the engine's, or "
+                                          "--num_draft_tokens) that its recent acceptance and the measured step "
+                                          "costs predict fastest (chains; trees keep their shape)"),
 }
 
 
@@ -131,4 +152,5 @@ def policy_from(max_draft_len: int, recorded: dict, overrides=None) -> DraftPoli
     return DraftPolicy(max_draft_len, parse_schedule(values["draft_len_schedule"]),
                        float(values["draft_confidence_threshold"]), float(values["acceptance_rate_threshold"]),
                        int(values["acceptance_rate_window_size"]),
-                       auto_schedule=values["draft_len_schedule"] == AUTO_SCHEDULE)
+                       auto_schedule=values["draft_len_schedule"] == AUTO_SCHEDULE,
+                       adaptive=on_off(values["draft_len_adaptive"]))

@@ -111,3 +111,21 @@ def test_with_prefill_counts_a_draft_models_prompt_pass():
     assert slow["model_speedup_with_prefill"] < 2.0 and slow["prefill_ms"] == {"speculative": 40.0, "target_only": 20.0}
     long = with_prefill(cost, {"speculative": 20.0, "target_only": 20.0}, 100001)
     assert long["model_speedup_with_prefill"] == pytest.approx(2.0, rel=1e-3)
+
+
+def test_adaptive_suffix_builds_engines_whose_policy_adapts_k(tmp_path):
+    """`--modes eagle3_adaptive`: eagle3's engines with --draft_len_adaptive on recorded, which the
+    offline runs then use (each sequence's K up to --num_draft_tokens); an unknown suffix is refused."""
+    from builder.errors import NemospecError
+    from nemospec.bench import build_mode_engines, run_bench
+    from runtime.loading import open_engine_dir
+    engine_dir, _ = build_mode_engines(None, "eagle3_adaptive", tmp_path, 4)
+    assert engine_dir.name == "eagle3_adaptive"
+    loaded = open_engine_dir(engine_dir, "torch")
+    assert loaded.draft_policy.adaptive and loaded.max_draft_len == 4
+    from argparse import ArgumentParser
+    from nemospec.bench import add_bench_args
+    p = ArgumentParser()
+    add_bench_args(p)
+    with pytest.raises(NemospecError, match="eagle3_fast.*_adaptive"):
+        run_bench(p.parse_args(["--modes", "eagle3_fast", "--output_dir", str(tmp_path / "x")]))

@@ -153,6 +153,23 @@ def test_warm_up_with_a_confidence_stop_compiles_every_verify_length_up_to_k_plu
     assert {(True, t) for t in compiled.runner.verify_buckets if t <= 5} <= ready, ready
 
 
+def test_warm_up_with_an_adaptive_k_compiles_each_k_and_nothing_compiles_after(models):
+    """An adaptive K drafts any of 1, 2 and 4 (the compiled verify lengths) step by step: warm_up,
+    given that policy, readies each one's verify and chain, so an adaptive run compiles nothing and its
+    greedy ids equal eager target-only."""
+    from runtime.compiled.runner import warm_up
+    from runtime.compiled.steps import COMPILE_LOG
+    from runtime.draft_policy import DraftPolicy
+    eager, compiled = models
+    policy = DraftPolicy(4, adaptive=True)
+    warm_up(compiled, RAGGED[:1], 4, policy=policy)
+    before = len(COMPILE_LOG)
+    got = speculative_generate(compiled.runner, compiled.proposer(), RAGGED[:1], 2 * NEW, 4, policy=policy)
+    assert COMPILE_LOG[before:] == [], "compiled mid-run"
+    assert got.output_ids == generate(eager.runner, RAGGED[:1], 2 * NEW).output_ids
+    assert len(got.extra["acceptance"]["steps_by_draft_len"]) > 1, got.extra["acceptance"]
+
+
 def test_warm_up_compiles_the_plain_draft_steps_a_prompt_chunk_meets(one_thread):
     """A prompt's draft context runs in K+1-row chunks whose last may hold one row (a 7-token prompt:
     5 + 1), a step the warm-up's own prompt (6 tokens: one 5-row chunk) never meets: warm_up compiles

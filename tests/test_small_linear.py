@@ -374,3 +374,28 @@ def test_the_form_follows_the_cpu_flags(monkeypatch):
     assert small_linear.choose({"avx2", "fma"}, "avx512") is None
     with pytest.raises(ValueError, match=small_linear.ISA_ENV):
         small_linear.choose(both, "avx10")
+
+
+def test_tasks_split_by_weight_bytes_leave_every_sum_as_it_was(op):
+    """A product's column blocks are split across threads by multiply-adds or, for a memory-bound one,
+    by weight bytes (``small_linear_task_bytes``): however it is split, each output is one thread's
+    sum in one order, so the results are bit for bit the same (fp32 packed, bf16 weights, bf16 dots)."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(1024, 768, generator=g)
+    threads = torch.get_num_threads()
+    previous = torch.ops.nemospec.small_linear_task_bytes(1 << 20)
+    try:
+        torch.set_num_threads(2)
+        for rows in (1, 2, 5, 9):
+            x = torch.randn(rows, 768, generator=g)
+            for fn in (op, torch.ops.nemospec.small_linear_bf16w, torch.ops.nemospec.small_linear_bf16):
+                fn(x, w)   # packed from here on
+                results = []
+                for task_bytes in (0, 1 << 20, 1 << 14):   # multiply-adds alone, the default, many small tasks
+                    torch.ops.nemospec.small_linear_task_bytes(task_bytes)
+                    results.append(fn(x, w))
+                assert all(torch.equal(r, results[0]) for r in results[1:]), f"{fn} at {rows} rows"
+        assert torch.ops.nemospec.small_linear_task_bytes(1 << 20) == 1 << 14   # returns the previous value
+    finally:
+        torch.ops.nemospec.small_linear_task_bytes(previous)
+        torch.set_num_threads(threads)

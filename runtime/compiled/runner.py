@@ -26,6 +26,7 @@ know) runs eagerly from then on, with one warning.
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 import time
 
 import torch
@@ -216,34 +217,45 @@ def warm_up(loaded, prompts, draft_len: int = 0, tree=None, policy=None, **gener
     shape ``tree`` if given, then target-only on the same prompts, as the CLI's cost line runs it) so
     that the steps a timed run of them uses are compiled, or loaded from the cache, before it starts.
     ``policy``: the run's draft policy (default ``loaded.draft_policy``): a confidence stop verifies
-    shorter chunks, whose buckets are warmed too. Returns the seconds it took (0 when ``loaded`` is not
-    on the compiled path)."""
+    shorter chunks, whose buckets are warmed too, and an adaptive K drafts each of its candidate
+    lengths, which are warmed as runs of their own. Returns the seconds it took (0 when ``loaded`` is
+    not on the compiled path)."""
     from runtime.generation import generate
-    from runtime.speculative import speculative_generate
+    from runtime.adaptive_draft_len import candidate_lengths
     if not isinstance(loaded.runner, CompiledRunner):
         return 0.0
     start = time.perf_counter()
-    steps = STEP_CALLS + 2
     if draft_len > 0:
-        proposer = loaded.proposer()
-        speculative_generate(loaded.runner, proposer, prompts, steps * (draft_len + 1), draft_len, tree=tree,
-                             **generate_args)   # at draft_len itself: a policy's schedule must not change it
-        if isinstance(getattr(proposer, "draft", None), CompiledDraft):
-            if tree is None:
-                proposer.draft.warm_chain(draft_len, len(prompts))
-            else:
-                proposer.draft.warm_steps(len(prompts))
+        _warm_speculative(loaded, prompts, draft_len, tree, **generate_args)
         policy = policy if policy is not None else getattr(loaded, "draft_policy", None)
         if tree is None and policy is not None and policy.confidence_threshold:   # steps trimmed to fewer drafts,
             for tokens in loaded.runner.verify_buckets:    # and the whole K, which a warm-up trimming every step misses
                 if tokens <= draft_len + 1:
                     loaded.runner.warm_verify(tokens, len(prompts))
-        draft = getattr(proposer, "runner", None)          # a draft_target draft: a NemotronH of its own
-        if isinstance(draft, CompiledRunner):              # [last draft, bonus], queued after a full accept;
-            for tokens in range(2, 2 + (tree.depth if tree is not None else 1)):   # after a tree: 1..depth+1 rows
-                draft.warm(tokens, len(prompts))
-    generate(loaded.runner, prompts, steps, **generate_args)
+        if tree is None and policy is not None and policy.adaptive:
+            for k in candidate_lengths(draft_len, loaded.runner.verify_buckets):
+                if k != draft_len:
+                    _warm_speculative(loaded, prompts, k, None, **generate_args)
+    generate(loaded.runner, prompts, STEP_CALLS + 2, **generate_args)
     return time.perf_counter() - start
+
+
+def _warm_speculative(loaded, prompts, draft_len: int, tree, **generate_args) -> None:
+    """``warm_up``'s speculative part at one K: a run, then every catch-up bucket of the draft."""
+    from runtime.speculative import speculative_generate
+    steps = STEP_CALLS + 2
+    proposer = loaded.proposer()
+    speculative_generate(loaded.runner, proposer, prompts, steps * (draft_len + 1), draft_len, tree=tree,
+                         **generate_args)   # at draft_len itself: a policy's schedule must not change it
+    if isinstance(getattr(proposer, "draft", None), CompiledDraft):
+        if tree is None:
+            proposer.draft.warm_chain(draft_len, len(prompts))
+        else:
+            proposer.draft.warm_steps(len(prompts))
+    draft = getattr(proposer, "runner", None)          # a draft_target draft: a NemotronH of its own
+    if isinstance(draft, CompiledRunner):              # [last draft, bonus], queued after a full accept;
+        for tokens in range(2, 2 + (tree.depth if tree is not None else 1)):   # after a tree: 1..depth+1 rows
+            draft.warm(tokens, len(prompts))
 
 
 # `nemospec serve --warm_up`: what a server compiles before it is ready (requests outside run eagerly)
@@ -263,10 +275,15 @@ def warm_up_for_serving(loaded, draft_len: int, log=None, sampled: bool = True, 
         return 0.0
     prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
     seconds = 0.0
+    policy = getattr(loaded, "draft_policy", None)
+    if draft_len > 0 and policy is not None and policy.adaptive:   # every K a sequence may pick
+        from runtime.adaptive_draft_len import candidate_lengths
+        also = (*also, *candidate_lengths(draft_len, loaded.runner.verify_buckets))
+        policy = replace(policy, adaptive=False)                   # each K is warmed once, below
     for k in sorted({draft_len, *also}, reverse=True) if draft_len > 0 else [0]:
         for batch in (prompts[:1], prompts)[:2 if batched else 1]:
             for sampling in ({}, {"temperature": 0.8, "seed": 0})[:2 if sampled else 1]:
-                seconds += warm_up(loaded, batch, k, max_seq_len=loaded.max_seq_len, **sampling)
+                seconds += warm_up(loaded, batch, k, policy=policy, max_seq_len=loaded.max_seq_len, **sampling)
                 if log is not None:
                     log(f"warm-up: K={k}, batch {len(batch)}, {'sampled' if sampling else 'greedy'}: "
                         f"{seconds:.1f} s so far")

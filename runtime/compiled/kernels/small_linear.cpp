@@ -335,6 +335,22 @@ std::atomic<bool> packing{true};  // off: every fp32-weight product row-major (b
 // Packed copies double the memory of the weights they copy: past this many bytes of copies, a weight
 // stays row-major (a full-size fp32 model on the compiled path keeps its footprint bounded).
 std::atomic<int64_t> budget{int64_t{4} << 30};
+// A thread's share of a packed product: at least ~1M multiply-adds, or at least this many bytes of
+// weights where that comes first. One row of a wide model's 1024x768 product is 0.8M multiply-adds but
+// 3 MiB streamed from memory: on one thread it ran 1.5x the time of two rows split over two (Zen 4,
+// 2 threads); a cache-resident model's products (the embedded target's, < 1 MiB each) stay on one
+// thread, where a fork and join costs more than it saves. small_linear_task_bytes sets it (0: the
+// multiply-adds alone decide).
+std::atomic<int64_t> task_bytes{int64_t{1} << 20};
+
+// Column blocks of kLanes outputs per parallel task, for M rows of a K-deep product whose packed
+// block holds block_bytes.
+int64_t blocks_per_task(int64_t K, int64_t M, int64_t block_bytes) {
+  int64_t blocks = (1 << 20) / std::max<int64_t>(1, K * M * kLanes);
+  const int64_t bytes = task_bytes.load(std::memory_order_relaxed);
+  if (bytes > 0) blocks = std::min(blocks, bytes / std::max<int64_t>(1, block_bytes));
+  return std::max<int64_t>(8, blocks);
+}
 int64_t packed_bytes = 0;  // under cache_mutex
 
 int64_t bytes_of(const at::Tensor& t) { return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0; }
@@ -420,7 +436,7 @@ at::Tensor product_dot(const at::Tensor& x, const at::Tensor& w) {
   const at::Tensor packed = packed_weight(w, Layout::kBf16Pairs);
   const auto* pp = reinterpret_cast<const uint32_t*>(packed.const_data_ptr());
   void* yp = y.mutable_data_ptr();
-  const int64_t grain = std::max<int64_t>(8, (1 << 20) / std::max<int64_t>(1, K * M * kLanes));
+  const int64_t grain = blocks_per_task(K, M, K2 * kLanes * 4);
   at::parallel_for(0, (N + kLanes - 1) / kLanes, grain, [&](int64_t b0, int64_t b1) {
     in_chunks(M, K2 * kLanes * 4, b0, b1, [&](int64_t c0, int64_t c1) {
       auto run = [&](auto* out) {
@@ -464,7 +480,7 @@ at::Tensor product(const at::Tensor& x, const at::Tensor& w, Form form) {
   if (packed.defined()) {
     // >= ~1M multiply-adds per task: a decode or verify product of the embedded model stays on one
     // thread (a fork and join cost more than it saves there); a full-width one is split
-    const int64_t grain = std::max<int64_t>(8, (1 << 20) / std::max<int64_t>(1, K * M * kLanes));
+    const int64_t grain = blocks_per_task(K, M, K * kLanes * static_cast<int64_t>(packed.element_size()));
     at::parallel_for(0, (N + kLanes - 1) / kLanes, grain, [&](int64_t b0, int64_t b1) {
       const int64_t block_bytes = K * kLanes * static_cast<int64_t>(packed.element_size());
       in_chunks(M, block_bytes, b0, b1, [&](int64_t c0, int64_t c1) {
@@ -542,6 +558,10 @@ static bool small_linear_packing(bool on) { return packing.exchange(on); }
 // Sets the byte budget of packed copies (copies made before stay); returns the previous one.
 static int64_t small_linear_pack_budget(int64_t bytes) { return budget.exchange(bytes); }
 
+// Sets the bytes of weights that earn a product's task its own thread (blocks_per_task); returns the
+// previous value.
+static int64_t small_linear_task_bytes(int64_t bytes) { return task_bytes.exchange(bytes); }
+
 // Bytes held by packed copies now (dead weights' copies are dropped at the next new weight).
 static int64_t small_linear_packed_bytes() {
   std::lock_guard<std::mutex> lock(cache_mutex);
@@ -559,6 +579,7 @@ TORCH_LIBRARY(nemospec, m) {
   m.def("small_linear_packing(bool on) -> bool", &small_linear_packing);
   m.def("small_linear_pack_budget(int bytes) -> int", &small_linear_pack_budget);
   m.def("small_linear_packed_bytes() -> int", &small_linear_packed_bytes);
+  m.def("small_linear_task_bytes(int bytes) -> int", &small_linear_task_bytes);
   m.def("small_linear_bf16_hardware() -> bool", &small_linear_bf16_hardware);
   m.def("moe_routed_counts() -> Tensor", &moe_routed_counts);
 }
