@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -94,7 +95,8 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
         return JSONResponse(_internal(e).body(), status_code=500)
 
     def authorise(request: Request):
-        if api_key and request.headers.get("authorization", "") != f"Bearer {api_key}":
+        if api_key and not hmac.compare_digest(request.headers.get("authorization", "").encode(),
+                                               f"Bearer {api_key}".encode()):   # constant time: no timing oracle
             raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'")
 
     async def refresh():
