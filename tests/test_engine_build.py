@@ -47,7 +47,8 @@ def test_engine_directory_is_self_contained(engines, checkpoints):
     assert meta["build"] == {"max_batch_size": 4, "max_input_len": 32, "max_seq_len": 64, "max_draft_len": 3,
                              "dtype": "float32", "speculative_decoding_mode": None, "draft_len_schedule": "",
                              "draft_confidence_threshold": 0.0, "acceptance_rate_threshold": 0.0,
-                             "acceptance_rate_window_size": 8, "max_tree_nodes": 16, "tree_topk": 0, "tree_depth": 0, "tree_engines": False,
+                             "acceptance_rate_window_size": 8, "draft_len_adaptive": False, "max_tree_nodes": 16, "tree_topk": 0,
+                             "tree_depth": 0, "tree_engines": False,
                              "strip_plan": False, "max_host_memory_gb": 0.0, "num_layers": 0,
                              "draft_weight_dtype": "auto", "matmul_precision": "highest"}
     assert meta["tensorrt"]["flavour"] in ("tensorrt", "tensorrt_rtx") and meta["tensorrt"]["version"]
