@@ -132,6 +132,23 @@ def test_a_servers_warm_up_runs_what_its_warm_up_option_names(monkeypatch, warm_
     assert WARM_UPS == tuple(runner.SERVING_WARM_UPS)
 
 
+def test_a_servers_warm_up_readies_every_k_an_adaptive_policy_may_pick(monkeypatch):
+    """``--draft_len_adaptive on``: a request's K may be any compiled verify length up to the engine's,
+    so the server warms each of them (greedy, one sequence here), longest first, once each."""
+    from types import SimpleNamespace
+    from runtime.compiled import runner
+    from runtime.draft_policy import DraftPolicy
+    calls = []
+    monkeypatch.setattr(runner, "warm_up", lambda loaded, batch, k, policy=None, **kw: calls.append(
+        (k, bool(policy and policy.adaptive))) or 0.0)
+    monkeypatch.setattr(runner, "stop_compiling", lambda: None)
+    compiled = object.__new__(runner.CompiledRunner)
+    compiled.verify_buckets = [2, 3, 5, 9]
+    loaded = SimpleNamespace(runner=compiled, max_seq_len=64, draft_policy=DraftPolicy(8, adaptive=True))
+    runner.warm_up_for_serving(loaded, 8, **runner.SERVING_WARM_UPS["single"])
+    assert calls == [(8, False), (4, False), (2, False), (1, False), (0, False)]
+
+
 def test_compiled_steps_are_saved_and_a_later_process_loads_them(tmp_path, monkeypatch, capsys):
     """A compiled step is written to the cache directory whole; a new ``_Steps`` over an equal module
     (a later process) loads it instead of compiling and computes the same; a module with other weights
