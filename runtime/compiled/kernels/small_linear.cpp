@@ -196,19 +196,20 @@ inline void over_tiles(int64_t b0, int64_t b1, const Run& run) {
   }
 }
 
-// M rows in passes of up to 6 (each pass reads w once): run(std::integral_constant<int, rows>, first row).
-template <typename Run>
-inline void in_row_passes(int64_t M, const Run& run) {
-  for (int64_t m0 = 0; m0 < M; m0 += 6) {
-    switch (std::min<int64_t>(M - m0, 6)) {
-      case 1: run(std::integral_constant<int, 1>{}, m0); break;
-      case 2: run(std::integral_constant<int, 2>{}, m0); break;
-      case 3: run(std::integral_constant<int, 3>{}, m0); break;
-      case 4: run(std::integral_constant<int, 4>{}, m0); break;
-      case 5: run(std::integral_constant<int, 5>{}, m0); break;
-      default: run(std::integral_constant<int, 6>{}, m0); break;
-    }
+// run(std::integral_constant<int, rows>, first row) for rows = R..MaxRows, chosen at run time.
+template <int R, int MaxRows, typename Run>
+inline void run_rows(int64_t rows, int64_t m0, const Run& run) {
+  if constexpr (R < MaxRows) {
+    if (rows != R) return run_rows<R + 1, MaxRows>(rows, m0, run);
   }
+  run(std::integral_constant<int, R>{}, m0);
+}
+
+// M rows in passes of up to MaxRows (each pass reads w once): run(std::integral_constant<int, rows>,
+// first row) for each.
+template <int MaxRows = 6, typename Run>
+inline void in_row_passes(int64_t M, const Run& run) {
+  for (int64_t m0 = 0; m0 < M; m0 += MaxRows) run_rows<1, MaxRows>(std::min<int64_t>(M - m0, MaxRows), m0, run);
 }
 
 // Column blocks [b0, b1) for M rows, C blocks per tile, the rest in one narrower tile: a lone block
@@ -226,35 +227,39 @@ bool has_bf16_dot() { return false; }  // VDPBF16PS is AVX-512: the AVX2 form em
 #endif
 #include "bf16_fma.h"
 
-// Column blocks per tile for 1..6 rows. AVX-512: 24 sums at most, with room for the weight vectors
-// in 32 registers. AVX2: M*C sums + the M broadcasts (or C weights) + 1 within 16 registers.
-#ifdef SL_WIDTHS
-constexpr int kWidth[7] = {SL_WIDTHS};
-#elif defined(__AVX512F__)
-constexpr int kWidth[7] = {0, 8, 6, 6, 4, 4, 3};
+// Column blocks per tile for 1..kPassRows rows. AVX-512: at most 27 sums (9 rows x 3 blocks), the 3
+// weight vectors and a broadcast in 32 registers, so up to 9 rows per pass over w: a K = 8 verify's 9
+// rows read w once. In passes of 6 + 3 (and of 8 + 1, whose 1-row pass reads all of w again from
+// cache) the 4x-widened layer's 9-row products cost 1.24-1.36x one row at two threads, in one pass
+// 1.15x (Zen 4). AVX2: M*C sums + the M broadcasts (or C weights) + 1 within 16 registers, up to 6
+// rows.
+#ifdef __AVX512F__
+constexpr int kPassRows = 9;
+constexpr int kWidth[10] = {0, 8, 6, 6, 4, 4, 3, 3, 3, 3};
 #else
+constexpr int kPassRows = 6;
 constexpr int kWidth[7] = {0, 8, 6, 4, 3, 2, 2};
 #endif
 
-// Up to 6 rows per pass over w.
+// Up to kPassRows rows per pass over w.
 template <typename W>
 void packed_rows(const float* x, int64_t M, int64_t K, const W* p, int64_t b0, int64_t b1, int64_t N, float* y) {
-  in_row_passes(M, [&](auto rows, int64_t m0) {
+  in_row_passes<kPassRows>(M, [&](auto rows, int64_t m0) {
     constexpr int R = decltype(rows)::value;
     tiles<R, kWidth[R], W>(x + m0 * K, K, p, b0, b1, N, y + m0 * N);
   });
 }
 
-// More than 6 rows take several passes over w: each pass runs over a chunk of column blocks of about
-// kChunkBytes (a multiple of 12 blocks, which the 6-row tile's width divides) before the next chunk,
+// More rows than a pass holds take several passes over w: each pass runs over a chunk of column blocks
+// of about kChunkBytes (a multiple of 12 blocks, which the 6- and 8-row tiles' widths divide) before the next chunk,
 // so the later passes read w from cache instead of streaming it from memory again (9-row products of
 // full-width bf16 weights, 1 thread: 21504x4096 21.8 -> 14.0 ms, 4096x21504 17.2 -> 10.3 ms). Each
 // output's sum is the same either way.
 constexpr int64_t kChunkBytes = 512 << 10;
 
 template <typename F>
-void in_chunks(int64_t M, int64_t block_bytes, int64_t b0, int64_t b1, F&& rows) {
-  if (M <= 6) return rows(b0, b1);
+void in_chunks(int64_t M, int64_t pass_rows, int64_t block_bytes, int64_t b0, int64_t b1, F&& rows) {
+  if (M <= pass_rows) return rows(b0, b1);
   const int64_t chunk = std::max<int64_t>(12, kChunkBytes / std::max<int64_t>(1, block_bytes) / 12 * 12);
   for (int64_t b = b0; b < b1; b += chunk) rows(b, std::min(b + chunk, b1));
 }
@@ -438,7 +443,7 @@ at::Tensor product_dot(const at::Tensor& x, const at::Tensor& w) {
   void* yp = y.mutable_data_ptr();
   const int64_t grain = blocks_per_task(K, M, K2 * kLanes * 4);
   at::parallel_for(0, (N + kLanes - 1) / kLanes, grain, [&](int64_t b0, int64_t b1) {
-    in_chunks(M, K2 * kLanes * 4, b0, b1, [&](int64_t c0, int64_t c1) {
+    in_chunks(M, 6, K2 * kLanes * 4, b0, b1, [&](int64_t c0, int64_t c1) {
       auto run = [&](auto* out) {
 #ifdef __AVX512F__
         if (hardware) return packed_rows_dot(xp, M, K2, pp, c0, c1, N, out);
@@ -483,7 +488,7 @@ at::Tensor product(const at::Tensor& x, const at::Tensor& w, Form form) {
     const int64_t grain = blocks_per_task(K, M, K * kLanes * static_cast<int64_t>(packed.element_size()));
     at::parallel_for(0, (N + kLanes - 1) / kLanes, grain, [&](int64_t b0, int64_t b1) {
       const int64_t block_bytes = K * kLanes * static_cast<int64_t>(packed.element_size());
-      in_chunks(M, block_bytes, b0, b1, [&](int64_t c0, int64_t c1) {
+      in_chunks(M, kPassRows, block_bytes, b0, b1, [&](int64_t c0, int64_t c1) {
         if (packed.scalar_type() == at::kBFloat16)
           packed_rows(xp, M, K, reinterpret_cast<const uint16_t*>(packed.const_data_ptr()), c0, c1, N, yp);
         else
