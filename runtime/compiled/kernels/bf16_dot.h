@@ -40,13 +40,15 @@ inline void tiles_dot(const uint32_t* x, int64_t K2, const uint32_t* p, int64_t 
   over_tiles<C>(b0, b1, [&](auto width, int64_t b) { tile_dot<M, decltype(width)::value, Y>(x, K2, p, b, N, y); });
 }
 
-// Column blocks per tile for 1..6 rows (24 sums at most, with the weight vectors in 32 registers).
-constexpr int kDotWidth[7] = {0, 8, 6, 6, 4, 4, 3};
+// Column blocks per tile for 1..kDotPassRows rows (27 sums at most, with the weight vectors and a
+// broadcast in 32 registers): up to 9 rows per pass over w, as small_linear.cpp's fp32 tiles.
+constexpr int kDotPassRows = 9;
+constexpr int kDotWidth[10] = {0, 8, 6, 6, 4, 4, 3, 3, 3, 3};
 
 template <typename Y>
 void packed_rows_dot(const uint32_t* x, int64_t M, int64_t K2, const uint32_t* p, int64_t b0, int64_t b1, int64_t N,
                      Y* y) {
-  in_row_passes(M, [&](auto rows, int64_t m0) {
+  in_row_passes<kDotPassRows>(M, [&](auto rows, int64_t m0) {
     constexpr int R = decltype(rows)::value;
     tiles_dot<R, kDotWidth[R], Y>(x + m0 * K2, K2, p, b0, b1, N, y + m0 * N);
   });

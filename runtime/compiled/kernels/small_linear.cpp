@@ -443,7 +443,12 @@ at::Tensor product_dot(const at::Tensor& x, const at::Tensor& w) {
   void* yp = y.mutable_data_ptr();
   const int64_t grain = blocks_per_task(K, M, K2 * kLanes * 4);
   at::parallel_for(0, (N + kLanes - 1) / kLanes, grain, [&](int64_t b0, int64_t b1) {
-    in_chunks(M, 6, K2 * kLanes * 4, b0, b1, [&](int64_t c0, int64_t c1) {
+#ifdef __AVX512F__
+    const int64_t pass_rows = hardware ? kDotPassRows : 6;   // rows per pass over w: the dot tiles', the FMA ones'
+#else
+    const int64_t pass_rows = 6;
+#endif
+    in_chunks(M, pass_rows, K2 * kLanes * 4, b0, b1, [&](int64_t c0, int64_t c1) {
       auto run = [&](auto* out) {
 #ifdef __AVX512F__
         if (hardware) return packed_rows_dot(xp, M, K2, pp, c0, c1, N, out);
