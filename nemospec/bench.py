@@ -53,6 +53,8 @@ def add_bench_args(p) -> None:
     p.add_argument("--checkpoint_dir", default=None, help="target checkpoint (default: the embedded model)")
     p.add_argument("--modes", default=None, help=f"comma-separated (default: {','.join(MODES)})")
     p.add_argument("--num_draft_tokens", type=int, default=4, help="K (block drafts: K drafted tokens per block)")
+    p.add_argument("--adaptive_max_draft_len", type=int, default=8,
+                   help=f"the K up to which a mode named with {ADAPTIVE} (e.g. eagle3{ADAPTIVE}) adapts each sequence's K")
     p.add_argument("--max_new_tokens", type=int, default=128)
     p.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many of the built-in prompts")
     p.add_argument("--runs", type=int, default=2, help="timed runs per prompt (median)")
@@ -226,7 +228,7 @@ def _offline(engine_dir: Path, prompts: list[list[int]], new_tokens: int, k: int
     mean = sum(int(n) * c for n, c in hist.items()) / total if total else 0.0
     out = {"mean_accepted_tokens": round(mean, 3), "histogram": hist, "verify_forwards": forwards,
            "steps_by_draft_len": dict(sorted(lengths.items(), key=lambda kv: int(kv[0]))),
-           "draft_len_adaptive": bool(policy is not None and policy.adaptive),
+           "draft_len_adaptive": bool(policy is not None and policy.adaptive), "max_draft_len": k,
            "tokens": tokens, "tokens_per_second": round(tokens / spec_s, 1),
            "target_only_tokens_per_second": round(tokens / plain_s, 1), "speedup": round(plain_s / spec_s, 3),
            "exact": True, "cost": with_prefill(cost_model(spec_costs.summary(), plain_costs.summary()),
@@ -410,13 +412,14 @@ def run_bench(args) -> dict:
                     if getattr(args, "speculative_token_map", None) else None, "modes": {}}
     for mode in modes:
         _log(f"bench: {mode}: building engines")
-        engine_dir, build = build_mode_engines(args.checkpoint_dir, mode, root, k, args.draft_weight_dtype,
+        mode_k = getattr(args, "adaptive_max_draft_len", 8) if mode.endswith(ADAPTIVE) else k
+        engine_dir, build = build_mode_engines(args.checkpoint_dir, mode, root, mode_k, args.draft_weight_dtype,
                                                getattr(args, "matmul_precision", "highest"),
                                                getattr(args, "speculative_token_map", None), embedded_model, factor)
         engines = {n: {"bytes": e["engine_bytes"], "layers": e["layers"], "build_seconds": round(e["build_seconds"], 1)}
                    for n, e in build["engines"].items()}
         _log(f"bench: {mode}: generating ({len(prompts)} prompts x {new_tokens} tokens, with and without speculation)")
-        entry = _offline(engine_dir, prompts, new_tokens, k, runs, backend, tree.get(mode) if tree else None)
+        entry = _offline(engine_dir, prompts, new_tokens, mode_k, runs, backend, tree.get(mode) if tree else None)
         entry.update(engine_dir=portable_path(engine_dir, root), build_seconds=round(build["total_seconds"], 1),
                      engine_bytes=sum(e["bytes"] for e in engines.values()), engines=engines,
                      weight_bytes=build.get("weight_bytes", {}))

@@ -118,11 +118,11 @@ def markdown(report: dict) -> str:
              f"{report['machine']['cuda']}. Speculative output equals target-only greedy output in every mode "
              "(checked).", ""]
     lines += _table(report)
-    adaptive = {mode: m["steps_by_draft_len"] for mode, m in report["modes"].items() if m.get("draft_len_adaptive")}
+    adaptive = {mode: m for mode, m in report["modes"].items() if m.get("draft_len_adaptive")}
     if adaptive:
-        lines += [""] + [f"{mode} (`--draft_len_adaptive on`, K up to {report['num_draft_tokens']}): verify steps by the "
-                         f"K each drafted: " + ", ".join(f"K={k} {n}" for k, n in steps.items())
-                         for mode, steps in adaptive.items()]
+        lines += [""] + [f"{mode} (`--draft_len_adaptive on`, K up to {m['max_draft_len']}): verify steps by the K each "
+                         "drafted: " + ", ".join(f"K={k} {n}" for k, n in m["steps_by_draft_len"].items())
+                         for mode, m in adaptive.items()]
     late = {mode: m["compiled_during_timing"] for mode, m in report["modes"].items() if m.get("compiled_during_timing")}
     if late:
         lines += [""] + [f"**Warning: {mode}'s timings include steps compiled or loaded mid-run** (a warm-up gap): "

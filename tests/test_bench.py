@@ -119,7 +119,7 @@ def test_adaptive_suffix_builds_engines_whose_policy_adapts_k(tmp_path):
     from builder.errors import NemospecError
     from nemospec.bench import build_mode_engines, run_bench
     from runtime.loading import open_engine_dir
-    engine_dir, _ = build_mode_engines(None, "eagle3_adaptive", tmp_path, 4)
+    engine_dir, _ = build_mode_engines(None, "eagle3_adaptive", tmp_path, 4)   # bench passes --adaptive_max_draft_len
     assert engine_dir.name == "eagle3_adaptive"
     loaded = open_engine_dir(engine_dir, "torch")
     assert loaded.draft_policy.adaptive and loaded.max_draft_len == 4
