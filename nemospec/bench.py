@@ -36,6 +36,8 @@ MODES = ("draft_target", "eagle", "eagle3", "mtp", "dflash", "dspark", "dspark_n
 #: a mode's suffix for its engines built with --draft_len_adaptive on (e.g. eagle3_adaptive): each
 #: sequence picks its K up to --num_draft_tokens step by step (runtime.adaptive_draft_len)
 ADAPTIVE = "_adaptive"
+#: a full bench: every mode at --num_draft_tokens, and eagle3 with its K adapted per sequence
+DEFAULT_MODES = MODES + ("eagle3" + ADAPTIVE,)
 QUICK_MODES = ("eagle3", "dflash")
 # code to complete (written for this benchmark; the model was trained on the stdlib's style)
 PROMPTS = (
@@ -51,7 +53,7 @@ PROMPTS = (
 def add_bench_args(p) -> None:
     p.add_argument("--output_dir", default="build/bench", help="report directory to write")
     p.add_argument("--checkpoint_dir", default=None, help="target checkpoint (default: the embedded model)")
-    p.add_argument("--modes", default=None, help=f"comma-separated (default: {','.join(MODES)})")
+    p.add_argument("--modes", default=None, help=f"comma-separated, each optionally with {ADAPTIVE} (default: {','.join(DEFAULT_MODES)})")
     p.add_argument("--num_draft_tokens", type=int, default=4, help="K (block drafts: K drafted tokens per block)")
     p.add_argument("--adaptive_max_draft_len", type=int, default=8,
                    help=f"the K up to which a mode named with {ADAPTIVE} (e.g. eagle3{ADAPTIVE}) adapts each sequence's K")
@@ -376,7 +378,7 @@ def run_bench(args) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     quick = args.quick
-    modes = tuple(args.modes.split(",")) if args.modes else (QUICK_MODES if quick else MODES)
+    modes = tuple(args.modes.split(",")) if args.modes else (QUICK_MODES if quick else DEFAULT_MODES)
     unknown = [m for m in modes if m.removesuffix(ADAPTIVE) not in MODES]
     if unknown:
         from builder.errors import NemospecError
