@@ -17,6 +17,7 @@ Three controls, each exact whatever K it picks (acceptance only ever keeps verif
 """
 from __future__ import annotations
 
+from argparse import ArgumentTypeError
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -108,13 +109,17 @@ class AcceptanceTracker:
 
 
 # --- flags: recorded at build (BuildOptions), overridable by generate and serve -------------------
+class SwitchValueError(ArgumentTypeError, ValueError):
+    """A switch flag's value that is not on or off (argparse prints its message as it is)."""
+
+
 def on_off(text) -> bool:
     """argparse type of a switch flag: on/off (true/false, 1/0, and a recorded bool as itself)."""
     if isinstance(text, bool):
         return text
     value = {"on": True, "true": True, "1": True, "off": False, "false": False, "0": False}.get(str(text).lower())
     if value is None:
-        raise ValueError(f"expected on or off, got {text!r}")
+        raise SwitchValueError(f"expected on or off, got {text!r}")
     return value
 
 

@@ -134,3 +134,12 @@ def test_sampled_adaptive_run_finishes_with_its_lengths(pair):
                                   policy=DraftPolicy(4, adaptive=True))
     assert [len(o) for o in result.output_ids] == [32, 32]
     assert sum(result.extra["acceptance"]["steps_by_draft_len"].values()) == result.extra["acceptance"]["num_verify_forwards"]
+
+
+def test_a_bad_switch_value_is_one_line_naming_the_flag(capsys):
+    from nemospec import cli
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "--speculative_decoding_mode", "eagle3", "--input_ids", "1,2", "--max_new_tokens", "2",
+                  "--draft_len_adaptive", "maybe"])
+    assert e.value.code == 2
+    assert "argument --draft_len_adaptive: expected on or off, got 'maybe'" in capsys.readouterr().err
