@@ -6,10 +6,17 @@ same question ``--num_draft_tokens auto`` answers once per run (``runtime.draft_
 at every step for every sequence:
 
 * a sequence's acceptance is one rate ``a`` (the chance a proposal is kept once those before it were),
-  counted over its recent steps with older steps decayed (a step that kept m of k proposals is m
-  successes, and one failure unless m == k), so a stretch of full acceptances raises it within a few
+  counted over its recent steps with older steps decayed (a step that kept m of k proposals counts as
+  m successes, and one failure unless m == k), so a stretch of full acceptances raises it within a few
   steps and a run of early rejections lowers it;
-* a chain of k proposals then emits ``(1 - a^(k+1)) / (1 - a)`` tokens on average;
+* the group learns where a draft's positions fall short of its overall rate: all its sequences'
+  steps, counted per position and decayed slowly, give each position j a factor
+  ``f_j = min(1, group rate at j / group rate overall)``, 1 where it has little evidence. A block
+  draft trained at K = 4 loses most proposals past its fourth (the embedded DFlash: 0.84 kept at the
+  fourth, 0.43 at the fifth, 0.12 at the sixth), which one rate cannot tell from a uniformly weaker
+  draft; an EAGLE-3 chain keeps a long run's later proposals at least as often as its first (factors
+  of 1: one rate, as before);
+* a chain of k proposals then emits ``1 + a f_1 + (a f_1)(a f_2) + ...`` tokens on average;
 * a step drafting k costs what this group's own steps at k measured (per batch size, decayed), and where
   a k was not run yet at this batch size, the nearest measured k scaled by the prior per-proposal share
   ``PRIOR_COST_PER_PROPOSAL`` (or the slope between two measured ks);
@@ -20,6 +27,8 @@ Exact whatever it picks: acceptance only ever keeps verified tokens.
 """
 from __future__ import annotations
 
+from runtime.draft_len import expected_tokens
+
 #: a proposal's share of a K = 0 step before any other K was measured (draft + verify row): the wide
 #: embedded target measured ~0.11 on Zen 4 (docs/performance.md); the model's own steps replace it
 PRIOR_COST_PER_PROPOSAL = 0.1
@@ -27,6 +36,10 @@ PRIOR_COST_PER_PROPOSAL = 0.1
 RATE_DECAY = 0.7
 #: a new sequence's prior: this rate with the weight of this many proposals
 PRIOR_RATE, PRIOR_WEIGHT = 0.7, 2.0
+#: weight of older sequence-steps in the group's counts by position (about the last 30 count)
+GROUP_RATE_DECAY = 0.97
+#: the weight, in proposals, of the group's overall rate in its rate at each position
+POSITION_PRIOR_WEIGHT = 2.0
 #: weight of a new step time in a (batch, K)'s running cost
 COST_STEP_WEIGHT = 0.2
 
@@ -37,11 +50,6 @@ def candidate_lengths(draft_len: int, verify_buckets=()) -> list[int]:
     if not verify_buckets:
         return list(range(1, draft_len + 1))
     return sorted({b - 1 for b in verify_buckets if 1 <= b - 1 <= draft_len} | {draft_len})
-
-
-def expected_tokens(rate: float, k: int) -> float:
-    """Tokens a k-proposal chain step emits when each proposal is kept with probability ``rate``."""
-    return float(k + 1) if rate >= 1.0 else (1.0 - rate ** (k + 1)) / (1.0 - rate)
 
 
 class SequenceRate:
@@ -59,6 +67,50 @@ class SequenceRate:
     @property
     def rate(self) -> float:
         return self.kept / (self.kept + self.lost)
+
+
+class PositionFactors:
+    """A group's acceptance by draft position, relative to its overall rate: at position j (1-based),
+    the proposals tried (every earlier one was kept) and kept, over all its sequences' steps."""
+
+    def __init__(self, decay: float = GROUP_RATE_DECAY):
+        self.decay = decay
+        self.kept: list[float] = []
+        self.tried: list[float] = []
+
+    def record(self, accepted: int, drafted: int) -> None:
+        """A step that kept ``accepted`` of ``drafted`` proposals (a step that drafted none says nothing)."""
+        if drafted <= 0:
+            return
+        reached = min(accepted + 1, drafted)      # kept at 1..m, rejected at m + 1 (none when m == k)
+        grow = reached - len(self.tried)
+        if grow > 0:
+            self.kept += [0.0] * grow
+            self.tried += [0.0] * grow
+        self.kept = [x * self.decay for x in self.kept]
+        self.tried = [x * self.decay for x in self.tried]
+        for j in range(reached):
+            self.tried[j] += 1.0
+            self.kept[j] += 1.0 if j < accepted else 0.0
+
+    def factors(self, k: int) -> list[float]:
+        """f_1..f_k: each position's rate over the overall rate, at most 1; a position's rate is shrunk
+        toward the overall one by ``POSITION_PRIOR_WEIGHT`` proposals, so one with little evidence is 1."""
+        tried = sum(self.tried)
+        if not tried:
+            return [1.0] * k
+        overall = sum(self.kept) / tried
+        out = []
+        for j in range(k):
+            kept, seen = (self.kept[j], self.tried[j]) if j < len(self.tried) else (0.0, 0.0)
+            at = (kept + POSITION_PRIOR_WEIGHT * overall) / (seen + POSITION_PRIOR_WEIGHT)
+            out.append(min(1.0, at / overall) if overall > 0 else 1.0)
+        return out
+
+
+def sequence_rates(rate: float, group: PositionFactors | None, k: int) -> list[float]:
+    """A sequence's a_1..a_k: its own rate, times the group's factor at each position."""
+    return [rate * f for f in (group.factors(k) if group is not None else [1.0] * k)]
 
 
 class StepCostTable:
@@ -93,6 +145,7 @@ class StepCostTable:
         return s0 + per * (k - k0)
 
 
-def best_length(rate: float, candidates: list[int], cost) -> int:
-    """The candidate K with the most tokens per second (``cost(K)``: a step's seconds); ties: shorter."""
-    return max(candidates, key=lambda k: (expected_tokens(rate, k) / max(cost(k), 1e-12), -k))
+def best_length(rates: list[float], candidates: list[int], cost) -> int:
+    """The candidate K with the most tokens per second (``rates``: a_1..a_Kmax; ``cost(K)``: a
+    step's seconds); ties: shorter."""
+    return max(candidates, key=lambda k: (expected_tokens(rates, k) / max(cost(k), 1e-12), -k))

@@ -14,7 +14,8 @@ import torch
 
 from runtime import acceptance
 from runtime.prefill import prefill
-from runtime.adaptive_draft_len import StepCostTable, best_length, candidate_lengths
+from runtime.adaptive_draft_len import (PositionFactors, StepCostTable, best_length, candidate_lengths,
+                                        sequence_rates)
 from runtime.draft_policy import AcceptanceTracker, DraftPolicy
 from runtime.logits_shaping import shape, token_logprobs
 from runtime.sampling import SamplingParams, draw
@@ -43,6 +44,7 @@ class Sequence:
     on_tokens: object = None                            # the scheduler's callback for this request
     acceptance: AcceptanceTracker | None = None         # set by a speculative group
     adaptive_k: int = 0                                 # its K this step (--draft_len_adaptive)
+    stepped: bool = False                               # past its first speculative step in a group
 
     def emit(self, tokens, logprobs=None) -> list[int]:
         """Appends tokens (and their log-probabilities, if given) up to the first that finishes it."""
@@ -191,6 +193,7 @@ class SpeculativeGroup(PlainGroup):
         self.draft_tokens = 0                # proposed over all verify rows
         self.accepted_at = Counter()         # draft position j (0-based) -> rows that accepted it
         self.step_costs = StepCostTable() if self.policy.adaptive else None   # --draft_len_adaptive
+        self.position_rates = PositionFactors() if self.policy.adaptive else None
 
     @property
     def draft_seconds(self) -> float:
@@ -222,7 +225,8 @@ class SpeculativeGroup(PlainGroup):
             candidates = candidate_lengths(k, getattr(self.target, "verify_buckets", ()))
             for s in self.seqs:
                 own = k if s.max_draft is None else min(k, s.max_draft)
-                s.adaptive_k = best_length(s.acceptance.rate.rate, [c for c in candidates if c <= own] or [own],
+                rates = sequence_rates(s.acceptance.rate.rate, self.position_rates, k)
+                s.adaptive_k = best_length(rates, [c for c in candidates if c <= own] or [own],
                                            lambda kk: self.step_costs.cost(n, kk))
             k = max(s.adaptive_k for s in self.seqs)
         return k if any(s.acceptance.speculating for s in self.seqs) else 0
@@ -259,6 +263,7 @@ class SpeculativeGroup(PlainGroup):
             return self._target_only_step(watch)
         dev = self.target.device
         n = len(self.seqs)
+        steady = all(s.stepped for s in self.seqs)    # a newcomer's first step also drafts over its prompt
         params = [s.params for s in self.seqs]
         caps = [self._own_k(s, k) if s.acceptance.speculating else 0
                 for s in self.seqs]   # each row's own K: its draws past it would not be verified
@@ -310,6 +315,9 @@ class SpeculativeGroup(PlainGroup):
             for j in range(kept):
                 self.accepted_at[j] += 1
             s.acceptance.record(kept, made)
+            s.stepped = True
+            if self.position_rates is not None:
+                self.position_rates.record(kept, made)
             out.append(s.emit(gained, lp))
             tokens += len(out[-1])        # emitted: the last step's run past max_new_tokens or an end id is cut
             if self.trace is not None:
@@ -318,7 +326,7 @@ class SpeculativeGroup(PlainGroup):
         seconds = watch.total()
         self.costs.add(seconds, tokens=tokens, rows=n, proposals=sum(proposed), draft=draft,
                        verify=verify, accept=accept)
-        if self.step_costs is not None:
+        if self.step_costs is not None and steady:   # a prompt's catch-up is not what a step at k costs
             self.step_costs.record(n, k, seconds)
         return out
 

@@ -384,6 +384,7 @@ class BlockDraftProposer(_AuxProposer):
 
     def start(self, prompts, first_tokens, features, capacity):
         self.state = self.draft.new_state(len(prompts), capacity)
+        self.capacity = capacity
         self.context = [f for f in features["aux_hidden"]]          # rows not yet written, per sequence
         self.context_start = [0] * len(prompts)
         self.anchor = list(first_tokens)
@@ -422,10 +423,20 @@ class BlockDraftProposer(_AuxProposer):
             if last:
                 return logits
 
+    def _greedy_width(self, k: int) -> int:
+        """Draft rows a greedy block runs for a step of K: a compiled draft's whole width, its one graph
+        (a shorter block would run eagerly: 3-4 ms against 1 ms on the wide embedded model), wherever
+        the block's slots fit in the cache. One forward drafts the whole block whatever K, so a step
+        of a shorter K (an adaptive or per-request K, a batch size's schedule) pays the same draft and
+        verifies only the first K of it."""
+        full = getattr(self.draft, "pad_to", 0) - 1
+        return full if k < full <= self.capacity - 1 - max(self.position) else k
+
     def propose(self, k, params, stop_below=0.0, caps=None):
         if hasattr(self.draft, "block_chain") and all(p.argmax for p in params):
             anchor = torch.tensor(self.anchor, dtype=torch.long, device=self.draft.device)
-            tokens, conf = self._run(k, lambda feeds, state: self.draft.block_chain(feeds, state, anchor))
+            tokens, conf = self._run(self._greedy_width(k),
+                                     lambda feeds, state: self.draft.block_chain(feeds, state, anchor))
             return tokens, None, conf.cpu() if stop_below else None
         base = self._run(k)                                          # [B, k, Vd]
         chain = _Chain(params, self.draft.target_vocab, stop_below, caps)

@@ -3,9 +3,10 @@ acceptance and the group's measured step costs; the output stays the target's ow
 from types import SimpleNamespace
 
 import pytest
+import torch
 
-from runtime.adaptive_draft_len import (PRIOR_COST_PER_PROPOSAL, SequenceRate, StepCostTable, best_length,
-                                        candidate_lengths, expected_tokens)
+from runtime.adaptive_draft_len import (PRIOR_COST_PER_PROPOSAL, PositionFactors, SequenceRate, StepCostTable,
+                                        best_length, candidate_lengths, expected_tokens, sequence_rates)
 from runtime.draft_policy import DraftPolicy, on_off, policy_from
 from runtime.batching import SpeculativeGroup
 from runtime.generation import run_group
@@ -14,12 +15,14 @@ from runtime.speculative import speculative_generate
 from test_speculative import PROMPTS, pair, reference  # noqa: F401 (fixtures)
 
 
-def test_expected_tokens_is_the_geometric_chain():
-    """A chain of k proposals each kept with probability a emits 1 + a + ... + a^k tokens."""
+def test_expected_tokens_multiply_the_rates_along_the_chain():
+    """A chain whose j-th proposal is kept with probability a_j (once those before it were) emits
+    1 + a_1 + a_1 a_2 + ... tokens; one rate everywhere is the geometric chain."""
     for a in (0.0, 0.3, 0.9):
         for k in (1, 4, 8):
-            assert expected_tokens(a, k) == pytest.approx(sum(a ** j for j in range(k + 1)))
-    assert expected_tokens(1.0, 4) == 5
+            assert expected_tokens([a] * 8, k) == pytest.approx(sum(a ** j for j in range(k + 1)))
+    assert expected_tokens([1.0] * 4, 4) == 5
+    assert expected_tokens([0.5, 1.0, 0.0, 1.0], 4) == pytest.approx(1 + 0.5 + 0.5)
 
 
 def test_candidates_are_the_compiled_verify_lengths():
@@ -48,6 +51,30 @@ def test_rate_follows_the_recent_steps():
     assert fresh.rate < 0.2
 
 
+def test_positions_that_fall_short_of_the_groups_rate_shorten_k():
+    """A block draft trained at K = 4 loses its later proposals (the embedded DFlash: 0.43 kept at the
+    5th, 0.12 at the 6th): the group's steps at K = 8 teach every sequence that, so a sequence that
+    keeps all of its K = 4 does not go to K = 8 (one rate for every position would), while behind a
+    chain draft whose later proposals hold up it does; positions with no evidence keep factor 1."""
+    flat = lambda k: 1.0 + 0.1 * k          # noqa: E731
+    assert PositionFactors().factors(3) == [1.0] * 3
+    block = PositionFactors()
+    for step in range(40):
+        block.record(4 if step % 4 else 2, 8)     # the 5th always rejected, the 3rd now and then
+    f = block.factors(8)
+    assert f[:2] == [1.0, 1.0] and f[4] < 0.3 and f[5:] == [1.0] * 3, f    # 6..8: never tried
+    seq = SequenceRate()
+    for _ in range(3):
+        seq.record(4, 4)                          # this sequence: every proposal of its K = 4 kept
+    assert best_length(sequence_rates(seq.rate, None, 8), [1, 2, 4, 8], flat) == 8
+    assert best_length(sequence_rates(seq.rate, block, 8), [1, 2, 4, 8], flat) == 4
+    chain = PositionFactors()
+    for step in range(40):
+        chain.record(8 if step % 2 else 0, 8)     # later proposals kept more often than the first
+    assert chain.factors(8)[1:] == [1.0] * 7
+    assert best_length(sequence_rates(seq.rate, chain, 8), [1, 2, 4, 8], flat) == 8
+
+
 def test_step_costs_interpolate_and_extrapolate():
     t = StepCostTable()
     assert t.cost(1, 4) / t.cost(1, 0) == pytest.approx(1 + 4 * PRIOR_COST_PER_PROPOSAL)   # nothing measured
@@ -69,9 +96,9 @@ def test_best_length_weighs_acceptance_against_cost():
     flat = lambda k: 1.0 + 0.1 * k          # noqa: E731
     steep = lambda k: 1.0 + 0.6 * k         # noqa: E731
     ks = [1, 2, 4, 8]
-    assert best_length(0.2, ks, flat) == 1
-    assert best_length(0.95, ks, flat) == 8
-    assert best_length(0.95, ks, steep) < 8
+    assert best_length([0.2] * 8, ks, flat) == 1
+    assert best_length([0.95] * 8, ks, flat) == 8
+    assert best_length([0.95] * 8, ks, steep) < 8
 
 
 def test_flag_parses_and_overrides():
@@ -143,3 +170,50 @@ def test_a_bad_switch_value_is_one_line_naming_the_flag(capsys):
                   "--draft_len_adaptive", "maybe"])
     assert e.value.code == 2
     assert "argument --draft_len_adaptive: expected on or off, got 'maybe'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", ["dflash", "dspark"])
+def test_a_block_draft_runs_its_whole_compiled_block_at_a_shorter_k(mode, pair, reference):
+    """A compiled block draft has one graph, at K_max + 1 block rows and context rows padded to as
+    many (``pad_to``). A step of a shorter K (adaptive, a request's own, a batch size's schedule) runs
+    that whole block and verifies the first K of it: a shorter block ran eagerly, 3-4 ms against 1 ms
+    a step on the wide embedded model, which also made every shorter K look dear to the adaptive
+    policy. The ids stay target greedy's."""
+    from collections import Counter
+    target, proposer = pair
+    p = proposer(mode)
+    draft = p.inner.draft
+    draft.pad_to = 5                                   # as a CompiledDraft of max_draft_len 4
+    blocks = Counter()
+    original = draft.block_chain
+
+    def counted(feeds, state, anchor):
+        blocks[feeds["input_ids"].shape[1]] += 1
+        return original(feeds, state, anchor)
+    draft.block_chain = counted
+    result = speculative_generate(target, p, PROMPTS, 48, 2)
+    assert result.output_ids == reference
+    assert set(result.extra["acceptance"]["histogram"]) <= {"1", "2", "3"}      # K = 2 verified
+    rows = {k: p.inner.module.block_inputs(torch.tensor([0]), torch.tensor([0]), k)[0].shape[1] for k in (2, 4)}
+    assert blocks[rows[4]] >= 0.8 * sum(blocks.values()) and set(blocks) <= set(rows.values()), blocks
+    # (a K = 2 block only where the whole one does not fit in the cache, at the end)
+
+
+def test_a_newcomers_first_step_is_not_a_step_cost(pair):
+    """The step that admits a sequence also drafts over its prompt (a block draft's whole context): its
+    time is not what a step at that K costs, and once recorded it kept the adaptive policy off that K
+    for the rest of a run. The group records steps only once every sequence in it has stepped."""
+    from runtime.batching import Sequence
+    target, proposer = pair
+    group = SpeculativeGroup(target, lambda: proposer("dflash"), 4, 80, 512, DraftPolicy(4, adaptive=True))
+    group.add([Sequence(list(PROMPTS[0]), 16, SamplingParams(), frozenset())])
+    group.step()
+    assert group.step_costs.seconds == {}
+    group.step()
+    assert list(group.step_costs.seconds) == [(1, group.seqs[0].adaptive_k)]
+    group.add([Sequence(list(PROMPTS[1]), 16, SamplingParams(), frozenset())])
+    before = dict(group.step_costs.seconds)
+    group.step()
+    assert group.step_costs.seconds == before                # a newcomer's first step
+    group.step()
+    assert any(b == 2 for b, _ in group.step_costs.seconds)
