@@ -83,9 +83,9 @@ class EagerDraft:
         out = run("draft", feeds)
         return (self.to_target_vocab(out["logits"]) if target_vocab else out["logits"]), out["hidden_out"], _present(out)
 
-    def catch_up_width(self, rows: int, tree: bool = False) -> int:
-        """How many rows a catch-up chunk of ``rows`` queued rows runs as (``chain``, ``tree_chain``
-        with ``tree``): as many here; a compiled draft pads to its graphs' buckets."""
+    def catch_up_width(self, rows: int, tree_depth: int = 0) -> int:
+        """How many rows a catch-up chunk of ``rows`` queued rows runs as (``chain``, or ``tree_chain``
+        after a tree of ``tree_depth``): as many here; a compiled draft pads to its graphs' buckets."""
         return rows
 
     @torch.inference_mode()

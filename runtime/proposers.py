@@ -283,13 +283,13 @@ class FeatureDraftProposer(_PerSequence):
         return (all(p.argmax for p in params)
                 and all(0 < len(t) <= self.prefill_chunk for t in self.pending))
 
-    def _queued_chunk(self, tree: bool = False):
+    def _queued_chunk(self, tree_depth: int = 0):
         """The queued rows as one catch-up chunk: (ids, target features, positions, lengths), as
         wide as the draft runs it (``catch_up_width``: a compiled draft's bucket), padded rows past
         each sequence's own."""
         dev = self.draft.device
         rows = max(len(t) for t in self.pending)
-        width = self.draft.catch_up_width(rows, tree)
+        width = self.draft.catch_up_width(rows, tree_depth)
         ids, positions, lengths = chunk_inputs(self.pending, self.position, dev, width)
         return ids, _padded(self.pending_features, width, dev), positions, lengths
 
@@ -337,7 +337,7 @@ class FeatureDraftProposer(_PerSequence):
             raise ValueError(f"tree: draft cache of {room} slots cannot hold {shape.draft_rows} tree rows "
                              f"past position {after}")
         if hasattr(self.draft, "tree_chain") and self._fusable(params):
-            ids, feats, positions, lengths = self._queued_chunk(tree=True)
+            ids, feats, positions, lengths = self._queued_chunk(tree_depth=shape.depth)
             tokens, parents, depth, self.logits, self.hidden, self.state = self.draft.tree_chain(
                 ids, feats, positions, lengths, self.state, shape)
             self._queued_consumed()

@@ -77,3 +77,17 @@ def test_eagle3_tree_greedy_ids_equal_eager(models, monkeypatch):
     assert again.output_ids == generate(eager.runner, prompts, NEW + 7).output_ids and _graphs() == before
 
 
+
+
+def test_a_tree_deeper_than_k_runs_its_catch_up_as_its_graph(models):
+    """After a tree step the draft catches up the accepted path, up to depth + 1 rows: a tree deeper
+    than K pads its catch-up to that (not K+1), so a long accepted path runs the tree's graph instead
+    of an eager chunk (the wide model's depth-6 trees at K = 4 paid 0.68 ms a depth, twice a chain
+    proposal's cost); a chunk past the slots beyond capacity still runs eagerly, as it is."""
+    from runtime.compiled.shapes import HEADROOM
+    _, compiled = models
+    draft = compiled.proposer().draft
+    assert draft.catch_up_width(3, tree_depth=3) == draft.pad_to == 5       # K = 4: K+1 rows
+    assert draft.catch_up_width(2, tree_depth=6) == draft.catch_up_width(7, tree_depth=6) == 7
+    assert draft.catch_up_width(7) == 7 and draft.catch_up_width(3) == 5      # chains: buckets 2 and K+1
+    assert draft.catch_up_width(HEADROOM + 2, tree_depth=HEADROOM + 4) == HEADROOM + 2

@@ -73,27 +73,34 @@ class CompiledDraft(EagerDraft):
         return self._catch_up_graph(self._chains, self._chain, k, f"chain ({k} tokens", self.catch_up_rows,
                                     ids, features, positions, lengths, state)
 
-    def catch_up_width(self, rows: int, tree: bool = False) -> int:
+    def catch_up_width(self, rows: int, tree_depth: int = 0) -> int:
         """The bucket a catch-up chunk of ``rows`` rows runs as (the proposer builds it that wide,
-        rather than this draft padding it again): the next of ``catch_up_rows`` (a tree's: K+1)."""
-        if self.kind not in FEATURE_DRAFTS or rows > self.pad_to:
+        rather than this draft padding it again): the next of ``catch_up_rows``, or after a tree of
+        ``tree_depth``, its one width (``_tree_width``); a longer chunk runs eagerly as it is."""
+        buckets = (self._tree_width(tree_depth),) if tree_depth else self.catch_up_rows
+        if self.kind not in FEATURE_DRAFTS or rows > buckets[-1]:
             return rows
-        return next(r for r in ((self.pad_to,) if tree else self.catch_up_rows) if r >= rows)
+        return next(r for r in buckets if r >= rows)
+
+    def _tree_width(self, depth: int) -> int:
+        """A tree chain's catch-up width: K+1, or a deeper tree's longest accepted path (depth + 1
+        rows: a tree deeper than K ran its long catch-ups eagerly), within the slots past capacity."""
+        return min(max(self.pad_to, depth + 1), HEADROOM)
 
     @torch.no_grad()
     def tree_chain(self, ids, features, positions, lengths, state, shape):
         """The whole greedy tree (``EagerDraft.tree_chain``) as one graph per tree shape, the
-        catch-up chunk padded to K+1 rows, as ``run`` pads it."""
+        catch-up chunk padded to ``_tree_width`` rows, as ``catch_up_width`` pads it."""
         if features is not None:
             self._feature = (features.shape[-1], features.dtype)
         return self._catch_up_graph(self._trees, self._tree_chain, shape, f"tree ({shape.max_nodes} nodes",
-                                    (self.pad_to,), ids, features, positions, lengths, state)
+                                    (self._tree_width(shape.depth),), ids, features, positions, lengths, state)
 
     def _catch_up_graph(self, steps, fn, last, label, buckets, ids, features, positions, lengths, state):
         """``fn(ids, features, positions, lengths, state, last)`` as one graph per ``last`` and
         bucket, its catch-up chunk padded to the next of ``buckets`` (a longer one runs eagerly)."""
         batch, rows = ids.shape
-        if self.kind not in FEATURE_DRAFTS or rows > self.pad_to:
+        if self.kind not in FEATURE_DRAFTS or rows > buckets[-1]:
             return fn(ids, features, positions, lengths, state, last)
         pad = next(r for r in buckets if r >= rows)
         if rows < pad:
