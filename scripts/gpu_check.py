@@ -13,7 +13,8 @@ the project's modules import), then, within --budget_s (default 8 minutes), runs
 4. where TensorRT is importable: `nemospec build` of the embedded model (plain and --strip_plan) and
    generation with --backend tensorrt against the torch backend;
 5. the embedded model widened 16x (hidden 3072, builder.embedded.widen) on the compiled path with CUDA
-   graphs: target-only against eagle3, dflash and mtp end to end, exact (section ``wide_model``).
+   graphs: target-only against eagle3, dflash and mtp end to end, exact (section ``wide_model``), and
+   eagle3 with the adaptive K up to 8 (``wide_model_adaptive``).
 
 One JSON report (--output). ``--dry_run`` probes only. Run from the checkout root:
 
@@ -89,20 +90,24 @@ def _cuda_time(fn, runs: int = 20) -> float:
 
 
 def embedded_model(deadline: float, device: str = "cuda", new: int = 64, backend: str = "torch",
-                   modes: tuple | None = None, tree_nodes: int = 0, factor: int = 1) -> dict:
+                   modes: tuple | None = None, tree_nodes: int = 0, factor: int = 1, k: int = 0,
+                   policy=None) -> dict:
     """Target-only against each speculative mode of the embedded model (one prompt's pair at a time,
     so both see the same machine), on ``device`` through the eager TorchRunner or ``backend="compiled"``;
-    ``factor`` > 1: the embedded model widened that many times (builder.embedded.widen)."""
+    ``factor`` > 1: the embedded model widened that many times (builder.embedded.widen); ``k`` (default
+    the bench report's) and ``policy`` (a runtime.draft_policy.DraftPolicy) for the speculative runs."""
     from builder import embedded
     from tokenizers import Tokenizer
     report = json.loads((ROOT / "docs" / "bench" / "report.json").read_text())
-    k = report["num_draft_tokens"]
+    k = k or report["num_draft_tokens"]
     modes = modes or MODES
     tok = Tokenizer.from_file(str(embedded.target_dir() / "tokenizer.json"))
     prompts = [tok.encode(t).ids for t in PROMPTS]
     out = {"k": k, "device": device, "backend": backend, "new_tokens": new, "prompts": len(prompts), "modes": {}}
     if factor > 1:
         out["embedded_factor"] = factor
+    if policy is not None and policy.adaptive:
+        out["draft_len_adaptive"] = True
     for mode in modes:
         if time.time() > deadline:
             out["modes"][mode] = {"skipped": "budget spent"}
@@ -112,7 +117,7 @@ def embedded_model(deadline: float, device: str = "cuda", new: int = 64, backend
             if tree_nodes:
                 from runtime.tree.draft import TreeShape, default_topk
                 tree = TreeShape(tree_nodes, default_topk(mode), k)
-            row = _measure_mode(mode, k, prompts, device, new, backend, deadline, tree, factor)
+            row = _measure_mode(mode, k, prompts, device, new, backend, deadline, tree, factor, policy)
         except Exception as e:
             row = {"error": f"{type(e).__name__}: {e}"[:400], "trace": traceback.format_exc()[-1500:]}
         out["modes"][mode] = row
@@ -120,7 +125,7 @@ def embedded_model(deadline: float, device: str = "cuda", new: int = 64, backend
     return out
 
 
-def _measure_mode(mode, k, prompts, device, new, backend, deadline, tree=None, factor: int = 1) -> dict:
+def _measure_mode(mode, k, prompts, device, new, backend, deadline, tree=None, factor: int = 1, policy=None) -> dict:
     from builder.embedded.sources import resolve_sources
     from runtime.compiled.steps import COMPILE_LOG
     from runtime.generation import generate
@@ -131,7 +136,7 @@ def _measure_mode(mode, k, prompts, device, new, backend, deadline, tree=None, f
                                     embedded_factor=factor if factor > 1 else None)
     loaded = open_checkpoint(target, device=device, mode=mode, draft_dir=draft, max_draft_len=k, backend=backend)
     generate(loaded.runner, prompts[:1], 8)
-    speculative_generate(loaded.runner, loaded.proposer(), prompts[:1], 8, k)
+    speculative_generate(loaded.runner, loaded.proposer(), prompts[:1], 8, k, policy=policy)
     row = {"load_and_warm_s": round(time.perf_counter() - t0, 1), "runs": []}
     late, during = len(COMPILE_LOG), []
     for ids in prompts:
@@ -139,12 +144,12 @@ def _measure_mode(mode, k, prompts, device, new, backend, deadline, tree=None, f
             row["stopped"] = "budget"
             break
         if backend == "compiled":   # its graphs for this prompt's shapes compiled before the clock runs
-            late = _warm_prompt(loaded, ids, new, k)
+            late = _warm_prompt(loaded, ids, new, k, policy)
         t0 = time.perf_counter()
         plain = generate(loaded.runner, [ids], new)
         _sync(device)
         t1 = time.perf_counter()
-        spec = speculative_generate(loaded.runner, loaded.proposer(), [ids], new, k)
+        spec = speculative_generate(loaded.runner, loaded.proposer(), [ids], new, k, policy=policy)
         _sync(device)
         t2 = time.perf_counter()
         run = {}
@@ -161,6 +166,7 @@ def _measure_mode(mode, k, prompts, device, new, backend, deadline, tree=None, f
                             "speculative_tokens_per_second": round(spec.num_tokens / (t2 - t1), 1),
                             "exact": spec.output_ids == plain.output_ids,
                             "mean_accepted": spec.extra["acceptance"].get("mean_accepted_tokens"),
+                            "steps_by_draft_len": spec.extra["acceptance"].get("steps_by_draft_len"),
                             "cost": _summary(spec), "target_only_cost": _summary(plain)})
     if during:
         row["compiled_during_timing"] = during
@@ -179,12 +185,13 @@ def _measure_mode(mode, k, prompts, device, new, backend, deadline, tree=None, f
     return row
 
 
-def _warm_prompt(loaded, ids, new, k) -> int:
+def _warm_prompt(loaded, ids, new, k, policy=None) -> int:
     """The compiled path's warm-up for this prompt (runtime.compiled.runner.warm_up: its steps, every draft
-    chain bucket and the plain draft step's); returns the compile log's length after it."""
+    chain bucket and the plain draft step's; with an adaptive policy every candidate K's); returns the
+    compile log's length after it."""
     from runtime.compiled.runner import warm_up
     from runtime.compiled.steps import COMPILE_LOG
-    warm_up(loaded, [ids], k)
+    warm_up(loaded, [ids], k, policy=policy)
     return len(COMPILE_LOG)
 
 
@@ -228,6 +235,18 @@ def wide_model_kernels_in_graphs(deadline: float, device: str = "cuda", new: int
         gpu.IN_GRAPHS = saved
     out["kernel_calls"] = dict(graph_ops.CALLS)
     return out
+
+
+def wide_model_adaptive(deadline: float, device: str = "cuda", new: int = 64) -> dict:
+    """``wide_model``'s eagle3 with ``--draft_len_adaptive on`` up to K = 8 (each sequence's K from its
+    acceptance and the measured step costs, runtime.adaptive_draft_len), beside the fixed-K rows: where a
+    verify of 9 rows costs about what one row does, longer chains should pay more than on a CPU (Zen 4:
+    2.18x against 2.07x for K = 4). Warming every candidate K compiles about twice ``wide_model``'s graphs."""
+    from runtime.draft_policy import DraftPolicy
+    os.environ.setdefault("NEMOSPEC_COMPILE_CACHE", tempfile.mkdtemp(prefix="nemospec-compile-"))
+    cuda = device != "cpu"
+    return embedded_model(deadline, device, new, backend="compiled" if cuda else "torch", modes=("eagle3",),
+                          factor=16 if cuda else 2, k=8, policy=DraftPolicy(8, adaptive=True))
 
 
 def embedded_model_trees(deadline: float, device: str = "cuda", new: int = 64) -> dict:
@@ -384,11 +403,12 @@ SECTIONS = {"plugin_kernels": plugin_kernels,
             "full_width_graphs": functools.partial(full_width, configs=FULL_WIDTH_CONFIGS[:1], graphs=True),
             "wide_model": wide_model,
             "wide_model_kernels_in_graphs": wide_model_kernels_in_graphs,
+            "wide_model_adaptive": wide_model_adaptive,
             "embedded_model_trees": embedded_model_trees,
             "embedded_model_compiled": embedded_model_compiled,
             "embedded_model_no_cuda_graphs": embedded_model_no_cuda_graphs}
 DEVICE_SECTIONS = ("triton_kernels", "embedded_model", "full_width", "full_width_graphs", "wide_model",
-                   "wide_model_kernels_in_graphs", "embedded_model_trees",
+                   "wide_model_kernels_in_graphs", "wide_model_adaptive", "embedded_model_trees",
                    "embedded_model_compiled", "embedded_model_no_cuda_graphs")
 
 

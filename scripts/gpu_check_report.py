@@ -18,6 +18,7 @@ def markdown(report: dict) -> str:
                        ("wide_model", "Embedded model widened (16x on a GPU: hidden 3072), compiled, CUDA graphs"),
                        ("wide_model_kernels_in_graphs",
                         "The same, with the Triton kernels inside the compiled steps (NEMOSPEC_KERNELS_IN_GRAPHS=1)"),
+                       ("wide_model_adaptive", "The same widened model, eagle3 with --draft_len_adaptive on (K up to 8)"),
                        ("embedded_model_trees", "Embedded model, eager, tree speculation beside the chain"),
                        ("embedded_model_compiled", "Embedded model, compiled (runtime.compiled: inductor)"),
                        ("embedded_model_no_cuda_graphs", "Embedded model, compiled, CUDA graphs off")):
@@ -86,6 +87,12 @@ def _embedded(section, title) -> list[str]:
         out.append(f"| {mode} | {row['target_only_tokens_per_second']:.0f} | {row['speculative_tokens_per_second']:.0f} "
                    f"| {row['speedup']:.2f}x | {row['exact']} | {mean(lambda r: r['target_only_cost']['verify_ms']):.2f} "
                    f"| {mean(lambda r: r['cost']['verify_ms']):.2f} | {mean(lambda r: r['cost']['draft_ms']):.2f} |")
+        by_k = {}
+        for r in row["runs"]:
+            for kk, n in (r.get("steps_by_draft_len") or {}).items():
+                by_k[kk] = by_k.get(kk, 0) + n
+        if section.get("draft_len_adaptive") and by_k:
+            out.append(f"| {mode}: verify steps by K | {', '.join(f'K={kk} {n}' for kk, n in sorted(by_k.items(), key=lambda x: int(x[0])))} | | | | | | |")
         if row.get("compiled_during_timing"):
             out.append(f"| {mode}: compiled inside the timings | {'; '.join(row['compiled_during_timing'])} | | | | | | |")
     if section.get("kernel_calls") is not None:

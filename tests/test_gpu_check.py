@@ -120,6 +120,28 @@ def test_kernels_in_graphs_section_runs_the_wide_model_with_the_kernels_in_its_s
     assert "Kernels run inside the compiled steps: ssm_scan x3." in markdown({"wide_model_kernels_in_graphs": section})
 
 
+def test_adaptive_section_runs_eagle3_on_the_wide_model_up_to_k_8(monkeypatch):
+    """wide_model_adaptive: eagle3 on the widened model (16x on a GPU) with an adaptive policy up to
+    K = 8 through the same measurement as the fixed-K rows, and the page counts its steps by K."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import gpu_check
+    from gpu_check_report import markdown
+    seen = {}
+
+    def fake_embedded_model(deadline, device, new, **kwargs):
+        seen.update(kwargs)
+        run = {"steps_by_draft_len": {"2": 3, "8": 5}, "cost": {"verify_ms": 1.0, "draft_ms": 0.5},
+               "target_only_cost": {"verify_ms": 0.9}}
+        return {"modes": {"eagle3": {"speedup": 2.0, "exact": True, "target_only_tokens_per_second": 100.0,
+                                     "speculative_tokens_per_second": 200.0, "runs": [run, run]}},
+                "prompts": 1, "new_tokens": new, "k": kwargs["k"], "draft_len_adaptive": True}
+    monkeypatch.setattr(gpu_check, "embedded_model", fake_embedded_model)
+    section = gpu_check.SECTIONS["wide_model_adaptive"](0.0, "cuda", 8)
+    assert seen["k"] == 8 and seen["factor"] == 16 and seen["modes"] == ("eagle3",) and seen["policy"].adaptive
+    assert seen["backend"] == "compiled"
+    assert "| eagle3: verify steps by K | K=2 6, K=8 10 |" in markdown({"wide_model_adaptive": section})
+
+
 def test_triton_kernels_section_runs_every_kernel_within_its_bound(tmp_path):
     """The triton_kernels section on the CPU (tiny shapes, TRITON_INTERPRET=1 inside gpu.forced()): each
     row ran its kernel (no fallback, no error), is within its bound, and the page shows the table."""
