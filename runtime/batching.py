@@ -193,7 +193,7 @@ class SpeculativeGroup(PlainGroup):
         self.draft_tokens = 0                # proposed over all verify rows
         self.accepted_at = Counter()         # draft position j (0-based) -> rows that accepted it
         self.step_costs = StepCostTable() if self.policy.adaptive else None   # --draft_len_adaptive
-        self.position_rates = PositionFactors() if self.policy.adaptive else None
+        self.position_factors = PositionFactors() if self.policy.adaptive else None
 
     @property
     def draft_seconds(self) -> float:
@@ -225,7 +225,7 @@ class SpeculativeGroup(PlainGroup):
             candidates = candidate_lengths(k, getattr(self.target, "verify_buckets", ()))
             for s in self.seqs:
                 own = k if s.max_draft is None else min(k, s.max_draft)
-                rates = sequence_rates(s.acceptance.rate.rate, self.position_rates, k)
+                rates = sequence_rates(s.acceptance.rate.rate, self.position_factors, k)
                 s.adaptive_k = best_length(rates, [c for c in candidates if c <= own] or [own],
                                            lambda kk: self.step_costs.cost(n, kk))
             k = max(s.adaptive_k for s in self.seqs)
@@ -316,8 +316,8 @@ class SpeculativeGroup(PlainGroup):
                 self.accepted_at[j] += 1
             s.acceptance.record(kept, made)
             s.stepped = True
-            if self.position_rates is not None:
-                self.position_rates.record(kept, made)
+            if self.position_factors is not None:
+                self.position_factors.record(kept, made)
             out.append(s.emit(gained, lp))
             tokens += len(out[-1])        # emitted: the last step's run past max_new_tokens or an end id is cut
             if self.trace is not None:

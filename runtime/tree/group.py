@@ -34,7 +34,7 @@ class TreeSpeculativeGroup(SpeculativeGroup):
             raise ValueError("--tree: this backend's target cannot verify token trees; use --backend torch or compiled")
         super().__init__(target, make_proposer, shape.depth, capacity, prefill_chunk, policy, trace)
         self.step_costs = None             # --draft_len_adaptive: trees keep their shape, and their chain steps the K
-        self.position_rates = None
+        self.position_factors = None
         self.shape = shape
         self.tree_sizes = Counter()        # verify rows (root included) per tree step
         self.path_depths = Counter()       # accepted drafted tokens per sequence per tree step
