@@ -190,6 +190,36 @@ def test_warm_up_compiles_the_plain_draft_steps_a_prompt_chunk_meets(one_thread)
     assert got.output_ids == generate(eager.runner, RAGGED[:1], NEW).output_ids
 
 
+def test_warm_up_at_k_1_readies_the_draft_steps_its_catch_ups_meet(one_thread):
+    """At K = 1 a feature draft proposes from its catch-up step's own logits and never runs a chain,
+    so the warm-up learns the target features' width from that step: it then readies the step's
+    1-row bucket (the catch-up after a rejected draft) and K+1-row one, whatever its own short run
+    accepted (a K = 1 run's first rejection compiled mid-run)."""
+    from runtime.compiled.runner import warm_up
+    fresh = open_checkpoint(embedded.target_dir(), mode="eagle3", draft_dir=embedded.draft_dir("eagle3"),
+                            backend="compiled")
+    warm_up(fresh, RAGGED[:1], 1)
+    draft = fresh.proposer().draft
+    assert not draft._chains.ready                       # K = 1: no chain ran
+    rows = {dict(key[1])["input_ids"][0] for key in draft._steps.ready if key[0]}
+    assert {1, draft.pad_to} <= rows, rows
+
+
+def test_warm_up_of_a_batch_readies_its_tail_at_batch_1(one_thread):
+    """A batch's sequences finish at different steps, so its last one runs alone: warm_up of several
+    prompts readies the batch-1 graphs (verify, decode, the draft's chains) beside the batch's, even
+    where its own short run kept the batch whole (two copies of one prompt finish together).
+    `nemospec generate` with several prompts paid ~25 s of batch-1 compiles inside its timed run."""
+    from runtime.compiled.runner import warm_up
+    fresh = open_checkpoint(embedded.target_dir(), mode="eagle3", draft_dir=embedded.draft_dir("eagle3"),
+                            backend="compiled")
+    warm_up(fresh, RAGGED[:1] * 2, 4)
+    draft = fresh.proposer().draft
+    for steps in (fresh.runner._verify_greedy, fresh.runner._forward, draft._chains):
+        batches = {key[0] for key in steps.ready}
+        assert batches == {True, False}, (steps.what, list(steps.ready))
+
+
 def test_the_runtime_steps_run_as_direct_calls(models):
     """The steps a speculative and a target-only run repeat (decode, greedy verify, the draft chain)
     are explained by their recordings and called directly (runtime.compiled.direct_call); the greedy ids of

@@ -41,7 +41,7 @@ class CompiledDraft(EagerDraft):
         # 13-16 s (wide model, Zen 4) in every warm-up, and a padded row of a ~1 M-parameter draft
         # costs ~0.02 ms against a 5.5 ms step
         self.catch_up_rows = sorted({min(2, self.pad_to), self.pad_to})
-        self._feature = None       # (width, dtype) of the target features a chain was fed (``warm_chain``)
+        self._feature = None       # (width, dtype) of the target features a step was fed (``warm_chain``)
         self.capacity_dims = {"past." + k: v for k, v in _dims(module.state_spec).items()}
         steps = functools.partial(_Steps, options={**DRAFT_OPTIONS, **device_options(device)},
                                   product_form=product_form(weight_dtype, matmul_precision))
@@ -64,12 +64,22 @@ class CompiledDraft(EagerDraft):
                                 *(_prepare(t, batch, {}) for t in (ids, own_hidden, positions, slots)), visible,
                                 _prepare(state, batch, self._state_dims()))
 
+    def _saw(self, features) -> None:
+        """Remembers the target features' width and dtype: the warm-ups' scratch chunks are fed the same."""
+        if features is not None:
+            self._feature = (features.shape[-1], features.dtype)
+
+    def step(self, ids, target_features, own_hidden, positions, lengths, logit_index, state):
+        """``EagerDraft.step``; a K = 1 run proposes from these steps alone (no chain), so they too
+        tell ``warm_chain`` the features' width."""
+        self._saw(target_features)
+        return super().step(ids, target_features, own_hidden, positions, lengths, logit_index, state)
+
     @torch.no_grad()
     def chain(self, ids, features, positions, lengths, state, k: int):
         """The whole greedy proposal (``EagerDraft.chain``) as one graph per k and catch-up bucket:
         the catch-up chunk padded to the next of ``catch_up_rows``."""
-        if features is not None:
-            self._feature = (features.shape[-1], features.dtype)
+        self._saw(features)
         return self._catch_up_graph(self._chains, self._chain, k, f"chain ({k} tokens", self.catch_up_rows,
                                     ids, features, positions, lengths, state)
 
@@ -91,8 +101,7 @@ class CompiledDraft(EagerDraft):
     def tree_chain(self, ids, features, positions, lengths, state, shape):
         """The whole greedy tree (``EagerDraft.tree_chain``) as one graph per tree shape, the
         catch-up chunk padded to ``_tree_width`` rows, as ``catch_up_width`` pads it."""
-        if features is not None:
-            self._feature = (features.shape[-1], features.dtype)
+        self._saw(features)
         return self._catch_up_graph(self._trees, self._tree_chain, shape, f"tree ({shape.max_nodes} nodes",
                                     (self._tree_width(shape.depth),), ids, features, positions, lengths, state)
 
@@ -113,10 +122,11 @@ class CompiledDraft(EagerDraft):
     def warm_chain(self, k: int, batch: int = 1) -> None:
         """Runs the chain of ``k`` proposals on a scratch state for every catch-up bucket until each
         graph is compiled (or loaded): which buckets a short warm-up run meets depends on what it
-        accepted, and a bucket first met mid-run would stall it for a compile. Then ``warm_steps``."""
+        accepted, and a bucket first met mid-run would stall it for a compile. Then ``warm_steps``
+        (all of it at k = 1, which proposes without a chain: ``_fused``)."""
         if self.kind not in FEATURE_DRAFTS or self._feature is None:
             return
-        for rows in self.catch_up_rows:
+        for rows in self.catch_up_rows if k > 1 else ():
             ids, features, positions, lengths = self._scratch_chunk(rows, batch)
             state = self.new_state(batch, 2 * MAX_TOKENS)
             for _ in range(STEP_CALLS):

@@ -218,13 +218,22 @@ def warm_up(loaded, prompts, draft_len: int = 0, tree=None, policy=None, **gener
     that the steps a timed run of them uses are compiled, or loaded from the cache, before it starts.
     ``policy``: the run's draft policy (default ``loaded.draft_policy``): a confidence stop verifies
     shorter chunks, whose buckets are warmed too, and an adaptive K drafts each of its candidate
-    lengths, which are warmed as runs of their own. Returns the seconds it took (0 when ``loaded`` is
-    not on the compiled path)."""
-    from runtime.generation import generate
-    from runtime.adaptive_draft_len import candidate_lengths
+    lengths, which are warmed as runs of their own. Several prompts are warmed as a batch and, first,
+    the first alone (the batch's tail). Returns the seconds it took (0 when ``loaded`` is not on the
+    compiled path)."""
     if not isinstance(loaded.runner, CompiledRunner):
         return 0.0
     start = time.perf_counter()
+    # a batch's sequences finish at different steps, so its last one runs alone: batch 1 first
+    for batch in ([prompts[:1], prompts] if len(prompts) > 1 else [prompts]):
+        _warm_batch(loaded, batch, draft_len, tree, policy, **generate_args)
+    return time.perf_counter() - start
+
+
+def _warm_batch(loaded, prompts, draft_len: int, tree, policy, **generate_args) -> None:
+    """``warm_up`` at one batch size."""
+    from runtime.generation import generate
+    from runtime.adaptive_draft_len import candidate_lengths
     if draft_len > 0:
         _warm_speculative(loaded, prompts, draft_len, tree, **generate_args)
         policy = policy if policy is not None else getattr(loaded, "draft_policy", None)
@@ -237,7 +246,6 @@ def warm_up(loaded, prompts, draft_len: int = 0, tree=None, policy=None, **gener
                 if k != draft_len:
                     _warm_speculative(loaded, prompts, k, None, **generate_args)
     generate(loaded.runner, prompts, STEP_CALLS + 2, **generate_args)
-    return time.perf_counter() - start
 
 
 def _warm_speculative(loaded, prompts, draft_len: int, tree, **generate_args) -> None:
