@@ -122,7 +122,7 @@ def test_a_servers_warm_up_runs_what_its_warm_up_option_names(monkeypatch, warm_
     from types import SimpleNamespace
     from runtime.compiled import runner
     calls, stopped = [], []
-    monkeypatch.setattr(runner, "warm_up", lambda loaded, batch, k, **kw: calls.append(
+    monkeypatch.setattr(runner, "_warm_batch", lambda loaded, batch, k, tree, policy, **kw: calls.append(
         (len(batch), "temperature" in kw, k)) or 0.0)
     monkeypatch.setattr(runner, "stop_compiling", lambda: stopped.append(True))
     loaded = SimpleNamespace(runner=object.__new__(runner.CompiledRunner), max_seq_len=64)
@@ -139,7 +139,7 @@ def test_a_servers_warm_up_readies_every_k_an_adaptive_policy_may_pick(monkeypat
     from runtime.compiled import runner
     from runtime.draft_policy import DraftPolicy
     calls = []
-    monkeypatch.setattr(runner, "warm_up", lambda loaded, batch, k, policy=None, **kw: calls.append(
+    monkeypatch.setattr(runner, "_warm_batch", lambda loaded, batch, k, tree, policy, **kw: calls.append(
         (k, bool(policy and policy.adaptive))) or 0.0)
     monkeypatch.setattr(runner, "stop_compiling", lambda: None)
     compiled = object.__new__(runner.CompiledRunner)

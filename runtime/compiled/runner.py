@@ -223,17 +223,16 @@ def warm_up(loaded, prompts, draft_len: int = 0, tree=None, policy=None, **gener
     compiled path)."""
     if not isinstance(loaded.runner, CompiledRunner):
         return 0.0
-    start = time.perf_counter()
     # a batch's sequences finish at different steps, so its last one runs alone: batch 1 first
-    for batch in ([prompts[:1], prompts] if len(prompts) > 1 else [prompts]):
-        _warm_batch(loaded, batch, draft_len, tree, policy, **generate_args)
-    return time.perf_counter() - start
+    return sum(_warm_batch(loaded, batch, draft_len, tree, policy, **generate_args)
+               for batch in ([prompts[:1], prompts] if len(prompts) > 1 else [prompts]))
 
 
-def _warm_batch(loaded, prompts, draft_len: int, tree, policy, **generate_args) -> None:
-    """``warm_up`` at one batch size."""
+def _warm_batch(loaded, prompts, draft_len: int, tree, policy, **generate_args) -> float:
+    """``warm_up`` at one batch size (``prompts`` as one batch); returns the seconds it took."""
     from runtime.generation import generate
     from runtime.adaptive_draft_len import candidate_lengths
+    start = time.perf_counter()
     if draft_len > 0:
         _warm_speculative(loaded, prompts, draft_len, tree, **generate_args)
         policy = policy if policy is not None else getattr(loaded, "draft_policy", None)
@@ -246,6 +245,7 @@ def _warm_batch(loaded, prompts, draft_len: int, tree, policy, **generate_args) 
                 if k != draft_len:
                     _warm_speculative(loaded, prompts, k, None, **generate_args)
     generate(loaded.runner, prompts, STEP_CALLS + 2, **generate_args)
+    return time.perf_counter() - start
 
 
 def _warm_speculative(loaded, prompts, draft_len: int, tree, **generate_args) -> None:
@@ -291,12 +291,12 @@ def warm_up_for_serving(loaded, draft_len: int, log=None, sampled: bool = True, 
     for k in sorted({draft_len, *also}, reverse=True) if draft_len > 0 else [0]:
         for batch in (prompts[:1], prompts)[:2 if batched else 1]:
             for sampling in ({}, {"temperature": 0.8, "seed": 0})[:2 if sampled else 1]:
-                seconds += warm_up(loaded, batch, k, policy=policy, max_seq_len=loaded.max_seq_len, **sampling)
+                seconds += _warm_batch(loaded, batch, k, None, policy, max_seq_len=loaded.max_seq_len, **sampling)
                 if log is not None:
                     log(f"warm-up: K={k}, batch {len(batch)}, {'sampled' if sampling else 'greedy'}: "
                         f"{seconds:.1f} s so far")
     if draft_len > 0:   # target-only requests (speculative: false), batched with others if batched
-        seconds += warm_up(loaded, prompts if batched else prompts[:1], 0, max_seq_len=loaded.max_seq_len)
+        seconds += _warm_batch(loaded, prompts if batched else prompts[:1], 0, None, None, max_seq_len=loaded.max_seq_len)
     stop_compiling()
     return seconds
 
