@@ -220,6 +220,26 @@ def test_warm_up_of_a_batch_readies_its_tail_at_batch_1(one_thread):
         assert batches == {True, False}, (steps.what, list(steps.ready))
 
 
+def test_a_batchs_prompts_prefill_as_each_would_alone(models, monkeypatch):
+    """The compiled prompt chunks are batch-1 graphs, so a batch of short prompts (a burst of
+    requests, or several prompts on the command line) is prefilled one prompt at a time on its own
+    rows of the batch's state: each sequence's logits and state equal that prompt's prefill alone,
+    bit for bit, and no chunk runs eagerly (a batch's chunk had run eagerly, its sums in another order)."""
+    from runtime.compiled.runner import CompiledRunner
+    from runtime.prefill import prefill
+    _, compiled = models
+    runner = compiled.runner
+    for _ in range(2):   # a step compiles at its second call (the first runs eagerly)
+        alone = [prefill(runner, [p], runner.new_state(1, 64), 512, ("aux_hidden",)) for p in RAGGED]
+    monkeypatch.setattr(CompiledRunner, "_eager", lambda *a: pytest.fail("a prompt chunk ran eagerly"))
+    logits, state, _, features = prefill(runner, RAGGED, runner.new_state(len(RAGGED), 64), 512, ("aux_hidden",))
+    for b, (want_logits, want_state, _, want_features) in enumerate(alone):
+        assert torch.equal(logits[b], want_logits[0])
+        assert torch.equal(features["aux_hidden"][b], want_features["aux_hidden"][0])
+        for name, value in want_state.items():
+            assert torch.equal(state[name][b:b + 1], value), name
+
+
 def test_the_runtime_steps_run_as_direct_calls(models):
     """The steps a speculative and a target-only run repeat (decode, greedy verify, the draft chain)
     are explained by their recordings and called directly (runtime.compiled.direct_call); the greedy ids of

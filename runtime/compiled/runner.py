@@ -71,6 +71,11 @@ class CompiledRunner(TorchRunner):
     def new_state(self, batch, capacity):
         return super().new_state(batch, capacity + HEADROOM)
 
+    def prefills_alone(self, prompts, chunk_size: int) -> bool:
+        """Whether ``runtime.prefill`` should feed a batch's prompts one at a time: when each fits the
+        compiled prompt chunks (``_prompt_chunks``: batch 1 only), which a batch's chunk would run eagerly."""
+        return all(0 < len(p) <= min(PROMPT_COMPILED_MAX, chunk_size) for p in prompts)
+
     @torch.no_grad()
     def forward(self, input_ids, positions, lengths, logit_index, state, verify=False, tree=None):
         batch, tokens = input_ids.shape
