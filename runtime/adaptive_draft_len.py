@@ -1,6 +1,6 @@
 """``--draft_len_adaptive on``: each sequence's K, step by step, from its own acceptance and the measured step costs.
 
-One K for every request leaves speed both ways (docs/performance.md, "Draft length by prompt"): a stretch
+One K for every request leaves speed both ways (docs/memory_bound.md, "Draft length by prompt"): a stretch
 the draft predicts well gains from a long chain, one it predicts badly pays for proposals it loses. The
 same question ``--num_draft_tokens auto`` answers once per run (``runtime.draft_len``), asked again
 at every step for every sequence:
@@ -30,7 +30,7 @@ from __future__ import annotations
 from runtime.draft_len import expected_tokens
 
 #: a proposal's share of a K = 0 step before any other K was measured (draft + verify row): the wide
-#: embedded target measured ~0.11 on Zen 4 (docs/performance.md); the model's own steps replace it
+#: embedded target measured ~0.11 on Zen 4 (docs/memory_bound.md); the model's own steps replace it
 PRIOR_COST_PER_PROPOSAL = 0.1
 #: weight of older steps in a sequence's acceptance rate (0.7: about the last 3 steps count)
 RATE_DECAY = 0.7
