@@ -61,7 +61,7 @@ def test_rows_do_not_depend_on_the_row_count(bf16_products):
 
 
 def test_eager_form_rounds_the_inputs():
-    """Outside the kernel (eager calls, batch 2+, a CPU without AVX-512) ``linear`` under the medium form
+    """Outside the kernel (eager calls, a CPU with neither of its forms) ``linear`` under the medium form
     multiplies the rounded inputs with torch's linear: exactly torch's product of bf16(x) and bf16(w)."""
     g = torch.Generator().manual_seed(13)
     x, w, b = torch.randn(2, 3, 64, generator=g), torch.randn(24, 64, generator=g), torch.randn(24, generator=g)

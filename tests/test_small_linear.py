@@ -330,10 +330,12 @@ def test_compiled_path_installs_it(op):
         torch_backend.use_small_linear(*previous)
 
 
-def test_dynamic_batch_graphs_keep_torch_gemm_without_a_guard(kernel):
-    """A batch-2+ graph (batch dim dynamic, as runtime.compiled marks it) must not branch on the batch
-    size: one graph serves batch 2, 3 and 5 (a guard on it would recompile, which compiled steps
-    that skip guard evaluation refuse), and the kernel stays out of it."""
+def test_dynamic_batch_graphs_run_the_kernel_without_a_guard(kernel):
+    """A batch-2+ graph (batch dim dynamic, as runtime.compiled marks it) multiplies through the kernel
+    and does not branch on the batch size: one graph serves batch 2, 3, 5 and 11 (55 rows, past
+    SMALL_LINEAR_ROWS: the limit is on a sequence's rows; a guard on the batch would recompile, which
+    compiled steps that skip guard evaluation refuse). Each sequence's rows are the ones the kernel
+    computes for it alone, bit for bit: a request's products do not depend on what it is batched with."""
     calls = []
 
     def counting(x, w):
@@ -341,21 +343,24 @@ def test_dynamic_batch_graphs_keep_torch_gemm_without_a_guard(kernel):
         return kernel(x, w)
 
     w = torch.randn(64, 192)
+    kernel(torch.randn(1, 1, 192), w)   # w's first use: every later product reads its packed copy
     previous = torch_backend.small_linear_kernels()
     try:
         torch_backend.use_small_linear(counting)
         torch._dynamo.reset()
         fn = torch.compile(lambda a: torch_backend.linear(a, w), fullgraph=True, dynamic=False)
-        for batch in (2, 3, 5):
+        for batch in (2, 3, 5, 11):
             x = torch.randn(batch, 5, 192)
             torch._dynamo.maybe_mark_dynamic(x, 0)
             if batch == 2:
-                fn(x)
-                continue
-            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                got = fn(x)    # raises if the batch-2 graph's guards would not serve this batch
+                got = fn(x)
+            else:
+                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                    got = fn(x)    # raises if the batch-2 graph's guards would not serve this batch
             assert_within(got, x.double() @ w.double().T, matmul_bound(x.reshape(-1, 192), w.T).reshape(batch, 5, 64))
-        assert calls == []
+            for b in range(batch):
+                assert torch.equal(got[b:b + 1], kernel(x[b:b + 1], w)), f"sequence {b} of {batch}"
+        assert calls, "the batch-2+ graph did not trace through the kernel"
     finally:
         torch_backend.use_small_linear(*previous)
         torch._dynamo.reset()
