@@ -50,6 +50,15 @@ def _padded(rows: list, length: int, dev) -> torch.Tensor:
     return out
 
 
+def _joined(chunks: list):
+    """A sequence's queued feature rows as one tensor (None: none queued). Each step appends its rows
+    as a chunk, joined once here when the draft reads them: a stretch of target-only steps (a batch
+    size the schedule does not speculate at) had copied the whole queue again every step."""
+    if not chunks:
+        return None
+    return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+
+
 def _cat(a: dict, b: dict) -> dict:
     return {k: torch.cat([a[k], b[k]]) for k in a}
 
@@ -231,7 +240,7 @@ class FeatureDraftProposer(_PerSequence):
         """Feeds the queued (token, target feature) rows; keeps each sequence's last row's logits and
         hidden (a sequence with nothing queued keeps its own)."""
         dev = self.draft.device
-        rows_tokens, rows_features = self.pending, self.pending_features
+        rows_tokens, rows_features = self.pending, [_joined(c) for c in self.pending_features]
         done = [0] * len(rows_tokens)
         last_logits = [None] * len(rows_tokens) if getattr(self, "logits", None) is None else list(self.logits)
         last_hidden = [None] * len(rows_tokens) if getattr(self, "hidden", None) is None else list(self.hidden)
@@ -252,20 +261,20 @@ class FeatureDraftProposer(_PerSequence):
         self.logits, self.hidden = torch.stack(last_logits), torch.stack(last_hidden)
         self.position = [s + len(t) for s, t in zip(self.position, rows_tokens)]
         self.pending = [[] for _ in rows_tokens]
-        self.pending_features = [None] * len(rows_tokens)
+        self.pending_features = [[] for _ in rows_tokens]
 
     def start(self, prompts, first_tokens, features, capacity):
         self.state = self.draft.new_state(len(prompts), capacity)
         self.logits = self.hidden = None
         self.position = [0] * len(prompts)
         self.pending = [p[1:] + [t] for p, t in zip(prompts, first_tokens)]
-        self.pending_features = list(features[self.draft.feature])
+        self.pending_features = [[f] for f in features[self.draft.feature]]
         # the last row stays queued: the first proposal's catch-up, so it can run as one chain call
         hold = hasattr(self.draft, "chain") and all(len(t) > 1 for t in self.pending)
         if hold:
-            last = [t[-1:] for t in self.pending], [f[-1:] for f in self.pending_features]
+            last = [t[-1:] for t in self.pending], [[f[0][-1:]] for f in self.pending_features]
             self.pending = [t[:-1] for t in self.pending]
-            self.pending_features = [f[:-1] for f in self.pending_features]
+            self.pending_features = [[f[0][:-1]] for f in self.pending_features]
         self._catch_up()
         if hold:
             self.pending, self.pending_features = last
@@ -291,12 +300,12 @@ class FeatureDraftProposer(_PerSequence):
         rows = max(len(t) for t in self.pending)
         width = self.draft.catch_up_width(rows, tree_depth)
         ids, positions, lengths = chunk_inputs(self.pending, self.position, dev, width)
-        return ids, _padded(self.pending_features, width, dev), positions, lengths
+        return ids, _padded([_joined(c) for c in self.pending_features], width, dev), positions, lengths
 
     def _queued_consumed(self):
         self.position = [s + len(t) for s, t in zip(self.position, self.pending)]
         self.pending = [[] for _ in self.pending]
-        self.pending_features = [None] * len(self.pending)
+        self.pending_features = [[] for _ in self.pending]
 
     def _propose_chain(self, k, stop_below):
         ids, feats, positions, lengths = self._queued_chunk()
@@ -353,11 +362,13 @@ class FeatureDraftProposer(_PerSequence):
     def accept(self, accepted, next_tokens, drafts, verify_features):
         """Queues the verified rows (the kept drafts and the target's token, with the verify's
         features); the draft consumes them in one catch-up chunk at its next proposal."""
-        feats = verify_features[self.draft.feature]
-        for b, (d, m, t) in enumerate(zip(drafts.tolist(), accepted.tolist(), next_tokens.tolist())):
+        kept = accepted.tolist()
+        # a copy of the step's kept rows, not a view: they wait in the queue past the next step's
+        # call, which may reuse its output buffers (a CUDA graph's replay)
+        feats = verify_features[self.draft.feature][:, :max(kept) + 1].clone()
+        for b, (d, m, t) in enumerate(zip(drafts.tolist(), kept, next_tokens.tolist())):
             self.pending[b] = self.pending[b] + d[:m] + [t]
-            new = feats.select(0, b).narrow(0, 0, m + 1)
-            self.pending_features[b] = new if self.pending_features[b] is None else torch.cat([self.pending_features[b], new])
+            self.pending_features[b].append(feats[b, :m + 1])
 
 
 class _AuxProposer(_PerSequence):

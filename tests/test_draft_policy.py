@@ -133,3 +133,26 @@ def test_generate_warms_up_with_the_policy_its_flags_give(monkeypatch):
     assert code == 2 and len(seen) == 1
     k, policy = seen[0]
     assert k == 4 and policy is not None and policy.confidence_threshold == 0.3
+
+
+def test_a_feature_drafts_queue_carries_target_only_steps_in_order(pair):
+    """A feature draft (eagle3) queues each target-only step's token and feature rows, one chunk a
+    step, until its next proposal; the catch-up reads them in order, each step's rows as they were
+    when queued (the buffer they came in is reused afterwards)."""
+    target, proposer = pair
+    p = proposer("eagle3")
+    prompt = PROMPTS[0]
+    logits, state, features = target.forward(
+        torch.tensor([prompt], dtype=torch.int32), torch.arange(len(prompt), dtype=torch.int32)[None],
+        torch.tensor([len(prompt)], dtype=torch.int32), torch.arange(len(prompt), dtype=torch.int32)[None], target.new_state(1, 64))
+    p.start([prompt], [int(logits[0, -1].argmax())], features, 64)
+    p._queued_consumed()                            # an empty queue, as after a proposal's catch-up
+    width = features[p.draft.feature].shape[-1]
+    for step in range(5):
+        feats = {p.draft.feature: torch.full((1, 1, width), float(step))}
+        p.accept(torch.zeros(1, dtype=torch.long), torch.tensor([7 + step]), torch.zeros(1, 0, dtype=torch.long), feats)
+        feats[p.draft.feature].fill_(-1.0)          # the buffer reused by a later call
+    ids, rows, _, lengths = p._queued_chunk()
+    assert int(lengths[0]) == 5 and ids[0, :5].tolist() == [7, 8, 9, 10, 11]
+    got = rows[0, :5]
+    assert torch.equal(got, torch.arange(5.0)[:, None].expand_as(got).to(got.dtype))

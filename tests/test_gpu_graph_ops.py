@@ -153,7 +153,9 @@ def test_an_argument_outside_the_schema_keeps_the_torch_op(in_graphs):
     args = gpu_kernels._moe(gpu_kernels.shapes("cpu")["moe"], "cpu", torch.float32, 3)[0]
     assert args[9] is True
     targets, _ = _traced_targets(tb.moe, *args[:9], 1, *args[10:])
-    assert not any(t.startswith("nemospec.") for t in targets), targets
+    # the Triton kernel's op stays out (the CPU path's own nemospec.moe_routed may trace in its place,
+    # where an earlier test in this process installed the small-row kernel)
+    assert "nemospec.moe" not in targets, targets
     targets, _ = _traced_targets(tb.moe, *args)
     assert targets == ["nemospec.moe"], targets
 
