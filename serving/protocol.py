@@ -13,14 +13,30 @@ REPLACEMENT = "\ufffd"
 
 
 def split_words(values) -> list[str]:
-    """Each element may hold several comma-separated words (CSV quoting allowed, as TensorRT-LLM)."""
+    """Each element may hold several comma-separated words (CSV quoting allowed, as TensorRT-LLM).
+
+    A line break is part of a word ("\\n" is a common stop string), not a CSV row end: it is swapped
+    for a character the text does not hold while the CSV is read. A malformed quote raises
+    ValueError; the caller names the field."""
     words = []
     for value in values:
         text = value.decode("utf-8") if isinstance(value, bytes) else str(value)
         if not text:
             continue
-        for row in csv.reader([text]):
-            words.extend(w for w in row if w)
+        free = (chr(code) for code in range(0xE000, 0xF900) if chr(code) not in text)
+        breaks = {c: next(free) for c in "\r\n" if c in text}
+        for c, stand_in in breaks.items():
+            text = text.replace(c, stand_in)
+        try:
+            rows = list(csv.reader([text]))
+        except csv.Error as e:
+            raise ValueError(f"not a comma-separated word list ({e})") from None
+        for row in rows:
+            for w in row:
+                for c, stand_in in breaks.items():
+                    w = w.replace(stand_in, c)
+                if w:
+                    words.append(w)
     return words
 
 

@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from serving import health, limits
@@ -28,7 +28,7 @@ huge = st.one_of(st.integers(-2**70, 2**70), st.sampled_from([2**63, 2**64 - 1, 
 junk = st.one_of(st.none(), st.booleans(), st.text(max_size=8), st.lists(st.integers(0, 9), max_size=3), numbers,
                  st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
 texts = st.one_of(st.text(max_size=40), st.just(""), st.just("x" * 70_000), st.just("é" * 300),
-                  st.text(alphabet="ab,\" ", max_size=600))
+                  st.text(alphabet="ab,\" \n\r", max_size=600))
 FIELD_VALUES = {
     "max_tokens": st.one_of(st.integers(1, 4), int32s, huge, junk),
     "temperature": st.one_of(st.floats(0, 2), int32s, huge, junk),
@@ -73,6 +73,7 @@ def _still_serving(server, before):
 
 @settings(max_examples=60, **SETTINGS)
 @given(body=http_bodies())
+@example(body={"text_input": "0", "max_tokens": 1, "exclude_input_in_output": True, "stop_words": ["\n0"]})
 def test_http_generate_fuzz(server, before, body):
     status, text = http_post(server, "/v2/models/ensemble/generate", body)
     got = json.loads(text)

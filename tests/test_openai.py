@@ -7,6 +7,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -48,6 +49,20 @@ def test_stop_matcher_holds_back_a_partial_stop_string():
     m = StopMatcher(["END", "\n\n"])
     assert m.feed("ab") == "ab" and m.feed("cE") == "c" and m.feed("N") == "" and m.feed("x") == "ENx"
     assert m.feed("1\n") == "1" and m.feed("\nrest") == "" and m.matched
+
+
+def test_a_stops_token_count_decodes_a_character_split_across_responses():
+    """"aé b" is 4 tokens, "é" two of them: a response after "a" + é's first byte starts with é's
+    second byte, which alone decodes to U+FFFD; after its context it completes the stop "é "."""
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(Path(__file__).resolve().parents[1] / "builder/embedded/target/tokenizer.json"))
+    ids = tok.encode("aé b", add_special_tokens=False).ids
+    assert len(ids) == 4 and tok.decode(ids[:2]).endswith("\ufffd") and tok.decode(ids[:3]) == "aé"
+    m = StopMatcher(["é "])
+    assert m.feed("a") == "a" and m.feed("é b") == "" and m.matched   # the server held é's first byte back
+    assert m.tokens_through(tok, "", ids[:2], ids[2:]) == 2             # é's second byte and " b"
+    assert m.tokens_through(tok, "", [], ids[2:]) is None               # what a context-free decode saw
+    assert StopMatcher(["é"]).tokens_through(tok, "", ids[:2], ids[2:]) == 1
 
 
 def test_streamed_responses_are_read_as_tritonclient_reads_them():

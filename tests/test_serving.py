@@ -253,6 +253,15 @@ def test_word_lists_round_trip():
     assert protocol.unpack_word_ids(protocol.pack_word_ids([])) == ()
 
 
+def test_a_line_break_is_part_of_a_word_not_a_csv_row_end():
+    """"\\n" is a common stop string; the CSV reader alone rejects it in an unquoted field."""
+    assert protocol.split_words(["\n"]) == ["\n"]
+    assert protocol.split_words(["\n0,a\r\nb", '"x\ny",z']) == ["\n0", "a\r\nb", "x\ny", "z"]
+    assert protocol.split_words(["\ue000\n,\ue001"]) == ["\ue000\n", "\ue001"]   # stand-ins avoid the text's own
+    with pytest.raises(ValueError, match="comma-separated"):   # preprocessing names the field
+        protocol.split_words(["x" * 200_000])                  # past the CSV reader's field limit
+
+
 def test_cancel_channel(tmp_path):
     """postprocessing -> speculative: a datagram with the request id to the owning process's socket."""
     import os

@@ -7,6 +7,7 @@ import json
 import logging
 import time
 import uuid
+from collections import deque
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ from serving.openai.errors import APIError, shown
 from serving.openai.logprobs import chat_logprobs, completion_logprobs
 from serving.openai.protocol import (StopMatcher, chat_options, completion_prompt, generation, speculative_metrics,
                                      usage)
+from serving.protocol import CONTEXT_TOKENS
 
 READY_SECONDS = 0.5
 log = logging.getLogger(__name__)
@@ -200,10 +202,10 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
             return StreamingResponse(_events(first, stream, g, base, chat, prompt_tokens),
                                      media_type="text/event-stream")
         text, tokens, reason, last, ids, logprobs = [], 0, "", None, [], []
-        stops = StopMatcher(g.stop)
+        stops, recent = StopMatcher(g.stop), deque(maxlen=CONTEXT_TOKENS)
         try:
             async for d in stream:
-                piece, n = _read(d, stops, g, tokens)
+                piece, n = _read(d, stops, g, tokens, recent)
                 text.append(piece)
                 tokens, reason, last = tokens + n, d.finish_reason, d
                 if g.logprobs:
@@ -230,24 +232,22 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
             return chat_logprobs(info.tokenizer, ids, logprobs)
         return completion_logprobs(info.tokenizer, ids, logprobs, offset)
 
-    def _read(d, stops: StopMatcher, g, tokens: int):
+    def _read(d, stops: StopMatcher, g, tokens: int, recent: deque):
         """Response ``d`` after ``tokens`` generated: (its text that can be sent, its tokens counted):
         all of them, or where a stop string matched inside it, those up to the one that completes
-        the match (a speculative response holds a whole step; vLLM counts up to the stop as well)."""
+        the match (a speculative response holds a whole step; vLLM counts up to the stop as well).
+        ``recent``: the last responses, whose ids decode ``d``'s first tokens in context."""
         held = stops.held
         text = stops.feed(d.text, _armed(g, tokens + d.tokens))
         if not stops.matched or not d.ids:
+            recent.append(d)
             return text, d.tokens
-        return text, _through_stop(d, held, stops)
+        return text, _through_stop(d, held, stops, recent)
 
-    def _through_stop(d, held: str, stops: StopMatcher) -> int:
-        """How many of ``d``'s tokens complete the matched stop string (``held``: the text held back
-        before ``d``)."""
-        for n in range(1, len(d.ids) + 1):
-            seen = held + info.tokenizer.decode(d.ids[:n])
-            if any(s in seen for s in stops.stops):
-                return n
-        return d.tokens
+    def _through_stop(d, held: str, stops: StopMatcher, recent) -> int:
+        context = [t for r in recent for t in (r.ids or ())][-CONTEXT_TOKENS:]
+        n = stops.tokens_through(info.tokenizer, held, context, d.ids)
+        return d.tokens if n is None else n
 
     async def _first(stream):
         try:
@@ -271,6 +271,7 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
             return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
         stops, tokens, reason, last, offset = StopMatcher(g.stop), 0, "", None, 0
+        recent = deque(maxlen=CONTEXT_TOKENS)   # the last responses, for a stop's token count
         # a text chunk is the same JSON every time but for its text: encoded once, the text spliced in
         # (not with usage in every chunk: that changes from chunk to chunk)
         head, _, tail = event(choice("\0")).partition(json.dumps("\0"))
@@ -281,7 +282,7 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
         try:
             d = first
             while d is not None:
-                text, n = _read(d, stops, g, tokens)
+                text, n = _read(d, stops, g, tokens, recent)
                 tokens, reason, last = tokens + n, d.finish_reason, d
                 if stops.matched:
                     reason = "stop"

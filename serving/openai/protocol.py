@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from serving.openai.errors import bad, shown
 from serving.openai.fields import refuse_unhonoured
+from serving.protocol import stream_text
 
 MAX_STOPS = 4                 # OpenAI's limit on stop sequences
 INT32_MAX = (1 << 31) - 1     # the ensemble's INT32 inputs (max_tokens, top_k, min_length): a larger value wraps
@@ -208,3 +209,14 @@ class StopMatcher:
     def flush(self) -> str:
         out, self.held = self.held, ""
         return out
+
+    def tokens_through(self, tokenizer, held: str, context: list[int], ids: list[int]) -> int | None:
+        """How many of ``ids`` (a response in which a stop string matched; ``held``: the text held
+        back before it) complete the match, decoded after ``context`` (the tokens before, as the
+        server streamed them: alone, a token that completes a character split across responses
+        decodes to U+FFFD); None if no prefix does."""
+        for n in range(1, len(ids) + 1):
+            seen = held + stream_text(tokenizer, context + ids[:n], len(context), finished=True)
+            if any(s in seen for s in self.stops):
+                return n
+        return None

@@ -42,6 +42,8 @@ class TritonPythonModel:
             words = self._split(tensor.as_numpy().reshape(-1).tolist())
         except UnicodeDecodeError:
             raise BadInput(f"{field}: not valid UTF-8") from None
+        except ValueError as e:
+            raise BadInput(f"{field}: {e}") from None
         self._limits.check_words(self.limits, field, words)
         ids = [self.tokenizer.encode(w, add_special_tokens=False).ids for w in words]
         return self._pack([i for i in ids if i])
