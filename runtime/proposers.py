@@ -59,6 +59,17 @@ def _joined(chunks: list):
     return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
 
 
+def _any_queued(chunks: list) -> bool:
+    """Whether a never-empty chunk list (a consumed queue is one chunk of no rows) holds rows."""
+    return len(chunks) > 1 or len(chunks[0]) > 0
+
+
+def _kept_copy(features: torch.Tensor, kept: list) -> torch.Tensor:
+    """A step's rows that a queue keeps ([B, max kept + 1, W]): a copy, not a view, since they wait
+    past the next step's call, which may reuse its output buffers (a CUDA graph's replay)."""
+    return features[:, :max(kept) + 1].clone()
+
+
 def _cat(a: dict, b: dict) -> dict:
     return {k: torch.cat([a[k], b[k]]) for k in a}
 
@@ -363,9 +374,7 @@ class FeatureDraftProposer(_PerSequence):
         """Queues the verified rows (the kept drafts and the target's token, with the verify's
         features); the draft consumes them in one catch-up chunk at its next proposal."""
         kept = accepted.tolist()
-        # a copy of the step's kept rows, not a view: they wait in the queue past the next step's
-        # call, which may reuse its output buffers (a CUDA graph's replay)
-        feats = verify_features[self.draft.feature][:, :max(kept) + 1].clone()
+        feats = _kept_copy(verify_features[self.draft.feature], kept)
         for b, (d, m, t) in enumerate(zip(drafts.tolist(), kept, next_tokens.tolist())):
             self.pending[b] = self.pending[b] + d[:m] + [t]
             self.pending_features[b].append(feats[b, :m + 1])
@@ -396,7 +405,7 @@ class BlockDraftProposer(_AuxProposer):
     def start(self, prompts, first_tokens, features, capacity):
         self.state = self.draft.new_state(len(prompts), capacity)
         self.capacity = capacity
-        self.context = [f for f in features["aux_hidden"]]          # rows not yet written, per sequence
+        self.context = [[f] for f in features["aux_hidden"]]        # rows not yet written: chunks, per sequence
         self.context_start = [0] * len(prompts)
         self.anchor = list(first_tokens)
         self.position = [len(p) for p in prompts]                   # the anchor's position
@@ -407,15 +416,16 @@ class BlockDraftProposer(_AuxProposer):
         dev, m = self.draft.device, self.module
         block = block or self.draft.logits_and_state
         while True:
-            take = [min(len(c), self.prefill_chunk) for c in self.context]
-            last = all(len(c) <= self.prefill_chunk for c in self.context)
+            context = [_joined(c) for c in self.context]
+            take = [min(len(c), self.prefill_chunk) for c in context]
+            last = all(len(c) <= self.prefill_chunk for c in context)
             width = max(1, max(take))
             pad = getattr(self.draft, "pad_to", 0)  # one context width per step (a compiled draft's graph);
             if last and width < pad <= k + 1:        # the padded rows' slots are the block's, overwritten by it
                 width = pad
             aux = torch.zeros(len(take), width, m.aux_width, dtype=m.dtype, device=dev)
             for b, n in enumerate(take):
-                aux[b, :n] = self.context[b][:n]
+                aux[b, :n] = context[b][:n]
             cpos = torch.tensor(self.context_start, dtype=torch.int32, device=dev)[:, None] + torch.arange(width, dtype=torch.int32, device=dev)
             if last:
                 ids, pos, lengths, index = m.block_inputs(torch.tensor(self.anchor, device=dev),
@@ -429,7 +439,7 @@ class BlockDraftProposer(_AuxProposer):
                      "context_lengths": torch.tensor([max(1, n) for n in take], dtype=torch.int32, device=dev),
                      "input_ids": ids, "positions": pos, "lengths": lengths, "logit_index": index}
             logits, self.state = (block if last else self.draft.logits_and_state)(feeds, self.state)
-            self.context = [c[n:] for c, n in zip(self.context, take)]
+            self.context = [[c[n:]] for c, n in zip(context, take)]
             self.context_start = [s + n for s, n in zip(self.context_start, take)]
             if last:
                 return logits
@@ -472,11 +482,12 @@ class BlockDraftProposer(_AuxProposer):
 
     def accept(self, accepted, next_tokens, drafts, verify_features):
         """Queues the verified rows' features as context (written by the next step's network)."""
-        feats = verify_features["aux_hidden"]
-        for b, m in enumerate(accepted.tolist()):
-            if len(self.context[b]) == 0:
+        kept = accepted.tolist()
+        feats = _kept_copy(verify_features["aux_hidden"], kept)
+        for b, m in enumerate(kept):
+            if not _any_queued(self.context[b]):
                 self.context_start[b] = self.position[b]             # verify rows began at the anchor
-            self.context[b] = torch.cat([self.context[b], feats[b, :m + 1]]) if len(self.context[b]) else feats[b, :m + 1]
+            self.context[b].append(feats[b, :m + 1])
             self.position[b] += m + 1
         self.anchor = next_tokens.tolist()
 
@@ -491,7 +502,7 @@ class ParallelDraftProposer(_AuxProposer):
     def start(self, prompts, first_tokens, features, capacity):
         self.state = self.draft.new_state(len(prompts), capacity)
         self.rows = [p[1:] + [t] for p, t in zip(prompts, first_tokens)]
-        self.feats = list(features["aux_hidden"])
+        self.feats = [[f] for f in features["aux_hidden"]]          # queued feature rows: chunks, per sequence
         self.start_pos = [0] * len(prompts)
 
     def _logits(self, k):
@@ -501,8 +512,9 @@ class ParallelDraftProposer(_AuxProposer):
             take = [min(len(r), self.prefill_chunk) for r in self.rows]
             last = all(len(r) <= self.prefill_chunk for r in self.rows)
             placeholders = k if last else 1
+            feats = [_joined(c) for c in self.feats]
             ids, aux, is_mask, pos, lengths, index = m.step_inputs(
-                [r[:n] for r, n in zip(self.rows, take)], [f[:n] for f, n in zip(self.feats, take)],
+                [r[:n] for r, n in zip(self.rows, take)], [f[:n] for f, n in zip(feats, take)],
                 self.start_pos, placeholders, getattr(self.draft, "parallel_width", 0) if last else 0)
             if not last:  # an early chunk of a long prompt: its logits are not used
                 index = torch.zeros_like(index[:, :1])
@@ -510,7 +522,7 @@ class ParallelDraftProposer(_AuxProposer):
                      "lengths": lengths.to(dev), "logit_index": index.to(dev)}
             logits, self.state = self.draft.logits_and_state(feeds, self.state)
             self.rows = [r[n:] for r, n in zip(self.rows, take)]
-            self.feats = [f[n:] for f, n in zip(self.feats, take)]
+            self.feats = [[f[n:]] for f, n in zip(feats, take)]
             self.start_pos = [s + n for s, n in zip(self.start_pos, take)]
             if last:
                 return self.draft.to_target_vocab(logits)
@@ -532,7 +544,8 @@ class ParallelDraftProposer(_AuxProposer):
 
     def accept(self, accepted, next_tokens, drafts, verify_features):
         """Queues the verified rows (start_pos already points where the verify chunk began)."""
-        feats = verify_features["aux_hidden"]
-        for b, (d, m, t) in enumerate(zip(drafts.tolist(), accepted.tolist(), next_tokens.tolist())):
+        kept = accepted.tolist()
+        feats = _kept_copy(verify_features["aux_hidden"], kept)
+        for b, (d, m, t) in enumerate(zip(drafts.tolist(), kept, next_tokens.tolist())):
             self.rows[b] = self.rows[b] + d[:m] + [t]
-            self.feats[b] = torch.cat([self.feats[b], feats[b, :m + 1]]) if len(self.feats[b]) else feats[b, :m + 1]
+            self.feats[b].append(feats[b, :m + 1])

@@ -156,3 +156,34 @@ def test_a_feature_drafts_queue_carries_target_only_steps_in_order(pair):
     assert int(lengths[0]) == 5 and ids[0, :5].tolist() == [7, 8, 9, 10, 11]
     got = rows[0, :5]
     assert torch.equal(got, torch.arange(5.0)[:, None].expand_as(got).to(got.dtype))
+
+
+@pytest.mark.parametrize("mode", ["dflash", "peagle"])
+def test_an_aux_drafts_queue_carries_target_only_steps_in_order(pair, mode):
+    """A block (dflash) or parallel (peagle) draft queues each target-only step's feature rows, one
+    chunk a step, as they were when queued (the buffer they came in is reused afterwards); its next
+    forward reads them joined, in order, from the position of the first."""
+    from runtime.proposers import _joined
+    target, proposer = pair
+    p = proposer(mode)
+    prompt = PROMPTS[0]
+    logits, state, features = target.forward(
+        torch.tensor([prompt], dtype=torch.int32), torch.arange(len(prompt), dtype=torch.int32)[None],
+        torch.tensor([len(prompt)], dtype=torch.int32), torch.arange(len(prompt), dtype=torch.int32)[None], target.new_state(1, 64))
+    p.start([prompt], [int(logits[0, -1].argmax())], features, 64)
+    p.propose(2, [SamplingParams()])               # writes the prompt's rows: an empty queue
+    inner, width = p.inner, p.inner.module.aux_width
+    queue = (lambda: inner.context[0]) if mode == "dflash" else (lambda: inner.feats[0])
+    assert _joined(queue()).shape[0] == 0
+    for step in range(5):
+        feats = {"aux_hidden": torch.full((1, 1, width), float(step))}
+        inner.accept(torch.zeros(1, dtype=torch.long), torch.tensor([7 + step]), torch.zeros(1, 0, dtype=torch.long), feats)
+        feats["aux_hidden"].fill_(-1.0)            # the buffer reused by a later call
+    got = _joined(queue())
+    assert torch.equal(got, torch.arange(5.0)[:, None].expand_as(got).to(got.dtype))
+    if mode == "dflash":
+        assert inner.context_start[0] == len(prompt) and inner.position[0] == len(prompt) + 5 and inner.anchor == [11]
+    else:
+        assert inner.rows[0] == [7, 8, 9, 10, 11] and inner.start_pos[0] == len(prompt)
+    tokens, _, _ = p.propose(2, [SamplingParams()])
+    assert tokens.shape == (1, 2) and _joined(queue()).shape[0] == 0
