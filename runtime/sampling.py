@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+GREEDY_BELOW = 1e-5     # vLLM's _SAMPLING_EPS
+
 
 @dataclass
 class SamplingParams:
@@ -20,6 +22,12 @@ class SamplingParams:
     min_length: int = 0                 # end ids are banned until this many tokens were generated
     logprobs: bool = False              # record each generated token's log-probability
     bad_sequences: tuple[tuple[int, ...], ...] = ()   # a sequence's last token is banned after the rest
+
+    def __post_init__(self):
+        # as vLLM: a temperature below GREEDY_BELOW is greedy, the limit it tends to (logits / 1e-38
+        # overflow fp32 and the softmax turns NaN)
+        if 0 < self.temperature < GREEDY_BELOW:
+            self.temperature = 0.0
 
     @property
     def uses_history(self) -> bool:

@@ -212,3 +212,17 @@ def test_a_row_that_proposes_nothing_is_not_a_speculative_step(setup):
     assert seqs[0].speculation_stats() == {"steps": 0, "draft_tokens": 0, "accepted_draft_tokens": 0, "histogram": [0]}
     assert all(s.speculation_stats()["steps"] > 0 for s in seqs[1:])
     assert sum(group.histogram.values()) == sum(sum(s.gained.values()) for s in seqs[1:])
+
+
+def test_a_temperature_too_small_to_divide_by_is_greedy():
+    """1e-38 (found by the OpenAI fuzz test): logits / T overflowed fp32 and the softmax turned NaN,
+    a 500. Below vLLM's 1e-5 a temperature is greedy, the limit it tends to."""
+    from runtime.sampling import GREEDY_BELOW, draw
+    logits = torch.tensor([[1.0, 30.0, -4.0], [2.0, -1.0, 0.5]])
+    for t in (1.1754943508222875e-38, 1e-30, GREEDY_BELOW / 2):
+        params = [SamplingParams(temperature=t, generator=torch.Generator().manual_seed(0)) for _ in range(2)]
+        assert all(p.temperature == 0.0 and p.argmax for p in params)
+        tokens, q = draw(logits, params)
+        assert tokens.tolist() == [1, 0] and q is None
+    kept = SamplingParams(temperature=GREEDY_BELOW)
+    assert kept.temperature == GREEDY_BELOW and torch.isfinite(probabilities(logits[0], kept.temperature, 1.0)).all()

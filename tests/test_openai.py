@@ -328,3 +328,100 @@ def test_not_ready_is_503(engine_dir):  # noqa: F811
         assert e.value.status_code == 503 and "not ready" in str(e.value)
     finally:
         frontend.stop()
+
+
+def _post(frontend, path: str, body) -> tuple[int, bytes]:
+    request = urllib.request.Request(frontend.url + path, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _openai_bodies():
+    """(chat, body): mostly valid values (three in four), so that answers are checked as well as errors."""
+    from hypothesis import strategies as st
+    junk = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True, allow_infinity=True),
+                     st.text(max_size=6), st.lists(st.integers(-3, 9), max_size=3), st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
+
+    def mostly(valid):
+        return st.integers(0, 3).flatmap(lambda i: valid if i else junk)
+    texts = st.one_of(st.text(min_size=1, max_size=8), st.text(alphabet="ab\n\r\", é", min_size=1, max_size=12))   # the test engine's prompts: <= 40 tokens
+    fields = {
+        "max_tokens": mostly(st.one_of(st.integers(1, 6), st.integers(-2, 10**6))),
+        "temperature": mostly(st.floats(0, 2)), "top_p": mostly(st.floats(0.01, 1)), "top_k": mostly(st.integers(-1, 50)),
+        "seed": mostly(st.integers(0, 2**64 - 1)), "stop": mostly(st.one_of(texts, st.lists(texts, max_size=4))),
+        "stream": mostly(st.booleans()), "stream_options": mostly(st.fixed_dictionaries({"include_usage": st.booleans()})),
+        "logprobs": mostly(st.sampled_from([0, True, False, None])), "n": mostly(st.just(1)),
+        "ignore_eos": mostly(st.booleans()), "min_tokens": mostly(st.integers(0, 4)),
+        "presence_penalty": mostly(st.floats(-2, 2)), "repetition_penalty": mostly(st.floats(0.5, 2)),
+        "speculative": mostly(st.booleans()), "user": mostly(st.text(max_size=8)),
+    }
+    messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "user", "system", "assistant", "x"]),
+                                               "content": texts}), min_size=1, max_size=2)
+
+    @st.composite
+    def body(draw):
+        chat = draw(st.booleans())
+        out = {"messages": draw(mostly(messages))} if chat else {"prompt": draw(mostly(texts))}
+        out["max_tokens"] = draw(fields["max_tokens"])
+        for name in draw(st.sets(st.sampled_from(sorted(k for k in fields if k != "max_tokens")), max_size=5)):
+            out[name] = draw(fields[name])
+        if out.get("stream") is not True:
+            out.pop("stream_options", None) if draw(st.booleans()) else None
+        return chat, out
+    return body()
+
+
+def _check_completion(chat: bool, body: dict, got: dict):
+    """A 200's answer is whole and its counts add up: text, a finish reason, usage within max_tokens."""
+    choice = got["choices"][0]
+    text = choice["message"]["content"] if chat else choice["text"]
+    assert isinstance(text, str) and choice["finish_reason"] in ("stop", "length"), got
+    usage = got["usage"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"], got
+    limit = body.get("max_tokens")
+    if limit is None and not chat:
+        limit = 16                   # OpenAI's completions default (chat's: the rest of the context)
+    if limit is not None:
+        assert 0 <= usage["completion_tokens"] <= limit, (body, got)
+        if choice["finish_reason"] == "length":
+            assert usage["completion_tokens"] == limit, (body, got)
+
+
+def test_fuzzed_requests_get_an_honest_answer_or_an_error_naming_the_field(stack):
+    """Completions and chat bodies with fields of every type and range: a 200 whose answer is whole
+    and whose usage adds up (streamed: every event JSON, the last [DONE]), or a 4xx whose OpenAI error
+    names the field; never a 5xx; afterwards the same request returns the same text."""
+    from hypothesis import HealthCheck, given, settings
+    _, frontend = stack
+    model = frontend.info.name
+    ok = {"model": model, "prompt": "x = ", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    status, before = _post(frontend, "/completions", ok)
+    assert status == 200
+
+    @settings(max_examples=80, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(case=_openai_bodies())
+    def check(case):
+        chat, body = case
+        body = {"model": model, **body}
+        status, raw = _post(frontend, "/chat/completions" if chat else "/completions", body)
+        assert status < 500, (status, raw[:300], body)
+        if status != 200:
+            error = json.loads(raw)["error"]
+            named = [error.get("param") or "", *body]
+            assert any(n and n in error["message"] for n in named) or error.get("param"), (error, body)
+            return
+        if body.get("stream") is True:
+            events = [line[len(b"data: "):] for line in raw.split(b"\n\n") if line.startswith(b"data: ")]
+            assert events and events[-1] == b"[DONE]", raw[-200:]
+            for event in events[:-1]:
+                assert "error" not in json.loads(event), (event, body)
+            return
+        _check_completion(chat, body, json.loads(raw))
+
+    check()
+    status, after = _post(frontend, "/completions", ok)
+    assert status == 200 and json.loads(after)["choices"][0]["text"] == json.loads(before)["choices"][0]["text"]

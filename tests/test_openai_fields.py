@@ -93,6 +93,17 @@ def test_limits_the_ensemble_cannot_take_are_refused_naming_the_field_sent():
     assert status == 200 and backend.calls[0][1] == 255, raw
 
 
+def test_a_prompt_past_max_input_len_is_refused_naming_the_prompt_field():
+    """The ensemble refuses it too, but names its own tensor (text_input): the client sent prompt or
+    messages (found by the fuzz test)."""
+    info = ModelInfo("m", TOKENIZER, 256, 4, ChatTemplate(TEMPLATE), 0, max_input_len=3)
+    for path, body, param in (("/v1/completions", {"prompt": "a b c d e f g"}, "prompt"),
+                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a b c d e f"}]}, "messages")):
+        backend = RecordingBackend()
+        error = _error(*_call(create_app(info, backend), path, body), 400, param)
+        assert "max_input_len 3" in error["message"] and not backend.calls
+
+
 def test_n_and_best_of_must_be_integers():
     """JSON true equals 1 in Python: ``n: true`` was taken as one choice."""
     for field in ("n", "best_of"):
@@ -182,6 +193,16 @@ def test_roles_are_openais():
     _error(*_call(app, "/v1/chat/completions", body), 400, "messages[0].role")
     assert not backend.calls
     assert _chat_prompt({"messages": [{"role": "developer", "content": "x"}]}) == "<developer>x\n<assistant>"
+
+
+def test_a_message_that_is_not_an_object_is_a_400_naming_it():
+    """A message of another JSON type (found by the fuzz test: [1]) was unpacked before it was
+    checked: a TypeError, a 500."""
+    for message in (1, None, "hi", ["user", "hi"]):
+        app, backend = _app()
+        _error(*_call(app, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}, message]}),
+               400, "messages[1]")
+        assert not backend.calls
 
 
 def test_vllms_template_options_are_honoured_or_refused():

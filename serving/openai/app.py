@@ -52,6 +52,7 @@ class ModelInfo:
     draft_len: int
     chat: ChatTemplate | None
     created: int
+    max_input_len: int = 0          # the engine's longest prompt (0: not known, not checked here)
 
 
 def model_info(engine_dir, name: str | None = None) -> ModelInfo:
@@ -63,7 +64,8 @@ def model_info(engine_dir, name: str | None = None) -> ModelInfo:
     build = meta.get("build", {})
     return ModelInfo(name or engine_dir.resolve().name, Tokenizer.from_file(str(engine_dir / meta["tokenizer"])),
                      int(build.get("max_seq_len", 0)), int(build.get("max_draft_len", 0) or 0),
-                     ChatTemplate.from_engine_dir(engine_dir), int((engine_dir / "config.json").stat().st_mtime))
+                     ChatTemplate.from_engine_dir(engine_dir), int((engine_dir / "config.json").stat().st_mtime),
+                     int(build.get("max_input_len", 0) or 0))
 
 
 def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = None, ready=None):
@@ -170,6 +172,9 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
         that room is refused here, naming the field the client sent: the ensemble takes max_tokens as
         INT32 (a larger one wrapped to a negative number in its answer) and names only max_tokens."""
         room = info.max_seq_len - prompt_tokens
+        if info.max_input_len and prompt_tokens > info.max_input_len:   # the ensemble's error names its own field
+            raise APIError(400, f"{prompt_field}: prompt of {prompt_tokens} tokens exceeds the engine's max_input_len "
+                                f"{info.max_input_len}", prompt_field)
         if room < 1:
             raise APIError(400, f"{prompt_field}: prompt of {prompt_tokens} tokens leaves no room in max_seq_len "
                                 f"{info.max_seq_len}", prompt_field)

@@ -61,7 +61,8 @@ class ChatTemplate:
         reads: one it ignores would be silently dropped (``enable_thinking`` on a template without it)."""
         if not isinstance(messages, list) or not messages:
             raise bad("messages", "expected a non-empty list of {role, content} objects")
-        normalised = [{**m, "content": _content(m, i)} for i, m in enumerate(messages)]
+        contents = [_content(m, i) for i, m in enumerate(messages)]   # checks each is an object first
+        normalised = [{**m, "content": c} for m, c in zip(messages, contents)]
         for key in kwargs or {}:
             if key in RESERVED:      # the prompt would no longer be the one the request's fields describe
                 raise bad(f"chat_template_kwargs.{key}", "set by the server (use the request's own field)")
