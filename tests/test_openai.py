@@ -425,3 +425,33 @@ def test_fuzzed_requests_get_an_honest_answer_or_an_error_naming_the_field(stack
     check()
     status, after = _post(frontend, "/completions", ok)
     assert status == 200 and json.loads(after)["choices"][0]["text"] == json.loads(before)["choices"][0]["text"]
+
+
+def test_streamed_and_whole_answers_agree(stack):
+    """Greedy, the same request streamed and not: the same text, finish reason and usage, whatever the
+    stop strings and limits (the streamed usage once counted a whole response past a stop string)."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+    _, frontend = stack
+    model = frontend.info.name
+
+    @settings(max_examples=30, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(prompt=st.sampled_from(["import os\n", "def f(x):", "x = [", "# é\n"]), max_tokens=st.integers(1, 24),
+           stop=st.lists(st.text(alphabet=" \n():=e_sirt", min_size=1, max_size=3), max_size=3),
+           min_tokens=st.integers(0, 3), ignore_eos=st.booleans())
+    def check(prompt, max_tokens, stop, min_tokens, ignore_eos):
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stop": stop,
+                "min_tokens": min(min_tokens, max_tokens), "ignore_eos": ignore_eos}
+        status, raw = _post(frontend, "/completions", body)
+        assert status == 200, raw
+        whole = json.loads(raw)
+        status, raw = _post(frontend, "/completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
+        assert status == 200, raw
+        events = [json.loads(line[len(b"data: "):]) for line in raw.split(b"\n\n")
+                  if line.startswith(b"data: ") and line != b"data: [DONE]"]
+        text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+        reason = [e["choices"][0]["finish_reason"] for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
+        assert text == whole["choices"][0]["text"] and reason == [whole["choices"][0]["finish_reason"]], (body, events)
+        assert events[-1]["usage"] == whole["usage"], (body, events[-1]["usage"], whole["usage"])
+
+    check()

@@ -5,6 +5,7 @@ through the ensemble's cancellation relay."""
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -14,6 +15,7 @@ import numpy as np
 from serving.openai.errors import APIError, from_triton
 from serving.openai.protocol import Generation
 
+log = logging.getLogger(__name__)
 OUTPUTS = ("text_output", "output_ids", "finish_reason", "total_draft_tokens", "total_accepted_draft_tokens",
            "acceptance_histogram", "mean_accepted_tokens", "output_log_probs")
 
@@ -123,7 +125,8 @@ class TritonBackend:
         try:
             return bool(await self.client.is_server_ready(headers=self.headers)
                         and await self.client.is_model_ready(self.model, headers=self.headers))
-        except Exception:
+        except Exception as e:   # not ready, and the log says why (a 503 alone does not)
+            log.warning("Triton readiness check failed: %s: %s", type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "")
             return False
 
     async def close(self):
