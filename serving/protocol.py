@@ -16,15 +16,17 @@ def split_words(values) -> list[str]:
     """Each element may hold several comma-separated words (CSV quoting allowed, as TensorRT-LLM).
 
     A line break is part of a word ("\\n" is a common stop string), not a CSV row end: it is swapped
-    for a character the text does not hold while the CSV is read. A malformed quote raises
-    ValueError; the caller names the field."""
+    for a character the text does not hold while the CSV is read. A list the CSV reader cannot read
+    (a word past its field size limit) raises ValueError; the caller names the field."""
     words = []
     for value in values:
         text = value.decode("utf-8") if isinstance(value, bytes) else str(value)
         if not text:
             continue
         free = (chr(code) for code in range(0xE000, 0xF900) if chr(code) not in text)
-        breaks = {c: next(free) for c in "\r\n" if c in text}
+        breaks = {c: next(free, None) for c in "\r\n" if c in text}
+        if None in breaks.values():
+            raise ValueError("a word list with line breaks that holds every private-use character")
         for c, stand_in in breaks.items():
             text = text.replace(c, stand_in)
         try:

@@ -260,6 +260,8 @@ def test_a_line_break_is_part_of_a_word_not_a_csv_row_end():
     assert protocol.split_words(["\ue000\n,\ue001"]) == ["\ue000\n", "\ue001"]   # stand-ins avoid the text's own
     with pytest.raises(ValueError, match="comma-separated"):   # preprocessing names the field
         protocol.split_words(["x" * 200_000])                  # past the CSV reader's field limit
+    with pytest.raises(ValueError, match="private-use"):
+        protocol.split_words(["".join(map(chr, range(0xE000, 0xF900))) + "\n"])
 
 
 def test_cancel_channel(tmp_path):
