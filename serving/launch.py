@@ -105,6 +105,18 @@ class ServerHandle:
         except OSError:
             return ""
 
+    def started(self, *ports: int) -> bool:
+        """Whether this server's own log says it listens on every one of ``ports`` (Triton logs
+        "Started HTTPService at HOST:PORT" per service once the models are loaded). A ready answer on
+        the HTTP port alone can come before the metrics service binds, or from another server that
+        took the loopback port picked for this one's Triton HTTP before it could bind it."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return False
+        bound = set(re.findall(r'"Started \w+(?: \w+)? at [^"]*:(\d+)\s*"', text))
+        return all(str(port) in bound for port in ports)
+
     def errors(self) -> str:
         """The server log's error lines (glog ``E...``), e.g. why a model failed to load."""
         try:
@@ -236,7 +248,9 @@ def start_server(engine_dir, *, host: str = "127.0.0.1", http_port: int = 8000, 
                               True, log_file, shutdown_timeout, guard=guard)
         atexit.register(handle.stop)
         deadline = time.monotonic() + ready_timeout
-        while not triton_ready(handle.http_url):
+        ports = [triton_http] + [port for port, service in ((grpc_port, "grpc"), (metrics_port, "metrics"))
+                                 if not re.search(rf"--allow-{service}[= ]false", " ".join(extra_args))]
+        while not (handle.started(*ports) and triton_ready(handle.http_url)):
             if process.poll() is not None:
                 raise NemospecError(f"tritonserver exited with code {process.returncode} before it was ready:\n"
                                     f"{handle.errors() or handle.log_tail()}")

@@ -88,7 +88,7 @@ def pytest_terminal_summary(terminalreporter):
     if not rows:
         return
     terminalreporter.section("slowest test files (seconds in their tests; of that, compiling or loading steps)")
-    for path, (seconds, workers) in rows[:12]:
+    for path, (seconds, workers) in rows[:int(os.environ.get("NEMOSPEC_SLOW_FILES", "12"))]:
         compiled = _compile_seconds.get(path, [0.0, 0, 0])
         terminalreporter.write_line(f"{seconds:8.1f}s  {path} ({', '.join(sorted(workers))}): compiling "
                                     f"{compiled[0]:.1f}s, {compiled[1]} steps compiled, {compiled[2]} loaded")

@@ -264,6 +264,21 @@ def test_a_line_break_is_part_of_a_word_not_a_csv_row_end():
         protocol.split_words(["".join(map(chr, range(0xE000, 0xF900))) + "\n"])
 
 
+def test_a_server_is_ready_only_once_its_own_log_shows_every_port_bound(tmp_path):
+    """Triton answers ready on HTTP before its metrics service binds, and a loopback port picked for
+    its HTTP can be taken by another server that then answers for it: start_server waits for this
+    server's own "Started ... at HOST:PORT" lines."""
+    log = tmp_path / "tritonserver.log"
+    handle = launch.ServerHandle(None, "127.0.0.1", 1, 2, 3, tmp_path, tmp_path, log, [])
+    assert not handle.started(5001)                     # no log yet
+    log.write_text('I1206 12:00:00.000001 1 grpc_server.cc:2558] "Started GRPCInferenceService at 0.0.0.0:5002"\n'
+                   'I1206 12:00:00.000002 1 http_server.cc:4713] "Started HTTPService at 127.0.0.1:5001"\n')
+    assert handle.started(5001, 5002) and not handle.started(5001, 5002, 5003)
+    with log.open("a") as f:
+        f.write('I1206 12:00:00.040000 1 http_server.cc:362] "Started Metrics Service at [::]:5003"\n')
+    assert handle.started(5001, 5002, 5003) and not handle.started(50011)
+
+
 def test_cancel_channel(tmp_path):
     """postprocessing -> speculative: a datagram with the request id to the owning process's socket."""
     import os
