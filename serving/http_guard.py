@@ -142,12 +142,17 @@ class HttpGuard:
     (``READY_PATHS``) answers 503 naming it, at the moment of the probe."""
 
     def __init__(self, host: str, port: int, upstream_port: int, max_body_bytes: int, alive=None):
+        self.max_body_bytes, self.alive = max_body_bytes, alive
         self.server = ThreadingHTTPServer((host, port), make_handler(("127.0.0.1", upstream_port), max_body_bytes,
                                                                      alive))
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.1},
                                        name="nemospec-http-guard", daemon=True)
         self.thread.start()
+
+    def retarget(self, upstream_port: int):
+        """Forwards new connections to ``127.0.0.1:upstream_port`` (Triton started again on another port)."""
+        self.server.RequestHandlerClass = make_handler(("127.0.0.1", upstream_port), self.max_body_bytes, self.alive)
 
     def close(self):
         self.server.shutdown()

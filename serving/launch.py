@@ -193,6 +193,28 @@ class ServerHandle:
         self.stop()
 
 
+def _triton_command(server, repo_dir, backend_dir, triton_http: int, host: str, grpc_port: int, metrics_port: int,
+                    shutdown_timeout: float, api_key: str | None, extra_args) -> list[str]:
+    """tritonserver's command line: its HTTP on a loopback port (behind the guard), gRPC and metrics on
+    ``host``."""
+    cmd = [str(server.binary), "--model-repository", str(repo_dir), "--model-control-mode", "none",
+           "--strict-model-config", "true",
+           "--exit-timeout-secs", str(int(shutdown_timeout) + 10),   # ours comes first (stop())
+           "--http-address", "127.0.0.1", "--http-port", str(triton_http),
+           "--grpc-address", host, "--grpc-port", str(grpc_port),
+           "--allow-metrics", "true", "--metrics-address", host, "--metrics-port", str(metrics_port),
+           "--allow-gpu-metrics", "true" if gpu_present() else "false", "--log-verbose", "0"]
+    if backend_dir is not None:
+        cmd += ["--backend-directory", str(backend_dir)]
+    if api_key:
+        cmd += [f"--http-restricted-api={RESTRICTED}:{API_KEY_HEADER}={api_key}",
+                f"--grpc-restricted-protocol={RESTRICTED}:{API_KEY_HEADER}={api_key}"]
+    return cmd + list(extra_args)
+
+
+TRITON_PORT_TRIES = 3   # launches of Triton when the loopback port picked for its HTTP was taken meanwhile
+
+
 def start_server(engine_dir, *, host: str = "127.0.0.1", http_port: int = 8000, grpc_port: int = 8001,
                  metrics_port: int = 8002, model_repo_dir=None, api_key: str | None = None, backend: str = "auto",
                  torch_threads: int = 0, warm_up: str = "all", max_batch_size: int | None = None, max_queue: int = 64,
@@ -214,7 +236,7 @@ def start_server(engine_dir, *, host: str = "127.0.0.1", http_port: int = 8000, 
     run_dir = Path(tempfile.mkdtemp(prefix="nemospec-serve-"))
     handle = guard = None
     try:
-        triton_host, triton_http = "127.0.0.1", free_port()
+        triton_http = free_port()
         try:
             guard = HttpGuard(host, http_port, triton_http, limits["max_body_bytes"],
                               alive=lambda: handle.dead_now() if handle is not None else None)
@@ -226,44 +248,46 @@ def start_server(engine_dir, *, host: str = "127.0.0.1", http_port: int = 8000, 
                                    max_queue=max_queue,
                                    cancel_dir=run_dir / "cancel", draft_policy=draft_policy, limits=limits)
         backend_dir = assemble_backends(server, run_dir)
-        cmd = [str(server.binary), "--model-repository", str(repo_dir), "--model-control-mode", "none",
-               "--strict-model-config", "true",
-               "--exit-timeout-secs", str(int(shutdown_timeout) + 10),   # ours comes first (stop())
-               "--http-address", triton_host, "--http-port", str(triton_http),
-               "--grpc-address", host, "--grpc-port", str(grpc_port),
-               "--allow-metrics", "true", "--metrics-address", host, "--metrics-port", str(metrics_port),
-               "--allow-gpu-metrics", "true" if gpu_present() else "false", "--log-verbose", "0"]
-        if backend_dir is not None:
-            cmd += ["--backend-directory", str(backend_dir)]
-        if api_key:
-            cmd += [f"--http-restricted-api={RESTRICTED}:{API_KEY_HEADER}={api_key}",
-                    f"--grpc-restricted-protocol={RESTRICTED}:{API_KEY_HEADER}={api_key}"]
-        cmd += list(extra_args)
-        log_path = run_dir / "tritonserver.log"
-        log_file = open(log_path, "wb")
-        process = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   env=server_env(server), cwd=str(run_dir), start_new_session=True,
-                                   preexec_fn=_pdeathsig)
-        handle = ServerHandle(process, host, http_port, grpc_port, metrics_port, run_dir, repo_dir, log_path, cmd,
-                              True, log_file, shutdown_timeout, guard=guard)
-        atexit.register(handle.stop)
         deadline = time.monotonic() + ready_timeout
-        ports = [triton_http] + [port for port, service in ((grpc_port, "grpc"), (metrics_port, "metrics"))
-                                 if not re.search(rf"--allow-{service}[= ]false", " ".join(extra_args))]
-        while not (handle.started(*ports) and triton_ready(handle.http_url)):
-            if process.poll() is not None:
-                raise NemospecError(f"tritonserver exited with code {process.returncode} before it was ready:\n"
-                                    f"{handle.errors() or handle.log_tail()}")
-            if time.monotonic() > deadline:
-                raise NemospecError(f"tritonserver not ready after {ready_timeout:.0f} s; last log lines:\n"
-                                    f"{handle.log_tail()}")
-            time.sleep(0.25)
+        for attempt in range(TRITON_PORT_TRIES):
+            cmd = _triton_command(server, repo_dir, backend_dir, triton_http, host, grpc_port, metrics_port,
+                                  shutdown_timeout, api_key, extra_args)
+            log_path = run_dir / ("tritonserver.log" if attempt == 0 else f"tritonserver.{attempt}.log")
+            log_file = open(log_path, "wb")
+            process = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                       env=server_env(server), cwd=str(run_dir), start_new_session=True,
+                                       preexec_fn=_pdeathsig)
+            # the run directory and the guard go with the handle once this Triton is ready
+            handle = ServerHandle(process, host, http_port, grpc_port, metrics_port, run_dir, repo_dir, log_path, cmd,
+                                  False, log_file, shutdown_timeout)
+            atexit.register(handle.stop)
+            ports = [triton_http] + [port for port, service in ((grpc_port, "grpc"), (metrics_port, "metrics"))
+                                     if not re.search(rf"--allow-{service}[= ]false", " ".join(extra_args))]
+            while not (handle.started(*ports) and triton_ready(handle.http_url)):
+                if process.poll() is not None:
+                    break
+                if time.monotonic() > deadline:
+                    raise NemospecError(f"tritonserver not ready after {ready_timeout:.0f} s; last log lines:\n"
+                                        f"{handle.log_tail()}")
+                time.sleep(0.25)
+            else:
+                handle.guard, handle._temp = guard, True
+                break
+            # the loopback port picked for Triton's own HTTP was taken while the models loaded: another one
+            if f":{triton_http}' already in use" in handle.errors() and attempt + 1 < TRITON_PORT_TRIES:
+                handle.kill()
+                triton_http = free_port()
+                guard.retarget(triton_http)
+                continue
+            raise NemospecError(f"tritonserver exited with code {process.returncode} before it was ready:\n"
+                                f"{handle.errors() or handle.log_tail()}")
         handle.stubs = stub_processes(process.pid)
         return handle
     except BaseException:
+        owned = handle is not None and handle.guard is not None
         if handle is not None:
             handle.kill()
-        elif guard is not None:
+        if guard is not None and not owned:
             guard.close()
         shutil.rmtree(run_dir, ignore_errors=True)
         raise

@@ -649,6 +649,31 @@ def test_cli_serve_draft_target_engine_and_sigint(draft_target_engine_dir, tmp_p
                 process.wait()
 
 
+def test_a_triton_port_taken_while_the_models_load_is_picked_again(engine_dir, monkeypatch):
+    """The loopback port picked for Triton's own HTTP is only bound once the models have loaded; taken
+    meanwhile by another process, Triton exits, and start_server starts it again on another port
+    behind the same guard instead of failing on a port the user never chose."""
+    import socket
+    ports = free_ports()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        picks, real = iter([taken.getsockname()[1]]), launch.free_port
+        monkeypatch.setattr(launch, "free_port", lambda host="127.0.0.1": next(picks, None) or real(host))
+        handle = launch.start_server(engine_dir, **ports, backend="torch", ready_timeout=300)
+    try:
+        first = (handle.run_dir / "tritonserver.log").read_text(errors="replace")
+        assert "already in use" in first and handle.log_path.name == "tritonserver.1.log"
+        request = urllib.request.Request(f"http://{handle.http_url}/v2/models/ensemble/generate", method="POST",
+                                         data=json.dumps({"text_input": PROMPTS[0], "max_tokens": 4}).encode())
+        with urllib.request.urlopen(request, timeout=120) as r:
+            assert r.status == 200 and json.loads(r.read())["text_output"]
+        assert "nemospec_" in handle.metrics()
+    finally:
+        handle.stop()
+    assert not handle.run_dir.exists()
+
+
 def test_draft_len_schedule_auto_is_measured_before_serving(draft_target_engine_dir):
     """--draft_len_schedule auto: the speculative model measures each batch size up to the server's
     max batch (1, 2) before it is ready, logs the schedule it keeps, and serves the target's greedy
