@@ -1,4 +1,3 @@
-import json
 import os
 import sys
 from pathlib import Path
@@ -35,22 +34,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-# --- longest files first: tests/file_seconds.json holds each file's seconds in a cold run -----------
-_FILE_SECONDS = Path(__file__).with_name("file_seconds.json")
-
-
-def pytest_collection_modifyitems(config, items):
-    """Runs the longest files first (by a cold run's seconds; a file not in the table counts 0), so that
-    with a file per xdist worker (``--dist loadfile --no-loadscope-reorder``) the compile-heavy files
-    start at once: xdist's own order, by test count, started files of three slow tests last. A
-    file's tests keep their order (a stable sort on the file's seconds)."""
-    try:
-        seconds = json.loads(_FILE_SECONDS.read_text())
-    except (OSError, ValueError):
-        return
-    items.sort(key=lambda item: -seconds.get(item.location[0], 0))
 
 
 # --- where the suite's time goes, by test file (make test prints it beside --durations) -------------
@@ -109,8 +92,5 @@ def pytest_terminal_summary(terminalreporter):
         compiled = _compile_seconds.get(path, [0.0, 0, 0])
         terminalreporter.write_line(f"{seconds:8.1f}s  {path} ({', '.join(sorted(workers))}): compiling "
                                     f"{compiled[0]:.1f}s, {compiled[1]} steps compiled, {compiled[2]} loaded")
-    if os.environ.get("NEMOSPEC_FILE_SECONDS_OUT"):   # a new tests/file_seconds.json, from a cold run
-        Path(os.environ["NEMOSPEC_FILE_SECONDS_OUT"]).write_text(json.dumps(
-            {path: round(seconds) for path, (seconds, _) in rows}, indent=0) + "\n")
     terminalreporter.write_line(f"{sum(r[0] for _, r in rows):8.1f}s  all {len(rows)} files; compiling "
                                 f"{sum(r[0] for r in _compile_seconds.values()):.1f}s")
