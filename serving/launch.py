@@ -106,16 +106,25 @@ class ServerHandle:
             return ""
 
     def started(self, *ports: int) -> bool:
-        """Whether this server's own log says it listens on every one of ``ports`` (Triton logs
-        "Started HTTPService at HOST:PORT" per service once the models are loaded). A ready answer on
-        the HTTP port alone can come before the metrics service binds, or from another server that
-        took the loopback port picked for this one's Triton HTTP before it could bind it."""
+        """Whether this server's own log says it starts every one of ``ports`` (Triton logs "Started
+        HTTPService at HOST:PORT" per service once the models are loaded). A ready answer on the HTTP
+        port alone can come before the metrics service binds, or from another server that took the
+        loopback port picked for this one's Triton HTTP before it could bind it."""
         try:
             text = self.log_path.read_text(errors="replace")
         except OSError:
             return False
         bound = set(re.findall(r'"Started \w+(?: \w+)? at [^"]*:(\d+)\s*"', text))
         return all(str(port) in bound for port in ports)
+
+    def metrics_answer(self) -> bool:
+        """Whether the metrics port answers: Triton logs "Started Metrics Service" before it binds the
+        port, and exits after, when the port was taken."""
+        try:
+            self.metrics()
+            return True
+        except OSError:   # refused, reset, timed out (a foreign listener that never answers)
+            return False
 
     def errors(self) -> str:
         """The server log's error lines (glog ``E...``), e.g. why a model failed to load."""
@@ -263,7 +272,8 @@ def start_server(engine_dir, *, host: str = "127.0.0.1", http_port: int = 8000, 
             atexit.register(handle.stop)
             ports = [triton_http] + [port for port, service in ((grpc_port, "grpc"), (metrics_port, "metrics"))
                                      if not re.search(rf"--allow-{service}[= ]false", " ".join(extra_args))]
-            while not (handle.started(*ports) and triton_ready(handle.http_url)):
+            while not (handle.started(*ports) and triton_ready(handle.http_url)
+                       and (metrics_port not in ports or handle.metrics_answer())):
                 if process.poll() is not None:
                     break
                 if time.monotonic() > deadline:
@@ -279,6 +289,9 @@ def start_server(engine_dir, *, host: str = "127.0.0.1", http_port: int = 8000, 
                 triton_http = free_port()
                 guard.retarget(triton_http)
                 continue
+            for port, flag in ((grpc_port, "--grpc_port"), (metrics_port, "--metrics_port")):
+                if f":{port}' already in use" in handle.errors():
+                    raise NemospecError(f"{flag}: {host}:{port} is already in use (tritonserver could not bind it)")
             raise NemospecError(f"tritonserver exited with code {process.returncode} before it was ready:\n"
                                 f"{handle.errors() or handle.log_tail()}")
         handle.stubs = stub_processes(process.pid)

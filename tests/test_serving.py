@@ -674,6 +674,19 @@ def test_a_triton_port_taken_while_the_models_load_is_picked_again(engine_dir, m
     assert not handle.run_dir.exists()
 
 
+@pytest.mark.parametrize("flag", ["grpc_port", "metrics_port"])
+def test_a_taken_grpc_or_metrics_port_is_an_error_naming_the_flag(engine_dir, flag):
+    import socket
+    ports = free_ports()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        ports[flag] = taken.getsockname()[1]
+        with pytest.raises(launch.NemospecError) as error:
+            launch.start_server(engine_dir, **ports, backend="torch", ready_timeout=300)
+    assert str(error.value) == f"--{flag}: 127.0.0.1:{ports[flag]} is already in use (tritonserver could not bind it)"
+
+
 def test_draft_len_schedule_auto_is_measured_before_serving(draft_target_engine_dir):
     """--draft_len_schedule auto: the speculative model measures each batch size up to the server's
     max batch (1, 2) before it is ready, logs the schedule it keeps, and serves the target's greedy
