@@ -53,6 +53,9 @@ PROMPTS = (
 def add_bench_args(p) -> None:
     p.add_argument("--output_dir", default="build/bench", help="report directory to write")
     p.add_argument("--checkpoint_dir", default=None, help="target checkpoint (default: the embedded model)")
+    p.add_argument("--draft_dir", default=None,
+                   help="the draft checkpoint of the one mode in --modes (default: the embedded model's trained "
+                        "draft of that kind, which fits the embedded target only; mtp needs none)")
     p.add_argument("--modes", default=None, help=f"comma-separated, each optionally with {ADAPTIVE} (default: {','.join(DEFAULT_MODES)})")
     p.add_argument("--num_draft_tokens", type=int, default=4, help="K (block drafts: K drafted tokens per block)")
     p.add_argument("--adaptive_max_draft_len", type=int, default=8,
@@ -93,9 +96,10 @@ def _log(message: str) -> None:
 
 def build_mode_engines(checkpoint, mode: str, root: Path, k: int, draft_weight_dtype: str = "auto",
                        matmul_precision: str = "highest", token_map=None, embedded_model: str = "small",
-                       embedded_factor: int | None = None) -> tuple[Path, dict]:
-    """Engines of ``mode`` under ``root/engines``: over ``checkpoint`` with the embedded draft, or over
-    the embedded model (``embedded_model`` small or wide, at ``embedded_factor``) with its own."""
+                       embedded_factor: int | None = None, draft_dir=None) -> tuple[Path, dict]:
+    """Engines of ``mode`` under ``root/engines``: over ``checkpoint`` (or the embedded model,
+    ``embedded_model`` small or wide, at ``embedded_factor``) with ``draft_dir``, by default the
+    embedded model's trained draft of that kind."""
     from builder import embedded
     from builder.engine import BuildOptions, build
     from builder.embedded.sources import resolve_sources
@@ -104,8 +108,8 @@ def build_mode_engines(checkpoint, mode: str, root: Path, k: int, draft_weight_d
     mode = mode.removesuffix(ADAPTIVE)
     quant = "nvfp4_w4a16" if mode.endswith("_nvfp4") else None
     base = mode.removesuffix("_nvfp4")
-    target, draft = resolve_sources(checkpoint, base, None, quant, embedded_model, embedded_factor)
-    if checkpoint is not None and base not in ("mtp",):
+    target, draft = resolve_sources(checkpoint, base, draft_dir, quant, embedded_model, embedded_factor)
+    if checkpoint is not None and draft is None and base not in ("mtp",):
         draft = embedded.draft_dir(base, quant)
     out = root / "engines" / (mode + (ADAPTIVE if adaptive else ""))
     options = BuildOptions(max_batch_size=4, max_input_len=256, max_seq_len=512, max_draft_len=k, dtype="auto",
@@ -370,6 +374,19 @@ def _serving(engine_dir: Path, texts: list[str], new_tokens: int, runs: int, off
             "offline_tokens_per_second": offline_tps, "served_over_offline": round(tps / offline_tps, 3)}
 
 
+def _check_draft_dir(draft_dir, modes) -> None:
+    """``--draft_dir`` names one draft, so it goes with one mode that has a separate draft."""
+    if draft_dir is None:
+        return
+    from builder.errors import NemospecError
+    if len(modes) != 1:
+        raise NemospecError(f"--draft_dir: one draft is for one mode; got --modes {','.join(modes)}")
+    if modes[0].removesuffix(ADAPTIVE) == "mtp":
+        raise NemospecError("--draft_dir: mtp speculates with the target's own MTP layers; leave --draft_dir out")
+    if not Path(draft_dir).is_dir():
+        raise NemospecError(f"--draft_dir {draft_dir}: expected a draft checkpoint directory")
+
+
 def run_bench(args) -> dict:
     from builder.tokenizer_file import load_tokenizer
 
@@ -384,6 +401,7 @@ def run_bench(args) -> dict:
         from builder.errors import NemospecError
         raise NemospecError(f"--modes: unknown mode(s) {', '.join(unknown)}; expected some of {', '.join(MODES)}, "
                              f"each optionally with {ADAPTIVE}")
+    _check_draft_dir(getattr(args, "draft_dir", None), modes)
     new_tokens = 24 if quick else args.max_new_tokens
     backend = args.backend or ("torch" if quick else "compiled")
     runs = 1 if quick else args.runs
@@ -408,6 +426,7 @@ def run_bench(args) -> dict:
                                 "cuda": torch.cuda.is_available()},
                     "embedded": None if args.checkpoint_dir else {"model": embedded_model, "factor": _factor(embedded_model, factor)},
                     "model": portable_path(target_dir, root), "backend": backend,
+                    "draft": portable_path(args.draft_dir, root) if getattr(args, "draft_dir", None) else None,
                     "draft_weight_dtype": getattr(args, "draft_weight_dtype", "auto"),
                     "matmul_precision": getattr(args, "matmul_precision", "highest"),
                     "token_map": portable_path(args.speculative_token_map, root)
@@ -417,7 +436,8 @@ def run_bench(args) -> dict:
         mode_k = getattr(args, "adaptive_max_draft_len", 8) if mode.endswith(ADAPTIVE) else k
         engine_dir, build = build_mode_engines(args.checkpoint_dir, mode, root, mode_k, args.draft_weight_dtype,
                                                getattr(args, "matmul_precision", "highest"),
-                                               getattr(args, "speculative_token_map", None), embedded_model, factor)
+                                               getattr(args, "speculative_token_map", None), embedded_model, factor,
+                                               getattr(args, "draft_dir", None))
         engines = {n: {"bytes": e["engine_bytes"], "layers": e["layers"], "build_seconds": round(e["build_seconds"], 1)}
                    for n, e in build["engines"].items()}
         _log(f"bench: {mode}: generating ({len(prompts)} prompts x {new_tokens} tokens, with and without speculation)")
@@ -439,6 +459,8 @@ def run_bench(args) -> dict:
     _log("bench: peers (transformers generate, assisted generation)")
     draft_target = (resolve_sources(None, "draft_target", None, None, embedded_model, factor)[1]
                     if args.checkpoint_dir is None else None)
+    if getattr(args, "draft_dir", None) and modes[0].removesuffix(ADAPTIVE) == "draft_target":
+        draft_target = Path(args.draft_dir)   # assisted generation with the user's own draft model
     report["peers"] = _peers(Path(target_dir), draft_target, prompts, new_tokens, runs)
     best = max(report["modes"], key=lambda m: report["modes"][m]["speedup"])
     report["best_mode"] = best

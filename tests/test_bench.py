@@ -3,6 +3,7 @@ hold every field the perf report promises, with values that agree with each othe
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -129,3 +130,36 @@ def test_adaptive_suffix_builds_engines_whose_policy_adapts_k(tmp_path):
     add_bench_args(p)
     with pytest.raises(NemospecError, match="eagle3_fast.*_adaptive"):
         run_bench(p.parse_args(["--modes", "eagle3_fast", "--output_dir", str(tmp_path / "x")]))
+
+
+def test_draft_dir_builds_the_mode_with_the_users_own_draft(tmp_path):
+    """`--checkpoint_dir C --draft_dir D`: the mode's engines carry D, not the embedded draft (which
+    fits the embedded target only: over the 2x-wide target as a checkpoint of its own, the build
+    refuses it, and with the wide model's own trained draft it speculates); one --draft_dir goes with
+    one mode that has a separate draft."""
+    from argparse import ArgumentParser
+
+    from builder.embedded.sources import resolve_sources
+    from builder.errors import NemospecError
+    from nemospec.bench import add_bench_args, build_mode_engines, run_bench
+    from runtime.loading import open_engine_dir
+    from runtime.speculative import speculative_generate
+    target, draft = resolve_sources(None, "eagle3", None, None, "wide", 2)
+    with pytest.raises(NemospecError, match="hidden_size 192 does not match the target's hidden_size 384"):
+        build_mode_engines(target, "eagle3", tmp_path / "embedded_draft", 4)
+    loaded = open_engine_dir(build_mode_engines(target, "eagle3", tmp_path / "own", 4, draft_dir=draft)[0], "torch")
+    from builder.tokenizer_file import load_tokenizer
+    from nemospec.bench import PROMPTS
+    from runtime.generation import generate
+    prompts = [load_tokenizer(Path(target) / "tokenizer.json").encode(PROMPTS[0]).ids]
+    got = speculative_generate(loaded.runner, loaded.proposer(), prompts, 32, 4)
+    assert got.output_ids == generate(loaded.runner, prompts, 32).output_ids
+    assert got.extra["acceptance"]["mean_accepted_tokens"] > 1.5      # the trained draft of this target
+    p = ArgumentParser()
+    add_bench_args(p)
+    for argv, message in ((["--modes", "eagle3,dflash"], "--draft_dir: one draft is for one mode"),
+                          (["--modes", "mtp"], "--draft_dir: mtp speculates with the target's own MTP"),
+                          (["--modes", "eagle3"], "--draft_dir .*missing: expected a draft checkpoint")):
+        draft_arg = str(tmp_path / "missing") if "missing" in message else str(draft)
+        with pytest.raises(NemospecError, match=message):
+            run_bench(p.parse_args([*argv, "--draft_dir", draft_arg, "--output_dir", str(tmp_path / "x")]))
