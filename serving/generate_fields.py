@@ -60,8 +60,11 @@ def _check(name: str, kind: str, value) -> str | None:
     return None
 
 
-def check_generate_body(body: bytes) -> str | None:
-    """None if Triton may parse ``body``; else one line naming the field (or the body)."""
+def check_generate_body(body: bytes, streaming: bool = True) -> str | None:
+    """None if Triton may parse ``body``; else one line naming the field (or the body).
+    ``streaming``: the request came to ``generate_stream``; to ``generate``, a ``stream`` of true
+    makes the ensemble answer in several responses, which Triton's ``generate`` reports as an error
+    under HTTP 200."""
     try:
         doc = json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
@@ -73,4 +76,6 @@ def check_generate_body(body: bytes) -> str | None:
             return error
     if "parameters" in doc and not isinstance(doc["parameters"], dict):
         return f"parameters: expected a JSON object, got {_short(doc['parameters'])}"
+    if not streaming and True in (doc.get("stream") if isinstance(doc.get("stream"), list) else [doc.get("stream")]):
+        return "stream: true needs the generate_stream endpoint; generate returns one response"
     return None

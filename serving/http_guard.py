@@ -86,8 +86,9 @@ def make_handler(upstream: tuple[str, int], max_body_bytes: int, alive=None):
                                    close=True)
             except ValueError:
                 return self._error(400, "request body: malformed Content-Length or chunk size", close=True)
-            if self.command == "POST" and GENERATE_PATH.match(self.path):
-                error = check_generate_body(body)
+            generate = GENERATE_PATH.match(self.path) if self.command == "POST" else None
+            if generate:
+                error = check_generate_body(body, streaming=bool(generate.group(2)))
                 if error:
                     return self._error(400, error)
             path = self.path.split("?")[0].rstrip("/")

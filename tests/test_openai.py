@@ -348,7 +348,8 @@ def _openai_bodies():
 
     def mostly(valid):
         return st.integers(0, 3).flatmap(lambda i: valid if i else junk)
-    texts = st.one_of(st.text(min_size=1, max_size=8), st.text(alphabet="ab\n\r\", é", min_size=1, max_size=12))   # the test engine's prompts: <= 40 tokens
+    texts = st.one_of(st.text(min_size=1, max_size=8), st.text(alphabet="ab\n\r\", é", min_size=1, max_size=12),
+                      st.text(alphabet="a\ud800\udfff\U0001f600", min_size=1, max_size=3))   # the test engine's prompts: <= 40 tokens; lone surrogates
     fields = {
         "max_tokens": mostly(st.one_of(st.integers(1, 6), st.integers(-2, 10**6))),
         "temperature": mostly(st.floats(0, 2)), "top_p": mostly(st.floats(0.01, 1)), "top_k": mostly(st.integers(-1, 50)),

@@ -157,3 +157,28 @@ def test_stop_strings_wait_for_min_tokens():
     status, raw = _post(_app(responses), {**body, "min_tokens": len(early)})
     out = json.loads(raw)["choices"][0]
     assert status == 200 and out["text"] == "a\n\nb c" and out["finish_reason"] == "stop", out
+
+
+def test_logprobs_of_tokens_that_split_a_character():
+    """A byte-level token can be one byte of a character: chat's ``bytes`` are that byte (they
+    were the replacement character's three, so a client could not join the text again), and
+    completions' ``text_offset`` counts the characters before each token, whole or split, also
+    when a stream's response ends inside a character."""
+    text = "é ü ß naïve → 日本"
+    ids = _ids(text)
+    assert len(ids) > len(text) and "\ufffd" in TOKENIZER.decode(ids[:1])    # the tokenizer splits characters
+    cut = next(i for i in range(1, len(ids)) if TOKENIZER.decode(ids[:i]).endswith("\ufffd"))  # mid-character
+    responses = [ScriptedDelta(ids[:cut]), ScriptedDelta(ids[cut:], "length")]
+    info = ModelInfo("m", TOKENIZER, 256, 4, ChatTemplate("{{ messages[0]['content'] }}"), 0)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 64, "logprobs": True}
+    status, raw = _post(create_app(info, ScriptedBackend(responses)), chat, "/v1/chat/completions")
+    content = json.loads(raw)["choices"][0]["logprobs"]["content"]
+    assert status == 200 and b"".join(bytes(c["bytes"]) for c in content).decode("utf-8") == text
+    body = {"prompt": "p", "max_tokens": 64, "logprobs": 0}
+    # each token's offset: the whole characters of the text its predecessors' bytes make
+    want = [len(TOKENIZER.decode(ids[:i]).rstrip("\ufffd")) for i in range(len(ids))]
+    for stream in (False, True):
+        status, raw = _post(_app(responses), {**body, "stream": stream})
+        chunks = ([json.loads(raw)["choices"][0]["logprobs"]] if not stream else
+                  [c["logprobs"] for e in _events(raw) for c in e["choices"] if c["logprobs"]])
+        assert status == 200 and [o for c in chunks for o in c["text_offset"]] == want, stream

@@ -283,3 +283,25 @@ def test_a_token_id_prompt_is_refused_as_one():
     app, _ = _app()
     error = _error(*_call(app, body={"prompt": [1, 2, 3]}), 400, "prompt")
     assert "token-id" in error["message"], error
+
+
+@pytest.mark.parametrize("path,raw,param", [
+    ("/v1/completions", b'{"prompt": "x = \\ud800", "max_tokens": 4}', "prompt"),
+    ("/v1/completions", b'{"prompt": ["\\udfff"], "max_tokens": 4}', "prompt[0]"),
+    ("/v1/completions", b'{"prompt": "x", "stop": ["a", "b\\ud83d"]}', "stop[1]"),
+    ("/v1/completions", b'{"model": "\\ud800", "prompt": "x"}', "model"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi \\ud83d"}]}', "messages[0].content"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]}',
+     "messages[0].content[0].text"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"\\ud800": 1}}',
+     "chat_template_kwargs.\\ud800"),
+])
+def test_a_lone_surrogate_is_a_400_naming_its_field(path, raw, param):
+    """JSON may escape half of a UTF-16 pair (``\\ud800``), which is no Unicode text: the tokenizer
+    raised (a 500), and a message quoting it could not be encoded (a 500 in place of the 404 or 400).
+    A pair (an emoji written as two escapes) is text and is served."""
+    app, _ = _app()
+    error = _error(*_call(app, path, raw=raw), 400, param)
+    assert "lone surrogate" in error["message"]
+    assert _call(app, body={"prompt": "x", "stop": ["\ud83d\ude00"]})[0] == 200     # and the server keeps answering
+    assert _call(app, raw=b'{"prompt": "\\ud83d\\ude00", "max_tokens": 4}')[0] == 200

@@ -33,6 +33,16 @@ def test_check_generate_body(body, needle):
     assert (error is None) if needle is None else (needle in error), error
 
 
+def test_stream_true_is_for_generate_stream():
+    """Triton's ``generate`` answers a ``stream: true`` request with HTTP 200 and an error body (the
+    ensemble sends several responses): refused as a 400 naming the field, before Triton sees it."""
+    for stream in (b"true", b"[true]"):
+        body = b'{"text_input": "x", "stream": ' + stream + b"}"
+        assert "stream: true needs the generate_stream endpoint" in check_generate_body(body, streaming=False)
+        assert check_generate_body(body, streaming=True) is None
+    assert check_generate_body(b'{"text_input": "x", "stream": false}', streaming=False) is None
+
+
 def test_generate_path_is_the_ensembles():
     assert GENERATE_PATH.match("/v2/models/ensemble/generate") and GENERATE_PATH.match("/v2/models/ensemble/generate_stream")
     assert GENERATE_PATH.match("/v2/models/ensemble/versions/1/generate")
@@ -105,6 +115,8 @@ def test_guard_forwards_caps_and_streams(guard):
     assert status == 200 and body == b"data: 1\n\ndata: 2\n\ndata: 3\n\n"
     status, body = _post(g, "/v2/models/ensemble/generate", b'{"text_input": "x", "max_tokens": 4294967296}')
     assert status == 400 and "max_tokens" in json.loads(body)["error"]
+    status, body = _post(g, "/v2/models/ensemble/generate", b'{"text_input": "x", "stream": true}')
+    assert status == 400 and "generate_stream" in json.loads(body)["error"]
     upstream.shutdown()
     upstream.server_close()
     status, body = _post(g, "/v2/x", b"{}")

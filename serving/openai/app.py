@@ -18,9 +18,9 @@ from starlette.exceptions import HTTPException
 from serving.openai.backend import TritonBackend
 from serving.openai.chat_template import ChatTemplate
 from serving.openai.errors import APIError, shown
-from serving.openai.logprobs import chat_logprobs, completion_logprobs
-from serving.openai.protocol import (StopMatcher, chat_options, completion_prompt, generation, speculative_metrics,
-                                     usage)
+from serving.openai.logprobs import TextOffsets, chat_logprobs, completion_logprobs
+from serving.openai.protocol import (StopMatcher, chat_options, completion_prompt, generation, lone_surrogate,
+                                     speculative_metrics, usage)
 from serving.protocol import CONTEXT_TOKENS
 
 READY_SECONDS = 0.5
@@ -131,6 +131,9 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
             raise APIError(400, "the request body is nested too deeply", "body") from None
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object", "body")
+        where = lone_surrogate(body)
+        if where is not None:
+            raise APIError(400, f"{where}: not valid Unicode text (a lone surrogate escape \\ud800-\\udfff)", where)
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise APIError(400, f"model: expected a string, got {shown(model)}", "model")
@@ -232,10 +235,10 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
         return {**base, "choices": [choice], "usage": usage(prompt_tokens, tokens),
                 "metrics": speculative_metrics(stats, info.draft_len) if stats else {}}
 
-    def _logprobs(chat: bool, ids, logprobs, offset: int = 0):
+    def _logprobs(chat: bool, ids, logprobs, offsets: TextOffsets | None = None):
         if chat:
             return chat_logprobs(info.tokenizer, ids, logprobs)
-        return completion_logprobs(info.tokenizer, ids, logprobs, offset)
+        return completion_logprobs(info.tokenizer, ids, logprobs, offsets)
 
     def _read(d, stops: StopMatcher, g, tokens: int, recent: deque):
         """Response ``d`` after ``tokens`` generated: (its text that can be sent, its tokens counted):
@@ -275,7 +278,7 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
                         "finish_reason": reason}
             return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
-        stops, tokens, reason, last, offset = StopMatcher(g.stop), 0, "", None, 0
+        stops, tokens, reason, last, offsets = StopMatcher(g.stop), 0, "", None, TextOffsets(info.tokenizer)
         recent = deque(maxlen=CONTEXT_TOKENS)   # the last responses, for a stop's token count
         # a text chunk is the same JSON every time but for its text: encoded once, the text spliced in
         # (not with usage in every chunk: that changes from chunk to chunk)
@@ -292,8 +295,7 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
                 if stops.matched:
                     reason = "stop"
                 if g.logprobs and n:    # the tokens' log-probabilities ride with the text they make
-                    chosen = _logprobs(chat, (d.ids or [])[:n], d.logprobs[:n], offset)
-                    offset += sum(len(piece) for piece in chosen.get("tokens", ()))
+                    chosen = _logprobs(chat, (d.ids or [])[:n], d.logprobs[:n], offsets)
                     yield event(choice(text, logprobs=chosen))
                 elif text:
                     yield event(choice(text)) if g.continuous_usage else head + json.dumps(text) + tail

@@ -17,7 +17,12 @@ class APIError(Exception):
         self.kind = kind or _kind(status)
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
+        """Text that quotes the request is escaped where it is no Unicode (a lone surrogate), so the
+        error itself can always be encoded as UTF-8 JSON."""
+        def text(s):
+            return s if s is None else str(s).encode("utf-8", "backslashreplace").decode("utf-8")
+        return {"error": {"message": text(self.message), "type": self.kind, "param": text(self.param),
+                          "code": self.status}}
 
 
 def shown(value, limit: int = 80) -> str:

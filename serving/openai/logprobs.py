@@ -1,25 +1,84 @@
 """OpenAI's log-probability objects for the tokens a request generated. The server returns each
 emitted token's log-probability under the distribution it was drawn from (``return_log_probs``), not
-alternatives: completions take ``logprobs: 0`` and chat ``logprobs: true`` with no ``top_logprobs``."""
+alternatives: completions take ``logprobs: 0`` and chat ``logprobs: true`` with no ``top_logprobs``.
+
+A token of a byte-level BPE can be part of a character (one byte of a 2-byte UTF-8 sequence): its
+``bytes`` are that byte, not the replacement character its lone decode shows, so a client can join
+split characters again, and ``text_offset`` counts the characters of the text before the token."""
 from __future__ import annotations
+
+import codecs
+import re
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each byte: printable Latin-1 bytes stand for
+    themselves, the other 68 take the code points from 256 upwards, in byte order."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)}
+    others = iter(range(256, 512))
+    return {chr(b if b in printable else next(others)): b for b in range(256)}
+
+
+_BYTE_OF = _byte_alphabet()
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")   # SentencePiece's byte fallback
+
+
+def _byte_level(tokenizer) -> bool:
+    decoder = getattr(tokenizer, "decoder", None)
+    try:
+        return decoder is not None and b'"ByteLevel"' in decoder.__getstate__()
+    except Exception:   # a tokenizer object without the library's serialised state
+        return False
+
+
+def token_bytes(tokenizer, token_id: int, byte_level: bool | None = None) -> bytes:
+    """The UTF-8 bytes ``token_id`` contributes to a decoded text."""
+    piece = tokenizer.id_to_token(int(token_id))
+    special = getattr(tokenizer, "get_added_tokens_decoder", dict)().get(int(token_id))
+    if piece is None or special is not None:
+        return tokenizer.decode([int(token_id)]).encode("utf-8")
+    if (_byte_level(tokenizer) if byte_level is None else byte_level) and all(c in _BYTE_OF for c in piece):
+        return bytes(_BYTE_OF[c] for c in piece)
+    fallback = _BYTE_TOKEN.fullmatch(piece)
+    if fallback:
+        return bytes([int(fallback.group(1), 16)])
+    return tokenizer.decode([int(token_id)]).encode("utf-8")
+
+
+class TextOffsets:
+    """Characters of the decoded text before each token, across a response's chunks: a character
+    split over tokens counts once it is whole."""
+
+    def __init__(self, tokenizer, offset: int = 0):
+        self.tokenizer, self.offset = tokenizer, offset
+        self.byte_level = _byte_level(tokenizer)
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def bytes_of(self, token_id) -> bytes:
+        return token_bytes(self.tokenizer, token_id, self.byte_level)
+
+    def take(self, data: bytes) -> int:
+        """The offset before ``data``; then moves past it."""
+        before = self.offset
+        self.offset += len(self._decoder.decode(data))
+        return before
 
 
 def _pieces(tokenizer, ids) -> list[str]:
     return [tokenizer.decode([t]) for t in ids]
 
 
-def completion_logprobs(tokenizer, ids, logprobs, offset: int = 0) -> dict:
-    """The legacy completions shape; ``text_offset`` counts from ``offset`` (the characters of the
-    completion before these tokens)."""
-    tokens, offsets = _pieces(tokenizer, ids), []
-    for piece in tokens:
-        offsets.append(offset)
-        offset += len(piece)
+def completion_logprobs(tokenizer, ids, logprobs, offsets: TextOffsets | None = None) -> dict:
+    """The legacy completions shape; ``offsets`` carries ``text_offset`` over a stream's chunks."""
+    offsets = offsets or TextOffsets(tokenizer)
+    tokens = _pieces(tokenizer, ids)
     return {"tokens": tokens, "token_logprobs": list(logprobs),
-            "top_logprobs": [{piece: lp} for piece, lp in zip(tokens, logprobs)], "text_offset": offsets}
+            "top_logprobs": [{piece: lp} for piece, lp in zip(tokens, logprobs)],
+            "text_offset": [offsets.take(offsets.bytes_of(t)) for t in ids]}
 
 
 def chat_logprobs(tokenizer, ids, logprobs) -> dict:
     """The chat shape: one entry per token, no alternatives."""
-    return {"content": [{"token": piece, "logprob": lp, "bytes": list(piece.encode("utf-8", "replace")),
-                         "top_logprobs": []} for piece, lp in zip(_pieces(tokenizer, ids), logprobs)]}
+    byte_level = _byte_level(tokenizer)
+    return {"content": [{"token": piece, "logprob": lp, "bytes": list(token_bytes(tokenizer, t, byte_level)),
+                         "top_logprobs": []} for t, piece, lp in zip(ids, _pieces(tokenizer, ids), logprobs)]}

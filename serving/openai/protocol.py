@@ -140,6 +140,28 @@ def chat_options(body) -> tuple[bool, dict]:
     return add, kwargs or {}
 
 
+def lone_surrogate(value, path: str = "body") -> str | None:
+    """The field of ``value`` (a parsed JSON body) holding a string or key with a lone UTF-16
+    surrogate escape (``"\\ud800"``): valid JSON, but no Unicode text, so the tokenizer and the
+    UTF-8 encoder refuse it. None when there is none."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")   # C speed: a long prompt is not walked character by character
+            return None
+        except UnicodeEncodeError:
+            return path
+    if isinstance(value, list):
+        items = ((f"{path}[{i}]", v) for i, v in enumerate(value))
+    elif isinstance(value, dict):
+        for key in value:
+            if lone_surrogate(key) is not None:
+                return f"{'' if path == 'body' else path + '.'}{key.encode('utf-8', 'backslashreplace').decode()}"
+        items = ((key if path == "body" else f"{path}.{key}", v) for key, v in value.items())
+    else:
+        return None
+    return next((found for sub, v in items if (found := lone_surrogate(v, sub)) is not None), None)
+
+
 def completion_prompt(body) -> str:
     prompt = body.get("prompt") if isinstance(body, dict) else None
     if isinstance(prompt, list):
