@@ -39,6 +39,7 @@ class Sequence:
     max_draft: int | None = None                        # its own K (None: the group's)
     logprobs: list = field(default_factory=list)        # per emitted token, when params.logprobs
     finish_reason: str = ""                             # "stop" (end id or stop word) or "length"
+    ended_at_end_id: bool = False                       # the last output is an end id (its text is not sent)
     admitted_ns: int = 0                                # wall clock when a batch took it (serving)
     request_id: int = -1
     on_tokens: object = None                            # the scheduler's callback for this request
@@ -53,7 +54,7 @@ class Sequence:
             self.outputs.append(t)
             kept.append(t)
             if t in self.end_ids or any(tuple(self.outputs[-len(s):]) == tuple(s) for s in self.stop_words if s):
-                self.finished, self.finish_reason = True, "stop"
+                self.finished, self.finish_reason, self.ended_at_end_id = True, "stop", t in self.end_ids
                 break
             if len(self.outputs) >= self.max_new_tokens:
                 self.finished, self.finish_reason = True, "length"

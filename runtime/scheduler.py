@@ -159,6 +159,7 @@ class Scheduler:
             if seq.finished:
                 info["mean_accepted_tokens"] = seq.mean_accepted_tokens
                 info["finish_reason"] = seq.finish_reason
+                info["ended_at_end_id"] = seq.ended_at_end_id
             try:
                 seq.on_tokens(new, seq.finished, info)
             except Exception:  # a broken client must not stop the batch

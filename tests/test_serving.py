@@ -495,6 +495,13 @@ def test_stop_and_bad_words(server, engine_dir, tokenizer):
     status, got = generate(server, text_input=PROMPTS[0], max_tokens=24, end_id=-1, stop_words=[word],
                            exclude_input_in_output=True)
     assert status == 200 and got["output_ids"] == want[:index + 1], (word, got)
+    # the same token as end_id: the ids end with it, the text does not (TensorRT-LLM's backend returns
+    # neither, vLLM ids with it and text without); a stop word's text stays
+    assert got["text_output"] == tokenizer.decode(want[:index + 1])
+    status, got = generate(server, text_input=PROMPTS[0], max_tokens=24, end_id=want[index], exclude_input_in_output=True)
+    assert status == 200 and got["output_ids"] == want[:index + 1] and got["text_output"] == tokenizer.decode(want[:index])
+    chunks, ids, _, error = grpc_stream(server, PROMPTS[0], 24, end_id=want[index])
+    assert error is None and ids == want[:index + 1] and "".join(chunks) == tokenizer.decode(want[:index])
     first = tokenizer.decode([want[0]])
     if tokenizer.encode(first, add_special_tokens=False).ids == [want[0]] and "," not in first:
         status, got = generate(server, text_input=PROMPTS[0], max_tokens=4, end_id=-1, bad_words=[first],

@@ -398,11 +398,15 @@ class TritonPythonModel:
         logprobs = info.get("logprobs") or []
         entry.logprobs.extend(logprobs)
         reason = info.get("finish_reason", "") if finished else ""
+        # an end id ends the ids but not the text, as the TensorRT-LLM backend (which returns neither)
+        # and vLLM (ids with it, text without) answer: a non-special end id's text would leak otherwise
+        untext = 1 if finished and info.get("ended_at_end_id") else 0
         self._observe_latency(entry, len(new), finished)
         try:
             if entry.stream:
                 if new or finished:
                     context, prefix_len = self.stream_window(entry.emitted, new)
+                    context = context[:len(context) - untext]
                     response = pb_utils.InferenceResponse(self._tensors(entry, new, context, prefix_len, finished, mean,
                                                                         logprobs, reason))
                     entry.emitted.extend(new)
@@ -412,7 +416,7 @@ class TritonPythonModel:
                 if finished:
                     ids = entry.emitted if entry.options.exclude_input_in_output else entry.prompt + entry.emitted
                     response = pb_utils.InferenceResponse(
-                        self._tensors(entry, ids, ids, 0, True, mean, entry.logprobs, reason))
+                        self._tensors(entry, ids, ids[:len(ids) - untext], 0, True, mean, entry.logprobs, reason))
                     entry.sender.send(response, flags=FINAL)
         except Exception:  # the client went away: free its sequence
             self._cancel(entry)
