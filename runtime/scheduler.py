@@ -97,8 +97,13 @@ class Scheduler:
         """Queues a request; ``on_tokens(new_ids, finished, info)`` is called from the scheduler thread."""
         self.validate(request)
         with self._lock:
-            if len(self._queue) >= self.max_queue:
-                raise SchedulerError(f"server busy: {len(self._queue)} requests queued (max_queue {self.max_queue}); retry later")
+            # the queue is admitted between steps: the requests in it that free batch slots will take
+            # at the next step are not waiting, nor are cancelled ones (dropped at admission)
+            free = max(0, self.max_batch_size - self._active())
+            waiting = sum(1 for q in self._queue if q[0] not in self._cancelled) - free
+            if waiting >= self.max_queue:
+                raise SchedulerError(f"server busy: {waiting} requests queued beyond the batch (max_queue "
+                                     f"{self.max_queue}); retry later")
             request_id = self._next_id
             self._next_id += 1
             self._queue.append((request_id, request, on_tokens))

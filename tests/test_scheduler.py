@@ -133,9 +133,15 @@ def test_bad_requests_are_refused_naming_the_field(request_, field, loaded):
 
 
 def test_full_queue_is_refused_then_recovers(loaded):
-    scheduler = Scheduler(loaded, max_batch_size=1, max_queue=2)
-    for _ in range(2):
+    """A burst is taken up to the free batch slots plus --max_queue waiting (the queue is admitted
+    between steps: a burst at an idle server was refused with slots free); a cancelled request
+    waiting in the queue holds no place."""
+    scheduler = Scheduler(loaded, max_batch_size=2, max_queue=2)
+    ids = [scheduler.submit(Request([5], 4), Collector()) for _ in range(4)]     # 2 free slots + 2 waiting
+    with pytest.raises(SchedulerError, match="busy: 2 requests queued beyond the batch"):
         scheduler.submit(Request([5], 4), Collector())
+    scheduler.cancel(ids[-1])
+    scheduler.submit(Request([5], 4), Collector())
     with pytest.raises(SchedulerError, match="busy"):
         scheduler.submit(Request([5], 4), Collector())
     _drain(scheduler)
