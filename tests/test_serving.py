@@ -377,6 +377,16 @@ def test_http_generate_stream_sse(server, engine_dir):
     assert all("arrival_time_ns" in e and "total_draft_tokens" in e for e in events)
     drafted = [e["total_draft_tokens"] for e in events]
     assert drafted == sorted(drafted) and drafted[-1] > drafted[0], "the request's counts so far, per response"
+    means = [e["mean_accepted_tokens"] for e in events]   # tokens per verify step so far, from those counts
+    hists = [h if isinstance(h, list) else [h] for h in (e["acceptance_histogram"] for e in events)]   # one bucket: a scalar
+    assert means == pytest.approx([sum((j + 1) * c for j, c in enumerate(h)) / sum(h) if sum(h) else 0.0
+                                   for h in hists])
+    status, body = http_post(server, "/v2/models/ensemble/generate_stream",
+                             {"text_input": PROMPTS[0], "max_tokens": 12, "stream": True, "return_perf_metrics": True,
+                              "parameters": {"speculative": False}})
+    events = [json.loads(line[len("data:"):]) for line in body.splitlines() if line.startswith("data:")]
+    # no verify step: 0 in every response (the streamed ones said 1.0, tokens per callback)
+    assert status == 200 and len(events) > 1 and all(e["mean_accepted_tokens"] == 0.0 for e in events), events
 
 
 def test_speculative_false_gives_the_same_greedy_text(server, engine_dir):

@@ -50,8 +50,6 @@ class _Live:
         self.speculation = {"steps": 0, "draft_tokens": 0, "accepted_draft_tokens": 0, "histogram": []}
         self.id = None
         self.emitted = []          # ids already sent (streaming) or collected (not streaming)
-        self.steps = 0             # scheduler callbacks so far (the first one is the prefill's token)
-        self.gained = 0            # tokens from the later ones: gained / (steps - 1) estimates acceptance
         self.done = False
         self.checked = time.monotonic()
 
@@ -289,9 +287,6 @@ class TritonPythonModel:
     # --- the dispatcher: tokens -> responses ---------------------------------------------------------
     def _on_tokens(self, entry, new, finished, info):
         """The scheduler's callback (its thread): count the step, hand the tokens to the dispatcher."""
-        if entry.steps:
-            entry.gained += len(new)
-        entry.steps += 1
         now = time.time_ns()
         if not entry.scheduled_ns:
             entry.scheduled_ns = info.get("admitted_ns") or now
@@ -391,10 +386,12 @@ class TritonPythonModel:
         if now - entry.checked >= CANCEL_POLL_SECONDS and self._cancelled(entry, now):
             self._cancel(entry)
             return
-        mean = float(info["mean_accepted_tokens"]) if "mean_accepted_tokens" in info else (
-            entry.gained / (entry.steps - 1) if entry.steps > 1 else 0.0)
         if "speculation" in info:
             entry.speculation = info["speculation"]
+        # tokens per verify step, from the same counts every response carries (a request that never
+        # drafts has no verify step: 0, in its streamed responses as in its final one)
+        spec = entry.speculation
+        mean = (spec["accepted_draft_tokens"] + spec["steps"]) / spec["steps"] if spec.get("steps") else 0.0
         logprobs = info.get("logprobs") or []
         entry.logprobs.extend(logprobs)
         reason = info.get("finish_reason", "") if finished else ""
