@@ -364,7 +364,9 @@ def cmd_generate(args):
     finally:
         if trace_file is not None:
             trace_file.close()
-    texts = [tokenizer.decode(o) for o in result.output_ids] if tokenizer else None
+    # an end id ends the ids but not the text, as the server answers (serving.md, `end_id`)
+    texts = ([tokenizer.decode(o[:-1] if o and o[-1] in end_ids else o) for o in result.output_ids]
+             if tokenizer else None)
     if not args.json:
         for i, ids in enumerate(result.output_ids):
             print(texts[i] if texts else ",".join(map(str, ids)))
@@ -374,7 +376,7 @@ def cmd_generate(args):
     cost = {"target_only": result.extra["cost"].summary()}
     if speculate:
         a = result.extra["acceptance"]
-        err.print(f"mean accepted tokens per target forward {a['mean_accepted_tokens']:.2f} (K={k}), "
+        err.print(f"mean accepted tokens per verify forward {a['mean_accepted_tokens']:.2f} (K={k}), "
                   f"histogram {a['histogram']}")
         if tree is not None:
             t = a["tree"]

@@ -73,6 +73,13 @@ def test_prompt_text_roundtrip(with_tokenizer, capsys):
                          ",".join(map(str, tok.encode("def main():").ids)), "--max_new_tokens", 8,
                          "--ignore_eos", "--json")
     assert _last_json(out2)["output_ids"] == record["output_ids"]
+    # an end id ends the ids, not the text (as the server answers)
+    stop = record["output_ids"][3]
+    code, out3, _ = _run(capsys, "generate", "--checkpoint_dir", with_tokenizer, "--prompt", "def main():",
+                         "--max_new_tokens", 8, "--end_id", stop, "--json")
+    ended = _last_json(out3)
+    cut = record["output_ids"].index(stop)
+    assert ended["output_ids"] == record["output_ids"][:cut + 1] and ended["text"] == tok.decode(record["output_ids"][:cut])
 
 
 def test_sampling_is_seeded(checkpoints, capsys):
