@@ -23,6 +23,7 @@ from serving.generate_fields import GENERATE_PATH, check_generate_body
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade",
               "content-length", "expect"}   # (the guard answers 100-continue itself)
 CHUNK = 64 << 10
+BUSY = b"server busy: "   # runtime.scheduler's full queue (a retry can succeed): 429, as the OpenAI API answers it
 DRAIN_BYTES = 256 << 20  # an oversized body is read and dropped up to this much, so the client sees the 413
 
 
@@ -104,13 +105,19 @@ def make_handler(upstream: tuple[str, int], max_body_bytes: int, alive=None):
             try:
                 upstream_conn.request(self.command, self.path, body=body, headers=headers)
                 response = upstream_conn.getresponse()
-                self.send_response(response.status, response.reason)
+                status, reason, data = response.status, response.reason, None
+                if response.length is not None or self.command == "HEAD":
+                    data = response.read()
+                    if status == 400 and BUSY in data:   # Triton's HTTP answers every model error 400
+                        status, reason = 429, "Too Many Requests"
+                self.send_response(status, reason)
                 started = True
                 for k, v in response.getheaders():
                     if k.lower() not in HOP_BY_HOP and k.lower() not in ("server", "date"):
                         self.send_header(k, v)
-                if response.length is not None or self.command == "HEAD":
-                    data = response.read()
+                if status == 429:
+                    self.send_header("Retry-After", "1")
+                if data is not None:
                     self.send_header("Content-Length", str(len(data)))
                     self.end_headers()
                     self.wfile.write(data)

@@ -78,7 +78,9 @@ class Upstream(BaseHTTPRequestHandler):
             self.wfile.write(b"0\r\n\r\n")
             return
         reply = json.dumps({"path": self.path, "bytes": len(body), "key": self.headers.get("api-key")}).encode()
-        self.send_response(200)
+        if self.path == "/busy":   # what Triton's HTTP answers for the scheduler's full queue
+            reply = b'{"error":"in ensemble \'ensemble\', server busy: 4 requests queued beyond the batch"}'
+        self.send_response(400 if self.path == "/busy" else 200)
         self.send_header("Content-Length", str(len(reply)))
         self.end_headers()
         self.wfile.write(reply)
@@ -115,6 +117,10 @@ def test_guard_forwards_caps_and_streams(guard):
     assert status == 200 and body == b"data: 1\n\ndata: 2\n\ndata: 3\n\n"
     status, body = _post(g, "/v2/models/ensemble/generate", b'{"text_input": "x", "max_tokens": 4294967296}')
     assert status == 400 and "max_tokens" in json.loads(body)["error"]
+    conn = http.client.HTTPConnection("127.0.0.1", g.server.server_address[1], timeout=10)
+    conn.request("POST", "/busy", body=b"{}")
+    busy = conn.getresponse()
+    assert busy.status == 429 and busy.getheader("Retry-After") == "1" and b"server busy" in busy.read()
     status, body = _post(g, "/v2/models/ensemble/generate", b'{"text_input": "x", "stream": true}')
     assert status == 400 and "generate_stream" in json.loads(body)["error"]
     upstream.shutdown()
