@@ -26,15 +26,29 @@ def cancel_socket_path(cancel_dir, pid: int) -> str:
     return f"\0nemospec-{hashlib.sha256(str(cancel_dir).encode()).hexdigest()[:16]}-{pid}"
 
 
-def notify_cancel(cancel_dir, key: int) -> bool:
-    """Tells the speculative instance that owns ``key`` that its client cancelled (best effort)."""
-    pid, request_id = split_request_key(key)
+def _send(cancel_dir, pid: int, data: bytes) -> bool:
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-            s.sendto(str(request_id).encode(), cancel_socket_path(cancel_dir, pid))
+            s.sendto(data, cancel_socket_path(cancel_dir, pid))
         return True
     except OSError:
         return False
+
+
+def notify_cancel(cancel_dir, key: int) -> bool:
+    """Tells the speculative instance that owns ``key`` that its client cancelled (best effort)."""
+    pid, request_id = split_request_key(key)
+    return _send(cancel_dir, pid, str(request_id).encode())
+
+
+#: the datagram prefix that tells a speculative instance its client ended a request as complete (the
+#: OpenAI frontend at a stop string, matched on the text): counted completed, not cancelled
+STOPPED = b"stopped "
+
+
+def notify_stopped(cancel_dir, key: int) -> bool:
+    pid, request_id = split_request_key(key)
+    return _send(cancel_dir, pid, STOPPED + str(request_id).encode())
 
 
 #: the datagram that tells a speculative instance the server is stopping: answer every request in
@@ -43,17 +57,13 @@ SHUTDOWN = b"shutdown"
 
 
 def notify_shutdown(cancel_dir, pid: int) -> bool:
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-            s.sendto(SHUTDOWN, cancel_socket_path(cancel_dir, pid))
-        return True
-    except OSError:
-        return False
+    return _send(cancel_dir, pid, SHUTDOWN)
 
 
-def cancel_listener(cancel_dir, on_cancel, on_shutdown=None) -> "callable":
+def cancel_listener(cancel_dir, on_cancel, on_shutdown=None, on_stopped=None) -> "callable":
     """Binds this process's cancel socket and calls ``on_cancel(request_id)`` for each datagram from
-    a daemon thread (``on_shutdown()`` for SHUTDOWN). Returns a function that closes it."""
+    a daemon thread (``on_shutdown()`` for SHUTDOWN, ``on_stopped(request_id)`` for STOPPED).
+    Returns a function that closes it."""
     import threading
     path = cancel_socket_path(cancel_dir, os.getpid())
     Path(cancel_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -75,6 +85,10 @@ def cancel_listener(cancel_dir, on_cancel, on_shutdown=None) -> "callable":
             try:
                 if data == SHUTDOWN and on_shutdown is not None:
                     on_shutdown()
+                    continue
+                if data.startswith(STOPPED):
+                    if on_stopped is not None:
+                        on_stopped(int(data[len(STOPPED):].decode()))
                     continue
                 on_cancel(int(data.decode()))
             except Exception:  # a malformed datagram or a failing callback must not end the listener

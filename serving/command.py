@@ -116,7 +116,8 @@ def cmd_serve(args, out=print) -> int:
         handle = supervisor.start()
         started = True
         if not args.no_openai:
-            frontend = start_openai(args, handle, supervisor.is_ready)
+            frontend = start_openai(args, handle, supervisor.is_ready,
+                                    lambda: supervisor.handle.run_dir / "cancel" if supervisor.handle else None)
         health_url = f"http://{_client_host(args.host)}:{args.health_port}"
         endpoints = handle.endpoints()
         endpoints = {**{k: v for k, v in endpoints.items() if k in ("http", "grpc", "metrics")},
@@ -157,10 +158,11 @@ def write_endpoints(path, endpoints: dict) -> None:
     os.replace(tmp, path)
 
 
-def start_openai(args, handle, ready=None):
+def start_openai(args, handle, ready=None, cancel_dir=None):
     """The OpenAI frontend for a started server (sends its requests to the server's gRPC port, which a
-    restart keeps); ``ready``: the supervisor's truthful readiness, which its /health/ready joins."""
+    restart keeps); ``ready``: the supervisor's truthful readiness, which its /health/ready joins;
+    ``cancel_dir``: a callable giving the running server's side-channel directory (a restart moves it)."""
     from serving.openai.server import OpenAIFrontend
     headers = {GRPC_API_KEY_HEADER: args.api_key} if args.api_key else None
     return OpenAIFrontend(args.engine_dir, handle.grpc_url, args.host, args.openai_port, args.api_key, headers,
-                          ready=ready, model_name=args.served_model_name).start()
+                          ready=ready, model_name=args.served_model_name, cancel_dir=cancel_dir).start()

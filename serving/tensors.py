@@ -96,6 +96,9 @@ PASS_OUTPUTS = (
     Tensor("acceptance_histogram", "INT32", (-1,), optional=False),
     Tensor("mean_accepted_tokens", "FP32", optional=False),
     Tensor("finish_reason", "STRING", optional=False),
+    # the request's key (serving.cancel): the OpenAI frontend reports a request it ended at a stop
+    # string, which it matches on the text, as complete rather than cancelled
+    Tensor("request_key", "INT64", optional=False),
 )
 
 

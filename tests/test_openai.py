@@ -3,6 +3,7 @@ greedy completions equal offline `nemospec generate`, streams, chat with the che
 usage counts from the tokenizer, vLLM-shaped per-request speculative metrics, each error status,
 the API key, and a stream closed early freeing its sequence."""
 import json
+import re
 import threading
 import time
 import urllib.error
@@ -28,7 +29,8 @@ TEMPLATE = ("{% for m in messages %}# {{ m.role }}: {{ m.content }}\n{% endfor %
 def stack(engine_dir):  # noqa: F811
     (engine_dir / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
     handle = launch.start_server(engine_dir, **free_ports(), max_queue=2, ready_timeout=300)
-    frontend = OpenAIFrontend(engine_dir, handle.grpc_url, port=0, api_key=KEY).start()
+    frontend = OpenAIFrontend(engine_dir, handle.grpc_url, port=0, api_key=KEY,
+                              cancel_dir=lambda: handle.run_dir / "cancel").start()
     try:
         yield handle, frontend
     finally:
@@ -139,6 +141,7 @@ def test_stop_strings_and_ignore_eos(client, stack, engine_dir, tokenizer):  # n
     # a stop string of whole characters (the tiny model's text has partial UTF-8 the server holds back)
     stop = next(want[i:i + 2] for i in range(4, len(want) - 2) if want[i:i + 2].strip() and "\ufffd" not in want[i:i + 2])
     through = next(n for n in range(1, len(ids) + 1) if stop in tokenizer.decode(ids[:n]))
+    before = _outcomes(stack)
     got = client.completions.create(model=_model(stack), prompt=prompt, max_tokens=32, temperature=0, stop=[stop],
                                     extra_body={"ignore_eos": True})
     assert got.choices[0].text == want[:want.index(stop)] and got.choices[0].finish_reason == "stop"
@@ -152,6 +155,18 @@ def test_stop_strings_and_ignore_eos(client, stack, engine_dir, tokenizer):  # n
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want[:want.index(stop)]
     assert chunks[-1].usage.completion_tokens == through
     assert chunks[-1].model_extra["metrics"]["speculative_decoding"]["num_spec_steps"] > 0
+    # the frontend cancels the server's request at the stop: reported complete first, so the server
+    # counts both requests completed (they were counted cancelled)
+    deadline = time.monotonic() + 10
+    while (after := _outcomes(stack))["completed"] - before["completed"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert after["completed"] - before["completed"] == 2 and after["cancelled"] == before["cancelled"], (before, after)
+
+
+def _outcomes(stack) -> dict:
+    """The speculative model's requests_total by outcome."""
+    found = dict(re.findall(r'nemospec_requests_total\{[^}]*outcome="(\w+)"[^}]*\} ([0-9.]+)', stack[0].metrics()))
+    return {k: float(found.get(k, 0)) for k in ("completed", "cancelled")}
 
 
 def test_logprobs_are_the_targets_for_the_emitted_tokens(client, stack, engine_dir, tokenizer):  # noqa: F811

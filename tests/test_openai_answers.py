@@ -25,7 +25,10 @@ class ScriptedDelta(Delta):
 
 class ScriptedBackend:
     def __init__(self, responses):
-        self.responses = responses
+        self.responses, self.stops = responses, []
+
+    def stopped(self, delta):   # the response a stop string matched in: reported complete to the server
+        self.stops.append(delta)
 
     async def ready(self):
         return True
@@ -94,8 +97,11 @@ def test_usage_counts_up_to_the_token_that_completes_a_stop_string():
     assert cut < len(step)           # the step's response carries tokens past the stop
     responses = [ScriptedDelta(first), ScriptedDelta(step), ScriptedDelta(_ids(" more"), "length")]
     for stream in (False, True):
-        status, body = _post(_app(responses), {"prompt": "p", "max_tokens": 64, "stop": "\n\n", "stream": stream,
-                                               "stream_options": {"include_usage": True} if stream else None})
+        backend = ScriptedBackend(responses)
+        status, body = _post(create_app(ModelInfo("m", TOKENIZER, 256, 4, None, 0), backend),
+                             {"prompt": "p", "max_tokens": 64, "stop": "\n\n", "stream": stream,
+                              "stream_options": {"include_usage": True} if stream else None})
+        assert backend.stops == [responses[1]]    # the request reported complete to the server, once
         assert status == 200, body
         if stream:
             events = [json.loads(line[6:]) for line in body.decode().splitlines() if line.startswith("data: {")]

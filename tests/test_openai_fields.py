@@ -27,6 +27,9 @@ class RecordingBackend:
     async def close(self):
         pass
 
+    def stopped(self, delta):
+        pass
+
     async def generate(self, g, max_tokens):
         self.calls.append((g, max_tokens))
         yield ScriptedDelta(_ids("hello"))

@@ -221,6 +221,7 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
                     logprobs.extend(d.logprobs[:n])
                 if stops.matched:
                     reason = "stop"
+                    backend.stopped(d)
                     break
         finally:
             await stream.aclose()
@@ -294,6 +295,7 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
                 tokens, reason, last = tokens + n, d.finish_reason, d
                 if stops.matched:
                     reason = "stop"
+                    backend.stopped(d)
                 if g.logprobs and n:    # the tokens' log-probabilities ride with the text they make
                     chosen = _logprobs(chat, (d.ids or [])[:n], d.logprobs[:n], offsets)
                     yield event(choice(text, logprobs=chosen))

@@ -17,7 +17,7 @@ from serving.openai.protocol import Generation
 
 log = logging.getLogger(__name__)
 OUTPUTS = ("text_output", "output_ids", "finish_reason", "total_draft_tokens", "total_accepted_draft_tokens",
-           "acceptance_histogram", "mean_accepted_tokens", "output_log_probs")
+           "acceptance_histogram", "mean_accepted_tokens", "output_log_probs", "request_key")
 
 
 @dataclass
@@ -31,6 +31,12 @@ class Delta:
     def ids(self) -> list[int] | None:
         """This response's token ids (read only where a stop string matched inside it)."""
         return None if self.result is None else [int(t) for t in self.result.as_numpy("output_ids").reshape(-1)]
+
+    @cached_property
+    def key(self) -> int | None:
+        """The request's key on the server (``serving.cancel``), read when a stop string ends it."""
+        values = None if self.result is None else self.result.as_numpy("request_key")
+        return None if values is None else int(values.reshape(-1)[0])
 
     @cached_property
     def logprobs(self) -> list[float]:
@@ -109,8 +115,12 @@ def ensemble_inputs(g: Generation, max_tokens: int):
 
 
 class TritonBackend:
-    def __init__(self, grpc_url: str, model: str = "ensemble", headers: dict | None = None):
-        self.url, self.model, self.headers = grpc_url, model, headers
+    """``cancel_dir``: a callable giving the served model's side-channel directory (it moves when the
+    supervisor restarts the server), through which a request ended at a stop string is reported
+    complete; None: such requests count as cancelled on the server."""
+
+    def __init__(self, grpc_url: str, model: str = "ensemble", headers: dict | None = None, cancel_dir=None):
+        self.url, self.model, self.headers, self.cancel_dir = grpc_url, model, headers, cancel_dir
         self._client = None
         self._ids = itertools.count()
 
@@ -128,6 +138,15 @@ class TritonBackend:
         except Exception as e:   # not ready, and the log says why (a 503 alone does not)
             log.warning("Triton readiness check failed: %s: %s", type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "")
             return False
+
+    def stopped(self, delta) -> None:
+        """The request of response ``delta`` ended here, complete (a stop string matched in its text):
+        tells the model so before the stream's cancellation reaches it (best effort)."""
+        from serving.cancel import notify_stopped
+        directory = self.cancel_dir() if self.cancel_dir is not None else None
+        key = delta.key if directory is not None else None
+        if key is not None:
+            notify_stopped(directory, key)
 
     async def close(self):
         if self._client is not None:

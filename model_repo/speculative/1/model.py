@@ -126,7 +126,8 @@ class TritonPythonModel:
         self.dispatcher.start()
         cancel_dir = _param(config, "cancel_dir")
         self._close_listener = cancel_listener(cancel_dir, lambda rid: self.events.put(("cancel", rid, True, {})),
-                                               lambda: self.events.put(("shutdown", None, True, {}))) if cancel_dir else None
+                                               lambda: self.events.put(("shutdown", None, True, {})),
+                                               lambda rid: self.events.put(("stopped", rid, True, {}))) if cancel_dir else None
         pb_utils.Logger.log_info(f"nemospec speculative: {self.loaded.backend} backend, mode "
                                  f"{(self.loaded.speculative or {}).get('mode', 'none')}, "
                                  f"max_batch_size {self.scheduler.max_batch_size}, max_queue {self.scheduler.max_queue}")
@@ -344,7 +345,7 @@ class TritonPythonModel:
             self.live.pop(entry.id, None)
         self.outcomes[outcome].increment(1)
 
-    def _cancel(self, entry):
+    def _cancel(self, entry, outcome: str = "cancelled"):
         with self.lock:
             request_id = entry.id
         if request_id is not None:
@@ -353,7 +354,7 @@ class TritonPythonModel:
             entry.sender.send(flags=FINAL)
         except Exception:
             pass
-        self._finish(entry, "cancelled")
+        self._finish(entry, outcome)
 
     def _cancelled(self, entry, now):
         entry.checked = now
@@ -365,11 +366,14 @@ class TritonPythonModel:
     def _deliver(self, entry, new, finished, info):
         if entry == "shutdown":     # the server stops: what is in flight ends with an error now
             return self._abort_all()
-        if isinstance(entry, str):  # ("cancel", request id) from the cancel listener
+        if isinstance(entry, str):  # ("cancel" | "stopped", request id) from the cancel listener
+            stopped = entry == "stopped"
             with self.lock:
                 entry = self.live.get(new)
             if entry is not None and not entry.done:
-                self._cancel(entry)
+                if stopped:   # ended by its client as complete (a stop string): a finished request's latency
+                    self._observe_latency(entry, 0, True)
+                self._cancel(entry, "completed" if stopped else "cancelled")
             return
         if entry.done:
             return
