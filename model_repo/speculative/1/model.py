@@ -168,7 +168,7 @@ class TritonPythonModel:
             "spec_draft_tokens": metric("nemospec_spec_decode_num_draft_tokens_total", "Draft tokens proposed and verified", MF.COUNTER),
             "spec_accepted_tokens": metric("nemospec_spec_decode_num_accepted_tokens_total", "Draft tokens the target accepted", MF.COUNTER),
             "received": metric("nemospec_requests_received_total", "Requests handed to the model (each ends in one nemospec_requests_total outcome)", MF.COUNTER),
-            "prompt_tokens": metric("nemospec_prompt_tokens_total", "Prompt tokens of admitted requests", MF.COUNTER),
+            "prompt_tokens": metric("nemospec_prompt_tokens_total", "Prompt tokens of the requests accepted (queued or running; a request cancelled while queued counts too)", MF.COUNTER),
             "e2e_latency": metric("nemospec_e2e_request_latency_seconds", "Arrival to last response, per completed request", MF.HISTOGRAM, REQUEST_BUCKETS),
             "ttft": metric("nemospec_time_to_first_token_seconds", "Arrival to the first generated token", MF.HISTOGRAM, REQUEST_BUCKETS),
             "itl": metric("nemospec_inter_token_latency_seconds", "Time between responses per token they carry", MF.HISTOGRAM, LATENCY_BUCKETS),
