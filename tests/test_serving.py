@@ -556,6 +556,10 @@ def test_models_run_on_mimalloc(server):
 
 
 def test_metrics_exported(server):
+    assert generate(server, text_input=PROMPTS[0], max_tokens=4)[0] == 200   # run alone (-k), it counts its own
+    deadline = time.monotonic() + 10      # the model publishes its counters at most every 0.1 s, idle or not
+    while metric(server, "nemospec_generated_tokens_total") == 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
     m = metrics(server)
     for name in ("nemospec_steps_total", "nemospec_accepted_tokens_total", "nemospec_verify_rows_total",
                  "nemospec_generated_tokens_total", "nemospec_active_sequences", "nemospec_draft_seconds_total",
@@ -695,10 +699,10 @@ def test_a_triton_port_taken_while_the_models_load_is_picked_again(engine_dir, m
 @pytest.mark.parametrize("flag", ["grpc_port", "metrics_port"])
 def test_a_taken_grpc_or_metrics_port_is_an_error_naming_the_flag(engine_dir, flag):
     import socket
-    ports = free_ports()
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
+        ports = free_ports()   # picked while the taken port is held: none of them can be it
         ports[flag] = taken.getsockname()[1]
         with pytest.raises(launch.NemospecError) as error:
             launch.start_server(engine_dir, **ports, backend="torch", ready_timeout=300)
