@@ -27,7 +27,7 @@ def atomic_dir(final, replaceable=None):
     raises or the process is terminated."""
     final = Path(final)
     _check_replaceable(final, replaceable)
-    final.parent.mkdir(parents=True, exist_ok=True)
+    made = _make_parents(final)
     tmp = final.with_name(f".{final.name}.tmp-{time.time_ns()}")
     tmp.mkdir()
     try:
@@ -41,4 +41,19 @@ def atomic_dir(final, replaceable=None):
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if made is not None:   # the parents this call made: nothing of a failed write stays behind
+            shutil.rmtree(made, ignore_errors=True)
         raise
+
+
+def _make_parents(final: Path) -> Path | None:
+    """Makes ``final``'s missing parent directories; returns the outermost one it made (None: none)."""
+    missing, parent = [], final.parent
+    while not parent.exists() and not parent.is_symlink():
+        missing.append(parent)
+        parent = parent.parent
+    if not parent.is_dir():
+        raise NemospecError(f"--output_dir {final}: {parent} is a file; expected a directory")
+    for directory in reversed(missing):
+        directory.mkdir()
+    return missing[-1] if missing else None

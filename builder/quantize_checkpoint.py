@@ -10,13 +10,23 @@ from typing import Sequence
 from builder.checkpoint import load_checkpoint
 from builder.errors import CheckpointError
 from builder.nvfp4_format import BLOCK_SIZE
-from builder.quantization import (CONFIG_FILE, HF_QUANT_CONFIG, QUANT_ALGO, QuantConfig, _module, _read_json,
+from builder.quantization import (CONFIG_FILE, HF_QUANT_CONFIG, PRODUCER, QUANT_ALGO, QuantConfig, _module, _read_json,
                                   choose_quantized, quantize_tensors, read_quant_config)
 
 __all__ = ["quantize_checkpoint"]
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                     "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
+
+
+def _earlier_output(directory: Path) -> bool:
+    """A directory `nemospec quantize` wrote before (its hf_quant_config.json names nemospec as the
+    producer): the only kind it replaces, so a mistyped --output_dir never deletes a checkpoint."""
+    try:
+        producer = json.loads((directory / HF_QUANT_CONFIG).read_text()).get("producer") or {}
+        return producer.get("name") == PRODUCER["name"]
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def quantize_checkpoint(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike,
@@ -49,7 +59,10 @@ def quantize_checkpoint(checkpoint_dir: str | os.PathLike, output_dir: str | os.
     raw_config = _read_json(src / CONFIG_FILE)
     raw_config["quantization_config"] = qc.quantization_config()
     from builder.atomic_dir import atomic_dir
-    with atomic_dir(dst) as tmp:
+    if Path(src).resolve().is_relative_to(Path(dst).resolve()):
+        from builder.errors import NemospecError
+        raise NemospecError(f"--output_dir {dst}: holds the --checkpoint_dir {src}; choose another directory")
+    with atomic_dir(dst, replaceable=_earlier_output) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_text(json.dumps(raw_config, indent=2) + "\n")
         (tmp / HF_QUANT_CONFIG).write_text(json.dumps(qc.hf_quant_config(), indent=4) + "\n")

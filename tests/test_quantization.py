@@ -273,10 +273,19 @@ def test_quantize_cli_writes_modelopt_layout(checkpoints, tmp_path, capsys):
     shutil.copytree(checkpoints["moe"], src)
     (src / "tokenizer.json").write_text('{"model": {}}')
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "stale").write_text("x")  # replaced as a whole
-    assert cli.main(["quantize", "--checkpoint_dir", str(src), "--output_dir", str(out), "--format", "nvfp4_w4a16",
-                     "--exclude_modules", "*shared_experts*"]) == 0
+    argv = ["quantize", "--checkpoint_dir", str(src), "--format", "nvfp4_w4a16", "--exclude_modules", "*shared_experts*"]
+    # a directory that is not an earlier quantize output is never replaced: another one, or the one
+    # holding the checkpoint (both were deleted)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "keep.txt").write_text("x")
+    for target, named in ((tmp_path / "other", "holds other files"), (tmp_path, "holds the --checkpoint_dir")):
+        assert cli.main([*argv, "--output_dir", str(target)]) == 2
+        assert named in capsys.readouterr().err
+    assert (tmp_path / "other" / "keep.txt").is_file() and (src / "config.json").is_file()
+    shutil.rmtree(tmp_path / "other")
+    assert cli.main([*argv, "--output_dir", str(out)]) == 0
+    (out / "stale").write_text("x")    # an earlier output of this command: replaced as a whole
+    assert cli.main([*argv, "--output_dir", str(out)]) == 0
     assert "linear weights in NVFP4" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]  # no temporary directories left
     assert sorted(p.name for p in out.iterdir()) == sorted(

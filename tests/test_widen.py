@@ -141,6 +141,31 @@ def test_a_source_that_is_not_the_shipped_model_is_refused_and_nothing_is_writte
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob("out*"))
 
 
+def test_an_output_dir_that_is_not_an_earlier_widening_is_never_replaced(wide, tmp_path, capsys):
+    """--output_dir another directory (or the source itself) exited 0 and deleted it; a file or a path
+    under a file was a traceback. Each is now one line and exit 2, with nothing changed or left; an
+    earlier widening (the fixture's) is accepted as replaceable."""
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "keep.txt").write_text("x")
+    (tmp_path / "afile").write_text("x")
+    for out, named in ((other, "holds other files"), (tmp_path / "afile", "is a file"),
+                       (tmp_path / "afile" / "sub", "is a file")):
+        assert widen.main(["--factor", "1", "--output_dir", str(out)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and named in err[0], err
+    assert (other / "keep.txt").is_file() and sorted(p.name for p in tmp_path.iterdir()) == ["afile", "other"]
+    assert widen._earlier_output(wide) and not widen._earlier_output(embedded.ROOT)
+
+
+def test_a_failed_write_leaves_no_parent_directory_it_made(tmp_path):
+    from builder.atomic_dir import atomic_dir
+    with pytest.raises(RuntimeError):
+        with atomic_dir(tmp_path / "new" / "deeper" / "out"):
+            raise RuntimeError("the write failed")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_commands_resolve_the_wide_embedded_model_from_a_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("NEMOSPEC_EMBEDDED_CACHE", str(tmp_path))
     target, draft = sources.resolve_sources(None, "eagle3", embedded="wide", embedded_factor=K)

@@ -37,7 +37,7 @@ from safetensors.torch import load_file, save_file
 from builder import embedded
 from builder.atomic_dir import atomic_dir
 from builder.embedded.widen_maps import Rule, TargetMaps, apply, heads_to_units, segments, tiled, widen_target_config
-from builder.errors import ArgumentParser, CheckpointError
+from builder.errors import ArgumentParser, CheckpointError, NemospecError
 
 DEFAULT_FACTOR = 4
 FEATURE_DRAFTS = ("eagle3", "peagle", "dflash", "dspark", "dspark_nvfp4")
@@ -186,7 +186,7 @@ def widen(output_dir: str | os.PathLike, factor: int = DEFAULT_FACTOR, source: s
     root = Path(source) if source is not None else embedded.ROOT
     kinds = source_kinds(root)
     output_dir = Path(output_dir)
-    with atomic_dir(output_dir) as tmp:
+    with atomic_dir(output_dir, replaceable=_earlier_output) as tmp:
         target_cfg, target = widen_target(kinds["target"], tmp / "target", factor)
         widen_eagle(kinds["eagle"], tmp / "eagle", factor)
         for kind in FEATURE_DRAFTS:
@@ -199,6 +199,14 @@ def widen(output_dir: str | os.PathLike, factor: int = DEFAULT_FACTOR, source: s
         f"(target hidden {target_cfg['hidden_size'] * factor}, "
         f"{(output_dir / 'target' / WEIGHTS).stat().st_size / 1e6:.0f} MB)")
     return output_dir
+
+
+def _earlier_output(directory: Path) -> bool:
+    """A directory this command wrote before (its manifest records the widening): the only kind it replaces."""
+    try:
+        return "widened" in json.loads((directory / "MANIFEST.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return False
 
 
 def _factor(text: str) -> int:
@@ -219,7 +227,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         widen(args.output_dir, args.factor, args.source)
-    except CheckpointError as e:
+    except NemospecError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
