@@ -262,8 +262,10 @@ def cmd_generate(args):
         from builder.tokenizer_file import load_tokenizer
         tokenizer = load_tokenizer(loaded.tokenizer_path)
     prompts = _prompts(args, tokenizer)
-    if args.temperature < 0:
-        raise NemospecError(f"--temperature: expected >= 0, got {args.temperature}")
+    if not 0 <= args.temperature < float("inf"):   # NaN fails both
+        raise NemospecError(f"--temperature: expected a finite number >= 0, got {args.temperature}")
+    if args.seed is not None and not 0 <= args.seed < 2 ** 64:
+        raise NemospecError(f"--seed: expected an integer in [0, 2^64), got {args.seed}")
     if not 0 < args.top_p <= 1:
         raise NemospecError(f"--top_p: expected a value in (0, 1], got {args.top_p}")
     eos = loaded.config.eos_token_id

@@ -92,6 +92,17 @@ def test_flags_that_make_no_sense_are_refused_by_name(tmp_path, capsys, argv, na
     assert code == 2 and named in _one_error_line(err) and not (tmp_path / "o").exists(), err
 
 
+@pytest.mark.parametrize("value_flag", [("nan", "--temperature"), ("inf", "--temperature"),
+                                        ("99999999999999999999999", "--seed"), ("-1", "--seed")])
+def test_generate_sampling_values_out_of_range_are_refused_by_name(capsys, value_flag):
+    """NaN passed the temperature check and failed in sampling with a traceback; a seed past 64 bits
+    said only "Overflow when unpacking long long"."""
+    value, flag = value_flag
+    code, _, err = _run(capsys, "generate", "--backend", "torch", "--input_ids", "1,2", "--max_new_tokens", "2",
+                        flag, value)
+    assert code == 2 and flag in _one_error_line(err), err
+
+
 def test_argument_errors_are_one_line(capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main(["build", "--output_dir", "o", "--speculative_decoding_mode", "medusa"])
