@@ -387,11 +387,21 @@ def _check_draft_dir(draft_dir, modes) -> None:
         raise NemospecError(f"--draft_dir {draft_dir}: expected a draft checkpoint directory")
 
 
+def _check_counts(args) -> None:
+    """Counts that must be positive, named before anything runs (a negative --threads was torch's traceback)."""
+    from builder.errors import NemospecError
+    for flag in ("threads", "runs", "prompts", "max_new_tokens", "num_draft_tokens"):
+        value = getattr(args, flag, None)
+        if value is not None and value < 1 and not (flag == "threads" and value == 0):
+            raise NemospecError(f"--{flag}: expected an integer >= 1, got {value}")
+
+
 def run_bench(args) -> dict:
     from builder.tokenizer_file import load_tokenizer
 
     from builder.embedded.sources import resolve_sources
     from nemospec.bench_report import write_report
+    _check_counts(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     quick = args.quick
@@ -409,9 +419,16 @@ def run_bench(args) -> dict:
     tree = None
     if getattr(args, "tree", False):
         from runtime.tree.draft import TreeShape, default_topk
-        tree = {mode: TreeShape(args.max_tree_nodes, args.tree_topk or default_topk(mode), args.tree_depth or k)
-                for mode in modes}
+        try:
+            tree = {mode: TreeShape(args.max_tree_nodes, args.tree_topk or default_topk(mode), args.tree_depth or k)
+                    for mode in modes}
+        except ValueError as e:
+            from builder.errors import NemospecError
+            raise NemospecError(str(e)) from None
     root = Path(args.output_dir)
+    if root.exists() and not root.is_dir():
+        from builder.errors import NemospecError
+        raise NemospecError(f"--output_dir {root}: exists and is a file; expected a report directory")
     root.mkdir(parents=True, exist_ok=True)
     embedded_model, factor = getattr(args, "embedded", "small"), getattr(args, "embedded_factor", None)
     target_dir, _ = resolve_sources(args.checkpoint_dir, None, None, None, embedded_model, factor)

@@ -163,3 +163,24 @@ def test_draft_dir_builds_the_mode_with_the_users_own_draft(tmp_path):
         draft_arg = str(tmp_path / "missing") if "missing" in message else str(draft)
         with pytest.raises(NemospecError, match=message):
             run_bench(p.parse_args([*argv, "--draft_dir", draft_arg, "--output_dir", str(tmp_path / "x")]))
+
+
+@pytest.mark.parametrize("argv, named", [(["--threads", "-1"], "--threads"), (["--runs", "0"], "--runs"),
+                                         (["--num_draft_tokens", "0"], "--num_draft_tokens"),
+                                         (["--tree", "--max_tree_nodes", "0"], "--max_tree_nodes"),
+                                         (["--tree", "--tree_topk", "-3"], "--tree_topk"),
+                                         (["--output_dir", "AFILE"], "is a file")])
+def test_bad_counts_are_refused_by_name_before_anything_runs(argv, named, tmp_path):
+    """Each was a traceback (torch's set_num_threads, TreeShape's ValueError, mkdir on a file)."""
+    from argparse import ArgumentParser
+
+    from builder.errors import NemospecError
+    from nemospec.bench import add_bench_args, run_bench
+    (tmp_path / "afile").write_text("x")
+    p = ArgumentParser()
+    add_bench_args(p)
+    argv = [str(tmp_path / "afile") if a == "AFILE" else a for a in argv]
+    out = [] if "--output_dir" in argv else ["--output_dir", str(tmp_path / "out")]
+    with pytest.raises(NemospecError, match=named):
+        run_bench(p.parse_args([*argv, *out, "--modes", "eagle3"]))
+    assert not (tmp_path / "out").exists()
