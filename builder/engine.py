@@ -98,6 +98,10 @@ class BuildOptions:
         if self.max_tree_nodes < 1 or self.tree_topk < 0 or self.tree_depth < 0:
             raise BuildError(f"--max_tree_nodes: expected >= 1, --tree_topk and --tree_depth >= 0 (0: the default); got "
                              f"{self.max_tree_nodes}, {self.tree_topk}, {self.tree_depth}")
+        for flag in ("tree_topk", "tree_depth"):   # as runtime.tree.draft.TreeShape: never fillable past the nodes
+            if getattr(self, flag) > self.max_tree_nodes:
+                raise BuildError(f"--{flag}: expected at most --max_tree_nodes ({self.max_tree_nodes}), "
+                                 f"got {getattr(self, flag)}")
         for flag, value in (("--max_host_memory_gb", self.max_host_memory_gb), ("--num_layers", self.num_layers)):
             if value < 0:
                 raise BuildError(f"{flag}: expected >= 0 (0: the default), got {value}")

@@ -41,6 +41,18 @@ class IntegrityError(NemospecError):
     """A missing, truncated or altered engine directory file (one line naming it)."""
 
 
+def _check_table(table, meta_path: Path) -> None:
+    """The 'files' field holds {name: {"bytes": int, "sha256": hex}}; anything else is a damaged config.json."""
+    if not isinstance(table, dict):
+        raise IntegrityError(f"{meta_path}: field 'files': expected an object of recorded files, got "
+                             f"{type(table).__name__}; rebuild the engine directory with `nemospec build`")
+    for name, want in table.items():
+        if not (isinstance(want, dict) and isinstance(want.get("bytes"), int) and not isinstance(want["bytes"], bool)
+                and isinstance(want.get("sha256"), str)):
+            raise IntegrityError(f"{meta_path}: field 'files.{name}': expected {{\"bytes\": integer, \"sha256\": hex}}, "
+                                 f"got {want!r}; rebuild the engine directory with `nemospec build`")
+
+
 def verify_engine_dir(engine_dir, hashes: bool = True) -> str | None:
     """Checks every recorded file's size (and with ``hashes`` its sha256). Returns None when checked,
     or a one-line notice when the directory records nothing to check (built by an older nemospec).
@@ -59,6 +71,7 @@ def verify_engine_dir(engine_dir, hashes: bool = True) -> str | None:
     if not table:
         return (f"{meta_path} records no file sizes or sha256 hashes (built before nemospec recorded them): "
                 "engine and weights files not verified; rebuild with `nemospec build` to record them")
+    _check_table(table, meta_path)
     unrecorded = sorted(set(record_names(engine_dir)) - set(table))
     if unrecorded:
         raise IntegrityError(f"{engine_dir / unrecorded[0]}: not recorded in {meta_path} 'files' "

@@ -57,6 +57,18 @@ def read_token_map(path, vocab_size: int) -> torch.Tensor:
     return ids
 
 
+def write_token_map(path, ids: list[int]) -> None:
+    """``ids`` in the format ``read_token_map`` reads by ``path``'s suffix: a .json list, a .pt tensor,
+    else whitespace-separated text."""
+    path = Path(path)
+    if path.suffix == ".pt":
+        torch.save(torch.tensor(ids, dtype=torch.int64), path)
+    elif path.suffix == ".json":
+        path.write_text(json.dumps(ids) + "\n")
+    else:
+        path.write_text("\n".join(map(str, ids)) + "\n")
+
+
 def digest(ids: torch.Tensor) -> str:
     return hashlib.sha256(json.dumps(ids.tolist()).encode()).hexdigest()
 

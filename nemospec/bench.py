@@ -420,7 +420,8 @@ def run_bench(args) -> dict:
     if getattr(args, "tree", False):
         from runtime.tree.draft import TreeShape, default_topk
         try:
-            tree = {mode: TreeShape(args.max_tree_nodes, args.tree_topk or default_topk(mode), args.tree_depth or k)
+            tree = {mode: TreeShape(args.max_tree_nodes, args.tree_topk or min(default_topk(mode), args.max_tree_nodes),
+                                    args.tree_depth or min(k, args.max_tree_nodes))
                     for mode in modes}
         except ValueError as e:
             from builder.errors import NemospecError
@@ -429,10 +430,10 @@ def run_bench(args) -> dict:
     if root.exists() and not root.is_dir():
         from builder.errors import NemospecError
         raise NemospecError(f"--output_dir {root}: exists and is a file; expected a report directory")
-    root.mkdir(parents=True, exist_ok=True)
     embedded_model, factor = getattr(args, "embedded", "small"), getattr(args, "embedded_factor", None)
     target_dir, _ = resolve_sources(args.checkpoint_dir, None, None, None, embedded_model, factor)
     tokenizer = load_tokenizer(Path(target_dir) / "tokenizer.json")
+    root.mkdir(parents=True, exist_ok=True)   # after the sources resolve: a bad one leaves no directory behind
     texts = list(PROMPTS[:2 if quick else args.prompts])
     prompts = [tokenizer.encode(t).ids for t in texts]
     report: dict = {"created": time.strftime("%Y-%m-%d %H:%M:%S"), "quick": quick, "num_draft_tokens": k,

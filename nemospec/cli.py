@@ -24,6 +24,7 @@ from runtime.tree.draft import TREE_FLAGS, add_tree_args, tree_from
 from runtime.step_costs import cost_line
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)   # one error, one line: never broken at 80 columns
+CHECKPOINT_CHUNK = 512   # prefill chunk of a checkpoint run: an engine's default --max_input_len
 
 
 def add_token_map_arg(p):
@@ -37,13 +38,13 @@ def _add_token_map_command(p):
     p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the embedded model's)")
     p.add_argument("--corpus", nargs="+", required=True, help="local text files or directories to count tokens in")
     p.add_argument("--size", type=int, required=True, help="how many of the most frequent tokens to keep")
-    p.add_argument("--output", required=True, help="the token map to write (.json)")
+    p.add_argument("--output", required=True, help="the token map to write: .json list, .pt tensor, else whitespace-separated text (the formats --speculative_token_map reads)")
 
 
 def cmd_token_map(args):
     from pathlib import Path
     from builder import embedded
-    from builder.token_map import rank_tokens
+    from builder.token_map import rank_tokens, write_token_map
     if args.size < 1:
         raise NemospecError(f"--size: expected >= 1, got {args.size}")
     tokenizer = Path(args.tokenizer) if args.tokenizer else embedded.target_dir() / "tokenizer.json"
@@ -54,7 +55,7 @@ def cmd_token_map(args):
     if output.is_dir() or not output.parent.is_dir():
         raise NemospecError(f"--output {output}: expected a file path in an existing directory")
     ids = rank_tokens(tokenizer, args.corpus, args.size)
-    output.write_text(json.dumps(ids) + "\n")
+    write_token_map(output, ids)
     err.print(f"wrote {len(ids)} token ids (most frequent first) to {args.output}", markup=False)
     return 0
 
@@ -180,6 +181,11 @@ def cmd_build(args):
         raise NemospecError(f"--max_draft_len {args.max_draft_len}: draft tokens need a --speculative_decoding_mode")
     if args.speculative_decoding_mode:
         policy_from(args.max_draft_len, vars(args))  # a bad flag exits 2 before anything is built
+    else:   # recorded unchecked, they would surprise whoever later serves the directory with a draft
+        given = [f for f, (_, default, _) in {**POLICY_FLAGS, **TREE_FLAGS}.items() if getattr(args, f) != default]
+        if given:
+            raise NemospecError(f"--{given[0]} {getattr(args, given[0])}: sets how a draft speculates; it needs a "
+                                "--speculative_decoding_mode")
     options = BuildOptions(args.max_batch_size, args.max_input_len, args.max_seq_len, args.max_draft_len, args.dtype,
                            args.speculative_decoding_mode, **{f: getattr(args, f) for f in POLICY_FLAGS},
                            **{f: getattr(args, f) for f in TREE_FLAGS}, tree_engines=args.tree_engines,
@@ -235,6 +241,8 @@ def cmd_generate(args):
     from runtime.generation import check_request, generate
     from runtime.loading import open_checkpoint, open_engine_dir
     from runtime.step_costs import cost_model
+    if args.draft_dir and args.engine_dir is None and not args.speculative_decoding_mode:
+        raise NemospecError(f"--draft_dir {args.draft_dir}: a draft needs --speculative_decoding_mode (its kind)")
     if args.engine_dir is None:
         args.checkpoint_dir, args.draft_dir = resolve_sources(args.checkpoint_dir, args.speculative_decoding_mode,
                                                               args.draft_dir, None, args.embedded, args.embedded_factor)
@@ -247,6 +255,9 @@ def cmd_generate(args):
     if args.checkpoint_dir:
         if backend in ("tensorrt", "interpreter"):
             raise NemospecError(f"--backend {backend} needs --engine_dir (build one with `nemospec build`)")
+        if args.speculative_decoding_mode and not 1 <= args.max_draft_len < CHECKPOINT_CHUNK:
+            raise NemospecError(f"--max_draft_len: expected 1..{CHECKPOINT_CHUNK - 1} (a verify's K+1 rows run as one "
+                                f"{CHECKPOINT_CHUNK}-row chunk), got {args.max_draft_len}")
         loaded = open_checkpoint(args.checkpoint_dir, args.dtype, mode=args.speculative_decoding_mode,
                                  draft_dir=args.draft_dir, max_draft_len=args.max_draft_len, backend=backend,
                                  matmul_precision=args.matmul_precision or "highest",
@@ -268,10 +279,12 @@ def cmd_generate(args):
         raise NemospecError(f"--seed: expected an integer in [0, 2^64), got {args.seed}")
     if not 0 < args.top_p <= 1:
         raise NemospecError(f"--top_p: expected a value in (0, 1], got {args.top_p}")
+    if args.end_id is not None and not 0 <= args.end_id < loaded.config.vocab_size:
+        raise NemospecError(f"--end_id: expected a token id in [0, {loaded.config.vocab_size}), got {args.end_id}")
     eos = loaded.config.eos_token_id
     end_ids = set() if args.ignore_eos else (
         {args.end_id} if args.end_id is not None else set(eos if isinstance(eos, tuple) else [] if eos is None else [eos]))
-    chunk = loaded.max_input_len if loaded.max_input_len < (1 << 30) else 512
+    chunk = loaded.max_input_len if loaded.max_input_len < (1 << 30) else CHECKPOINT_CHUNK
     speculate = loaded.speculative is not None and not args.no_speculation
     auto_k = args.num_draft_tokens == AUTO
     k = loaded.max_draft_len if args.num_draft_tokens is None or auto_k else args.num_draft_tokens
@@ -299,6 +312,9 @@ def cmd_generate(args):
             tree = tree_from(k, loaded.build_options, args, loaded.speculative.get("mode"))
         except ValueError as e:
             raise NemospecError(str(e)) from None
+        if args.checkpoint_dir and tree.max_nodes >= chunk:   # an engine directory's recorded size bounds it
+            raise NemospecError(f"--max_tree_nodes: expected at most {chunk - 1} (a tree verify's root and nodes run "
+                                f"as one {chunk}-row chunk), got {tree.max_nodes}")
         if engines and loaded.speculative.get("mode") in TREE_STEP_KINDS and tree.topk > tree.max_nodes:
             raise NemospecError(f"--tree_topk: expected at most {tree.max_nodes} (--max_tree_nodes: the draft_tree "
                                 f"engine's widest frontier) on --backend {loaded.backend}, got {tree.topk}")

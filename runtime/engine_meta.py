@@ -8,13 +8,14 @@ from pathlib import Path
 from builder.errors import NemospecError
 
 BUILD_COUNTS = ("max_seq_len", "max_input_len", "max_batch_size")
+DTYPES = ("float32", "float16", "bfloat16")   # builder.checkpoint.TORCH_DTYPES' names, without importing torch
 
 
 def _fail(path: Path, what: str):
     raise NemospecError(f"{path}: {what}; rebuild the engine directory with `nemospec build`")
 
 
-def read_engine_meta(path: Path, dtypes) -> dict:
+def read_engine_meta(path: Path, dtypes=DTYPES) -> dict:
     """The parsed file, with the fields the loaders read present and of the right kind."""
     try:
         meta = json.loads(path.read_text())
@@ -34,6 +35,8 @@ def read_engine_meta(path: Path, dtypes) -> dict:
         value = build.get(key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             _fail(path, f"field 'build.{key}': expected an integer >= 1, got {value!r}")
+    if meta.get("tokenizer") is not None and not isinstance(meta["tokenizer"], str):
+        _fail(path, f"field 'tokenizer': expected the tokenizer file's name, got {meta['tokenizer']!r}")
     spec = meta.get("speculative")
     if spec is not None:
         if not isinstance(spec, dict) or not isinstance(spec.get("mode"), str):

@@ -2,7 +2,6 @@
 engine directory, backend, batch limits and the adaptive draft-length overrides."""
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import string
@@ -12,6 +11,7 @@ from types import SimpleNamespace
 
 from builder.errors import NemospecError
 from runtime.draft_policy import POLICY_FLAGS, policy_from
+from runtime.engine_meta import read_engine_meta as checked_engine_meta
 from serving.tensors import template_fields
 from serving.limits import encode_limits
 
@@ -28,9 +28,7 @@ def read_engine_meta(engine_dir) -> dict:
     path = engine_dir / "config.json"
     if not path.is_file():
         raise NemospecError(f"--engine_dir: {path} missing; build one with `nemospec build`")
-    meta = json.loads(path.read_text())
-    if "target" not in meta.get("engines", {}):
-        raise NemospecError(f"--engine_dir: {path} has no 'engines.target'; not a nemospec engine directory")
+    meta = checked_engine_meta(path)
     if not meta.get("tokenizer") or not (engine_dir / meta["tokenizer"]).is_file():
         raise NemospecError(f"--engine_dir: {engine_dir} has no tokenizer.json; the server takes and returns text, "
                             "so build from a checkpoint that has one")

@@ -84,16 +84,23 @@ def test_an_output_dir_that_is_not_an_earlier_build_is_never_replaced(engine, tm
     (["build", "--max_draft_len", "4"], "--max_draft_len"),
     (["build", "--num_layers", "-1"], "--num_layers"),
     (["build", "--draft_dir", "DRAFT"], "--draft_dir"),
+    (["generate", "--draft_dir", "DRAFT", "--input_ids", "1", "--max_new_tokens", "1"], "--draft_dir"),
+    (["build", "--draft_len_schedule", "1:4"], "--draft_len_schedule"),
+    (["build", "--max_tree_nodes", "8"], "--max_tree_nodes"),
+    (["build", "--speculative_decoding_mode", "eagle3", "--tree_topk", "99"], "--tree_topk"),
+    (["bench", "--embedded", "wide", "--embedded_factor", "0"], "--embedded_factor"),
 ])
 def test_flags_that_make_no_sense_are_refused_by_name(tmp_path, capsys, argv, named):
     from builder import embedded
     subs = {"CKPT": str(embedded.target_dir()), "DRAFT": str(embedded.draft_dir("eagle3"))}
-    code, _, err = _run(capsys, *[subs.get(a, a) for a in argv], "--output_dir", tmp_path / "o")
+    writes = [] if argv[0] == "generate" else ["--output_dir", tmp_path / "o"]
+    code, _, err = _run(capsys, *[subs.get(a, a) for a in argv], *writes)
     assert code == 2 and named in _one_error_line(err) and not (tmp_path / "o").exists(), err
 
 
 @pytest.mark.parametrize("value_flag", [("nan", "--temperature"), ("inf", "--temperature"),
-                                        ("99999999999999999999999", "--seed"), ("-1", "--seed")])
+                                        ("99999999999999999999999", "--seed"), ("-1", "--seed"),
+                                        ("-5", "--end_id"), ("999999", "--end_id")])
 def test_generate_sampling_values_out_of_range_are_refused_by_name(capsys, value_flag):
     """NaN passed the temperature check and failed in sampling with a traceback; a seed past 64 bits
     said only "Overflow when unpacking long long"."""
@@ -101,6 +108,19 @@ def test_generate_sampling_values_out_of_range_are_refused_by_name(capsys, value
     code, _, err = _run(capsys, "generate", "--backend", "torch", "--input_ids", "1,2", "--max_new_tokens", "2",
                         flag, value)
     assert code == 2 and flag in _one_error_line(err), err
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--max_draft_len", "0"], "--max_draft_len"), (["--max_draft_len", "100000"], "--max_draft_len"),
+    (["--tree", "--tree_topk", "100000"], "--tree_topk"), (["--tree", "--tree_depth", "100000"], "--tree_depth"),
+    (["--tree", "--max_tree_nodes", "100000"], "--max_tree_nodes"),
+])
+def test_generate_draft_sizes_past_what_a_step_can_hold_are_refused_by_name(capsys, flags, named):
+    """The torch path bounded none of these: --max_draft_len 100000 drafted for minutes, --tree_topk
+    100000 ran out of memory, and --max_draft_len 0 was named 'draft_len'."""
+    code, _, err = _run(capsys, "generate", "--backend", "torch", "--input_ids", "1,2", "--max_new_tokens", "2",
+                        "--speculative_decoding_mode", "eagle3", *flags)
+    assert code == 2 and named in _one_error_line(err), err
 
 
 def test_argument_errors_are_one_line(capsys):

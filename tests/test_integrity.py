@@ -91,3 +91,18 @@ def test_old_engine_dir_without_hashes_gets_a_clear_message(copy, capsys):
     assert "records no file sizes or sha256 hashes" in notice and "rebuild" in notice
     code, err = _run(capsys, *_generate(copy, "--verify"))
     assert code == 0 and "recordsnofilesizesorsha256hashes" in err, err
+
+
+@pytest.mark.parametrize("field, value, named", [
+    ("files", 5, "field'files':expectedanobject"),
+    ("files", {"target.engine": 7}, "field'files.target.engine':expected"),
+    ("files", {"target.engine": {"bytes": "12", "sha256": "00"}}, "field'files.target.engine':expected"),
+    ("tokenizer", 5, "field'tokenizer':expectedthetokenizerfile'sname"),
+])
+def test_a_malformed_config_field_is_one_line_naming_it(copy, capsys, field, value, named):
+    meta = json.loads((copy / "config.json").read_text())
+    meta[field] = value
+    (copy / "config.json").write_text(json.dumps(meta))
+    for command in (["serve", "--engine_dir", copy], _generate(copy)):
+        code, err = _run(capsys, *command)
+        assert code == 2 and named in err and "Traceback" not in err, err

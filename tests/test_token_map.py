@@ -170,6 +170,10 @@ def test_token_map_command(tmp_path, capsys):
     assert len(ids) == 5 and len(set(ids)) == 5
     assert cli.main(["token_map", "--corpus", str(tmp_path / "nope"), "--size", "5", "--output", str(out)]) == 2
     assert "--corpus" in capsys.readouterr().err
+    for suffix in (".txt", ".pt", ".ids"):   # each written as --speculative_token_map reads that suffix
+        other = tmp_path / f"map{suffix}"
+        assert cli.main(["token_map", "--corpus", str(tmp_path / "c.py"), "--size", "5", "--output", str(other)]) == 0
+        assert read_token_map(other, 1 << 20).tolist() == ids, suffix
 
 
 def test_generate_flag(checkpoints, tmp_path, capsys):

@@ -38,6 +38,11 @@ class TreeShape:
             raise ValueError(f"--tree_topk: expected >= 1, got {self.topk}")
         if self.depth < 1:
             raise ValueError(f"tree depth: expected >= 1, got {self.depth}")
+        # a frontier wider, or a path deeper, than the tree's nodes could never be filled: only draft work
+        if self.topk > self.max_nodes:
+            raise ValueError(f"--tree_topk: expected at most --max_tree_nodes ({self.max_nodes}), got {self.topk}")
+        if self.depth > self.max_nodes:
+            raise ValueError(f"--tree_depth: expected at most --max_tree_nodes ({self.max_nodes}), got {self.depth}")
 
     @property
     def draft_rows(self) -> int:
@@ -288,5 +293,6 @@ def tree_from(max_draft_len: int, recorded: dict, overrides=None, mode: str | No
     if "max_tree_nodes" in recorded and int(values["max_tree_nodes"]) > built:
         raise ValueError(f"--max_tree_nodes: expected at most {built} (the engine directory's), "
                          f"got {values['max_tree_nodes']}")
-    depth = int(values["tree_depth"]) or max_draft_len
-    return TreeShape(int(values["max_tree_nodes"]), int(values["tree_topk"]) or default_topk(mode), depth)
+    nodes = int(values["max_tree_nodes"])
+    depth = int(values["tree_depth"]) or min(max_draft_len, nodes)
+    return TreeShape(nodes, int(values["tree_topk"]) or min(default_topk(mode), nodes), depth)

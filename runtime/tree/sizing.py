@@ -18,10 +18,10 @@ from runtime.tree.draft import TreeShape
 SIZES = (4, 8, 16, 32, 64)
 
 
-def candidate_sizes(cap: int, topk: int) -> list[int]:
-    """Tree sizes to try: the standard sizes up to ``cap``, and ``cap`` itself; at least ``topk``
-    nodes (a smaller tree drops most of the root's children)."""
-    return sorted({n for n in SIZES if topk <= n <= cap} | {cap})
+def candidate_sizes(cap: int, least: int) -> list[int]:
+    """Tree sizes to try: the standard sizes up to ``cap``, and ``cap`` itself; at least ``least``
+    nodes (the top-k or depth: a smaller tree drops most of the root's children or the deep nodes)."""
+    return sorted({n for n in SIZES if least <= n <= cap} | {cap})
 
 
 def calibrate_tree(loaded, prompt: list[int], k: int, shape: TreeShape, cap: int, new_tokens: int = 48,
@@ -35,7 +35,7 @@ def calibrate_tree(loaded, prompt: list[int], k: int, shape: TreeShape, cap: int
     from runtime.step_costs import cost_model
     plain = generate(loaded.runner, [prompt], new_tokens, **generate_args).extra["cost"].summary()
     predicted, tokens = {}, {}
-    for size in [None, *candidate_sizes(cap, shape.topk)]:
+    for size in [None, *candidate_sizes(cap, max(shape.topk, shape.depth))]:
         tree = None if size is None else replace(shape, max_nodes=size)
         if warm is not None:
             warm(tree)

@@ -31,13 +31,26 @@ def _byte_level(tokenizer) -> bool:
         return False
 
 
-def token_bytes(tokenizer, token_id: int, byte_level: bool | None = None) -> bytes:
+_FACTS: dict[int, tuple] = {}   # id(tokenizer) -> (tokenizer, byte-level?, added token ids); the server has one
+
+
+def _facts(tokenizer) -> tuple[bool, frozenset]:
+    """Whether ``tokenizer`` is byte-level and its added tokens' ids, read once per tokenizer (the
+    library copies its added-tokens table on every call)."""
+    entry = _FACTS.get(id(tokenizer))
+    if entry is None or entry[0] is not tokenizer:   # the reference held keeps the id from being reused
+        added = frozenset(getattr(tokenizer, "get_added_tokens_decoder", dict)())
+        entry = _FACTS[id(tokenizer)] = (tokenizer, _byte_level(tokenizer), added)
+    return entry[1], entry[2]
+
+
+def token_bytes(tokenizer, token_id: int) -> bytes:
     """The UTF-8 bytes ``token_id`` contributes to a decoded text."""
+    byte_level, added = _facts(tokenizer)
     piece = tokenizer.id_to_token(int(token_id))
-    special = getattr(tokenizer, "get_added_tokens_decoder", dict)().get(int(token_id))
-    if piece is None or special is not None:
+    if piece is None or int(token_id) in added:
         return tokenizer.decode([int(token_id)]).encode("utf-8")
-    if (_byte_level(tokenizer) if byte_level is None else byte_level) and all(c in _BYTE_OF for c in piece):
+    if byte_level and all(c in _BYTE_OF for c in piece):
         return bytes(_BYTE_OF[c] for c in piece)
     fallback = _BYTE_TOKEN.fullmatch(piece)
     if fallback:
@@ -51,11 +64,10 @@ class TextOffsets:
 
     def __init__(self, tokenizer, offset: int = 0):
         self.tokenizer, self.offset = tokenizer, offset
-        self.byte_level = _byte_level(tokenizer)
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def bytes_of(self, token_id) -> bytes:
-        return token_bytes(self.tokenizer, token_id, self.byte_level)
+        return token_bytes(self.tokenizer, token_id)
 
     def take(self, data: bytes) -> int:
         """The offset before ``data``; then moves past it."""
@@ -79,6 +91,5 @@ def completion_logprobs(tokenizer, ids, logprobs, offsets: TextOffsets | None = 
 
 def chat_logprobs(tokenizer, ids, logprobs) -> dict:
     """The chat shape: one entry per token, no alternatives."""
-    byte_level = _byte_level(tokenizer)
-    return {"content": [{"token": piece, "logprob": lp, "bytes": list(token_bytes(tokenizer, t, byte_level)),
+    return {"content": [{"token": piece, "logprob": lp, "bytes": list(token_bytes(tokenizer, t)),
                          "top_logprobs": []} for t, piece, lp in zip(ids, _pieces(tokenizer, ids), logprobs)]}
