@@ -10,6 +10,7 @@ the Python stubs included, after ``shutdown_timeout``) or kills it at once (``ki
 from __future__ import annotations
 
 import atexit
+import errno
 import os
 import re
 import shutil
@@ -41,6 +42,21 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def check_port_free(host: str, port: int, flag: str) -> None:
+    """Refuses a port another socket listens on before anything starts: tritonserver binds its gRPC
+    and metrics ports only after every model has loaded (minutes of warm-up for a compiled draft).
+    SO_REUSEADDR as a server binds, so a port whose old connections linger in TIME_WAIT passes."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise NemospecError(f"{flag}: {host}:{port} is already in use") from None
+            raise NemospecError(f"{flag}: cannot bind {host}:{port}: {e.strerror or e}") from None
 
 
 def _pdeathsig():  # runs in the child: die with the parent
@@ -251,6 +267,9 @@ def start_server(engine_dir, *, host: str = "127.0.0.1", http_port: int = 8000, 
                               alive=lambda: handle.dead_now() if handle is not None else None)
         except OSError as e:
             raise NemospecError(f"--http_port: cannot bind {host}:{http_port}: {e.strerror or e}") from None
+        for port, flag, service in ((grpc_port, "--grpc_port", "grpc"), (metrics_port, "--metrics_port", "metrics")):
+            if not re.search(rf"--allow-{service}[= ]false", " ".join(extra_args)):
+                check_port_free(host, port, flag)
         repo_dir = fill_model_repo(engine_dir, Path(model_repo_dir).resolve() if model_repo_dir else run_dir / "models",
                                    backend=backend, torch_threads=torch_threads, warm_up=warm_up,
                                    max_batch_size=max_batch_size,
