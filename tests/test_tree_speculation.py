@@ -389,3 +389,9 @@ def test_tree_topk_zero_is_the_draft_kinds_default():
     assert tree_from(3, {"max_tree_nodes": 16}, given, "dspark") == TreeShape(16, 2, 3)
     with pytest.raises(ValueError, match="--max_tree_nodes: expected at most 12"):
         tree_from(4, {"max_tree_nodes": 12}, SimpleNamespace(max_tree_nodes=16), "dflash")
+    # a smaller tree than the kind's top-k or K: the defaults shrink to it; given values past it are refused
+    assert tree_from(8, {}, SimpleNamespace(max_tree_nodes=4, tree_topk=None, tree_depth=None), "dflash") == \
+        TreeShape(4, 4, 4)
+    for flag in ("tree_topk", "tree_depth"):
+        with pytest.raises(ValueError, match=f"--{flag}: expected at most --max_tree_nodes \\(4\\), got 5"):
+            tree_from(4, {}, SimpleNamespace(**{"max_tree_nodes": 4, "tree_topk": None, "tree_depth": None, flag: 5}))
