@@ -59,16 +59,30 @@ def pack_word_ids(lists):
     return out
 
 
-def unpack_word_ids(array) -> tuple[tuple[int, ...], ...]:
+def unpack_word_ids(array, name: str = "words", vocab: int | None = None) -> tuple[tuple[int, ...], ...]:
+    """[2, N] (``pack_word_ids``' layout, TensorRT-LLM's) -> token-id sequences. A malformed array or an
+    id outside ``[0, vocab)`` is a ValueError naming ``name``: the words mask logits in a batched
+    step, where a bad id would fail every sequence of the batch."""
     import numpy as np
-    a = np.asarray(array).reshape(2, -1)
+    a = np.asarray(array)
+    if a.size == 0 or a.size % 2 or a.dtype.kind not in "iu":
+        raise ValueError(f"{name}: expected int32 [2, N] (ids, then each word's end offset), got {a.dtype} "
+                         f"{list(a.shape)}")
+    a = a.reshape(2, -1)
     words, start = [], 0
     for end in a[1]:
         end = int(end)
         if end < 0:
             break
+        if not start <= end <= a.shape[1]:
+            raise ValueError(f"{name}: end offsets must not decrease and stay within the {a.shape[1]} ids, got "
+                             f"{end} after {start}")
         if end > start:
-            words.append(tuple(int(t) for t in a[0, start:end]))
+            word = tuple(int(t) for t in a[0, start:end])
+            bad = [t for t in word if t < 0 or (vocab is not None and t >= vocab)]
+            if bad:
+                raise ValueError(f"{name}: token id {bad[0]} outside the vocabulary [0, {vocab})")
+            words.append(word)
         start = end
     return tuple(words)
 

@@ -251,6 +251,13 @@ def test_word_lists_round_trip():
     assert packed.shape == (2, 6) and packed.dtype == np.int32
     assert protocol.unpack_word_ids(packed) == ((1, 2), (3,), (4, 5, 6))
     assert protocol.unpack_word_ids(protocol.pack_word_ids([])) == ()
+    for bad, named in ((np.array([[5, 99999], [1, 2]], np.int32), "token id 99999 outside"),
+                       (np.array([[5, 6], [2, 1]], np.int32), "end offsets must not decrease"),
+                       (np.array([[5, 6], [1, 9]], np.int32), "end offsets must not decrease and stay within the 2 ids, got 9"),
+                       (np.array([1, 2, 3], np.int32), "expected int32 [2, N]"),
+                       (np.array([[0.5, 1.0], [1, 2]], np.float32), "expected int32 [2, N]")):
+        with pytest.raises(ValueError, match=re.escape(f"bad_words_ids: {named}")):
+            protocol.unpack_word_ids(bad, "bad_words_ids", vocab=2048)
 
 
 def test_a_line_break_is_part_of_a_word_not_a_csv_row_end():
@@ -517,6 +524,24 @@ def test_stop_and_bad_words(server, engine_dir, tokenizer):
         status, got = generate(server, text_input=PROMPTS[0], max_tokens=4, end_id=-1, bad_words=[first],
                                exclude_input_in_output=True)
         assert status == 200 and got["output_ids"][0] != want[0]
+
+
+def test_bad_word_ids_sent_to_the_model_fail_that_request_alone(server, engine_dir):
+    """Triton serves the ensemble's inner models too: word ids outside the vocabulary sent straight to
+    the speculative model are a 400 naming the field, and a request in flight beside it (same batch)
+    still finishes exactly (an IndexError in the batched step had failed them all)."""
+    results = queue.Queue()
+    good = threading.Thread(target=lambda: results.put(generate(server, text_input=PROMPTS[0], max_tokens=40,
+                                                                exclude_input_in_output=True)))
+    good.start()
+    time.sleep(0.3)
+    for name in ("bad_words_ids", "stop_words_ids"):
+        status, text = http_post(server, "/v2/models/speculative/generate",
+                                 {"input_ids": [5, 6], "max_tokens": 4, name: [[99999], [1]]})
+        assert status == 400 and f"{name}: token id 99999 outside the vocabulary" in text, (status, text)
+    good.join(180)
+    status, got = results.get_nowait()
+    assert status == 200 and got["output_ids"] == offline(engine_dir, PROMPTS[0], 40)["output_ids"]
 
 
 def test_queue_full_is_refused_clearly(server, engine_dir):

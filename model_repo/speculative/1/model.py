@@ -243,7 +243,10 @@ class TritonPythonModel:
     # --- requests ----------------------------------------------------------------------------------
     def _words(self, request, name):
         tensor = pb_utils.get_input_tensor_by_name(request, name)
-        return () if tensor is None else self.unpack(tensor.as_numpy().reshape(2, -1))
+        try:
+            return () if tensor is None else self.unpack(tensor.as_numpy(), name, self.vocab)
+        except ValueError as e:
+            raise self.BadInput(str(e)) from None
 
     def _parse(self, request):
         inputs = {}
