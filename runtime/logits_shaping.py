@@ -2,7 +2,8 @@
 
 Banned tokens, and bad words of several tokens (the last banned where the history ends with the
 rest, as TensorRT-LLM's bad_words and transformers' bad_words_ids do); TensorRT-LLM's repetition,
-presence and frequency penalties (over the prompt and every token before the position scored);
+presence and frequency penalties (over the prompt and every token before the position scored,
+presence and frequency after the temperature, as its sampling kernel applies them);
 ``min_length`` (end ids banned while fewer tokens were generated).
 A verify chunk's row j is shaped with the history that row continues: the sequence so far plus the
 first j drafts, so speculation samples from exactly the distribution target-only decoding would, and
@@ -17,14 +18,18 @@ from runtime.sampling import SamplingParams, probabilities
 
 
 def _penalise(row: torch.Tensor, counts: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """TensorRT-LLM's order: the additive penalties come off the temperature-scaled logits (l/T - p),
+    so on these unscaled logits, which the sampler divides by T later, they count T times (greedy:
+    once). The repetition penalty scales, so its place in the order makes no difference."""
     seen = counts > 0
     if p.repetition_penalty != 1.0:
         scaled = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
         row = torch.where(seen, scaled, row)
+    scale = p.temperature or 1.0
     if p.presence_penalty:
-        row = row - p.presence_penalty * seen
+        row = row - (scale * p.presence_penalty) * seen
     if p.frequency_penalty:
-        row = row - p.frequency_penalty * counts
+        row = row - (scale * p.frequency_penalty) * counts
     return row
 
 

@@ -5,8 +5,11 @@ Triton 2.51's HTTP generate extension casts a JSON integer to an INT32 input wit
 (``"max_tokens": 4294967301`` arrives as 5, a silent wrong answer) and refuses a value of the wrong
 JSON type with a message that names its parser's key ``data`` instead of the input
 (``Unable to parse 'data': attempt to access JSON non-signed-integer as signed-integer``). Here each
-known input gets its JSON type and range checked, with one line naming the field; the rest (unknown
-fields are request parameters to Triton, values the models check) passes through unchanged.
+known input gets its JSON type and range checked, with one line naming the field. Triton takes any
+other top-level key as a request parameter, which no model reads, so a misspelt or foreign field
+(``min_tokens`` for ``min_length``) was silently ignored: a key that is neither an input nor one of
+``PARAMETERS`` is refused by name. A key given twice is refused too (Triton reads the first, Python's
+``json`` the last: the two disagreed on what was checked).
 """
 from __future__ import annotations
 
@@ -22,6 +25,9 @@ _KINDS = {"STRING": "string", "INT32": "int32", "UINT64": "uint64", "FP32": "num
 #: ensemble input -> JSON kind (a list of such values is what Triton takes as the input's data), for
 #: every input the ensemble declares (serving.tensors)
 FIELDS = {t.name: _KINDS[t.dtype] for t in [t for _, t in TEXT_INPUTS.values()] + list(REQUEST_INPUTS)}
+#: top-level keys that are not inputs: Triton's request id and parameters object, and the request
+#: parameter the speculative model reads (``"speculative": false``: target-only)
+PARAMETERS = ("id", "parameters", "speculative")
 GENERATE_PATH = re.compile(r"^/v2/models/ensemble(/versions/[^/]+)?/generate(_stream)?/?(\?.*)?$")
 
 
@@ -65,12 +71,27 @@ def check_generate_body(body: bytes, streaming: bool = True) -> str | None:
     ``streaming``: the request came to ``generate_stream``; to ``generate``, a ``stream`` of true
     makes the ensemble answer in several responses, which Triton's ``generate`` reports as an error
     under HTTP 200."""
+    twice = []
+
+    def pairs(items):
+        seen = set()
+        for key, _ in items:
+            if key in seen:
+                twice.append(key)
+            seen.add(key)
+        return dict(items)
     try:
-        doc = json.loads(body)
+        doc = json.loads(body, object_pairs_hook=pairs)
     except (ValueError, UnicodeDecodeError) as e:
         return f"request body: not valid JSON ({e})"
     if not isinstance(doc, dict):
         return f"request body: expected a JSON object, got {_short(doc)}"
+    if twice:
+        return f"{twice[0]}: given twice in the request body"
+    unknown = [key for key in doc if key not in FIELDS and key not in PARAMETERS]
+    if unknown:
+        return (f"{unknown[0]}: not an input of the ensemble (nor a request parameter nemospec reads); "
+                f"its inputs: {', '.join(sorted(FIELDS))}")
     for name, kind in FIELDS.items():
         if name in doc and (error := _check(name, kind, doc[name])):
             return error

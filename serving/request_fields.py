@@ -62,6 +62,9 @@ def _scalar(inputs, name, default=None):
     return value.item() if hasattr(value, "item") else value
 
 
+FP32_1E_6 = float(np.float32(1e-6))   # the FP32 input's 1e-6 (just under it), so 1e-6 itself passes
+
+
 def _number(inputs, name, default, *, integer=False, low=None, high=None, what=""):
     value = _scalar(inputs, name, default)
     if value is None:
@@ -121,11 +124,11 @@ def parse(inputs: dict, parameters: dict, *, vocab: int, default_end, max_draft_
         temperature=_number(inputs, "temperature", 0.0, low=0.0, what="a finite number >= 0"),
         top_p=_number(inputs, "top_p", 1.0, low=0.0, high=1.0, what="a value in (0, 1]"),
         top_k=_number(inputs, "top_k", 0, integer=True, low=0, high=vocab, what=f"0..{vocab} (0: no cut)"),
-        min_length=_number(inputs, "min_length", 0, integer=True, low=0, high=1 << 30, what="a count >= 0"),
-        repetition_penalty=_number(inputs, "repetition_penalty", 1.0, low=1e-6, high=1e6,
-                                   what="a finite number > 0 (1: none)"),
-        presence_penalty=_number(inputs, "presence_penalty", 0.0, low=-1e6, high=1e6, what="a finite number"),
-        frequency_penalty=_number(inputs, "frequency_penalty", 0.0, low=-1e6, high=1e6, what="a finite number"),
+        min_length=_number(inputs, "min_length", 0, integer=True, low=0, high=1 << 30, what="a count in 0..2^30"),
+        repetition_penalty=_number(inputs, "repetition_penalty", 1.0, low=FP32_1E_6, high=1e6,
+                                   what="a number in [1e-6, 1e6] (1: none)"),
+        presence_penalty=_number(inputs, "presence_penalty", 0.0, low=-1e6, high=1e6, what="a number in [-1e6, 1e6]"),
+        frequency_penalty=_number(inputs, "frequency_penalty", 0.0, low=-1e6, high=1e6, what="a number in [-1e6, 1e6]"),
         seed=None if seed is None else int(seed),
         end_ids=default_end if end_id is None else frozenset() if end_id < 0 else frozenset([end_id]),
         speculative=speculative,

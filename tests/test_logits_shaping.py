@@ -12,7 +12,7 @@ from runtime.logits_shaping import shape
 from runtime.sampling import SamplingParams, probabilities
 from runtime.state import chunk_inputs
 from speculative_fixtures import chi_square_p, layer_subset_draft, runners, target_with_mtp
-from tolerances import lm_head_bound
+from tolerances import assert_within, lm_head_bound
 
 PROMPTS = [[5, 9, 17, 33, 4, 8, 11], [12, 13, 14], [40, 41, 42, 43, 44]]
 N = 24
@@ -122,6 +122,16 @@ def test_presence_and_frequency_penalties_follow_their_formula():
                                                                              [1, 1, 2, 3, 4, 4])]
     want = torch.stack([-(0.5 * (c > 0) + 0.25 * c) for c in counts])[None]
     assert torch.equal(got, want)
+    # sampled at T: TensorRT-LLM subtracts them from the scaled logits, l/T - p (vLLM: (l - p)/T),
+    # so the distribution the sampler draws from is softmax(l/T - p)
+    raw = torch.randn(1, 1, 8, generator=torch.Generator().manual_seed(0))
+    seq = Sequence([1, 1, 2], 10, SamplingParams(temperature=0.5, presence_penalty=0.5, frequency_penalty=0.25))
+    seq.outputs = [3]
+    drawn = probabilities(shape(raw, [seq])[0, 0], 0.5, 1.0)
+    c = counts[0][:8]
+    want = torch.softmax(raw[0, 0] / 0.5 - 0.5 * (c > 0) - 0.25 * c, -1)
+    # each shaped logit carries a few roundings of its magnitude; a softmax moves by at most twice that
+    assert_within(drawn, want, 8 * torch.finfo(torch.float32).eps * (1 + (raw / 0.5).abs().max()))
 
 
 def _second_token_marginal(target, prompt, settings):

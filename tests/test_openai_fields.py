@@ -308,3 +308,24 @@ def test_a_lone_surrogate_is_a_400_naming_its_field(path, raw, param):
     assert "lone surrogate" in error["message"]
     assert _call(app, body={"prompt": "x", "stop": ["\ud83d\ude00"]})[0] == 200     # and the server keeps answering
     assert _call(app, raw=b'{"prompt": "\\ud83d\\ude00", "max_tokens": 4}')[0] == 200
+
+
+def test_penalties_keep_openais_order_on_a_server_with_tensorrt_llms():
+    """The server takes presence and frequency off the temperature-scaled logits (l/T - p, TensorRT-LLM's
+    order); OpenAI's and vLLM's come off before the temperature, (l - p)/T: the frontend sends p/T.
+    Greedy has no temperature to divide by; the repetition penalty scales, so it goes as it is."""
+    from serving.openai import backend
+    from serving.openai.protocol import Generation
+    from runtime.sampling import GREEDY_BELOW
+    assert backend.GREEDY_BELOW == GREEDY_BELOW
+
+    import numpy as np
+
+    def sent(**fields):   # the penalty inputs' values (an InferInput keeps its data as raw bytes)
+        inputs = backend.ensemble_inputs(Generation("x", 4, **fields), 4)
+        return {t.name(): float(np.frombuffer(t._raw_content, np.float32)[0])
+                for t in inputs if t.name().endswith("penalty")}
+    assert sent(temperature=0.5, presence_penalty=1.0, frequency_penalty=-0.5, repetition_penalty=1.3) == \
+        {"presence_penalty": 2.0, "frequency_penalty": -1.0, "repetition_penalty": pytest.approx(1.3)}
+    assert sent(temperature=0.0, presence_penalty=1.0) == {"presence_penalty": 1.0}
+    assert sent(temperature=GREEDY_BELOW / 2, presence_penalty=1.0) == {"presence_penalty": 1.0}

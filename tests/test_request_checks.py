@@ -16,7 +16,11 @@ from serving.launch import free_port
 
 @pytest.mark.parametrize("body,needle", [
     (b'{"text_input": "x", "max_tokens": 4}', None),
-    (b'{"text_input": ["x"], "max_tokens": [4], "stop_words": ["a", "b"], "unknown": {"y": 1}}', None),
+    (b'{"text_input": ["x"], "max_tokens": [4], "stop_words": ["a", "b"], "parameters": {"y": 1}}', None),
+    (b'{"id": "7", "text_input": "x", "speculative": false}', None),
+    (b'{"text_input": "x", "min_tokens": 30}', "min_tokens: not an input of the ensemble"),
+    (b'{"text_input": "x", "runtime_top_k": 1}', "runtime_top_k: not an input of the ensemble"),
+    (b'{"text_input": "x", "temperature": "hot", "temperature": 1}', "temperature: given twice"),
     (b'{"text_input": "x", "max_tokens": NaN}', "max_tokens: expected an integer"),
     (b'{"text_input": "x", "max_tokens": 4294967301}', "max_tokens: 4294967301 is outside the INT32 range"),
     (b'{"text_input": "x", "max_tokens": true}', "max_tokens: expected an integer"),

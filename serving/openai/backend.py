@@ -13,6 +13,7 @@ from functools import cached_property
 import numpy as np
 
 from serving.openai.errors import APIError, from_triton
+GREEDY_BELOW = 1e-5   # runtime.sampling.GREEDY_BELOW (tested equal): under it a request is greedy
 from serving.openai.protocol import Generation
 
 log = logging.getLogger(__name__)
@@ -107,10 +108,13 @@ def ensemble_inputs(g: Generation, max_tokens: int):
         inputs.append(one("add_special_tokens", False, np.bool_, "BOOL"))
     if g.stop:   # a stop string ends the stream before the last response: every one carries the counts
         inputs.append(one("return_acceptance", True, np.bool_, "BOOL"))
+    # the server subtracts presence and frequency from the temperature-scaled logits (TensorRT-LLM's
+    # l/T - p); OpenAI's and vLLM's come off the logits before the temperature, (l - p)/T = l/T - p/T
+    scale = 1.0 / g.temperature if g.temperature >= GREEDY_BELOW else 1.0
     for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
         value = getattr(g, name)
         if value != (1.0 if name == "repetition_penalty" else 0.0):
-            inputs.append(one(name, value, np.float32, "FP32"))
+            inputs.append(one(name, value if name == "repetition_penalty" else value * scale, np.float32, "FP32"))
     return inputs
 
 
