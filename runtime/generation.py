@@ -4,9 +4,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import torch
-
-
 
 @dataclass
 class GenerationResult:
@@ -61,9 +58,9 @@ def generate(runner, prompts: list[list[int]], max_new_tokens: int, *, temperatu
              max_seq_len: int = 1 << 30, prefill_chunk: int = 512) -> GenerationResult:
     """Target-only generation; every prompt of the batch draws from one seeded generator in order."""
     from runtime.batching import PlainGroup
-    from runtime.sampling import SamplingParams
+    from runtime.sampling import SamplingParams, seeded_generator
     check_request(prompts, max_new_tokens, max_seq_len, runner.config.vocab_size)
-    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    generator = seeded_generator(seed)
     start = time.perf_counter()
     group = PlainGroup(runner, max(len(p) for p in prompts) + max_new_tokens, prefill_chunk)
     seqs = run_group(group, prompts, max_new_tokens, SamplingParams(temperature, top_p, generator), end_ids)

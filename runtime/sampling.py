@@ -6,6 +6,24 @@ from dataclasses import dataclass
 import torch
 
 GREEDY_BELOW = 1e-5     # vLLM's _SAMPLING_EPS
+_M64 = (1 << 64) - 1
+
+
+def seeded_generator(seed: int | None) -> torch.Generator | None:
+    """The CPU generator of a 64-bit seed (``random_seed`` is UINT64, as in TensorRT-LLM). torch's CPU
+    generator (mt19937) keeps a seed's low 32 bits, so S and S + 2^32 drew one stream: the high half
+    is mixed in (splitmix64's finalizer) and folded onto the low half. A seed under 2^32 keeps its
+    stream; two seeds still share one with chance 2^-32, not by construction."""
+    if seed is None:
+        return None
+    low, high = seed & 0xFFFFFFFF, seed >> 32
+    if high:
+        h = (high * 0x9E3779B97F4A7C15) & _M64
+        h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & _M64
+        h ^= h >> 31
+        low ^= (h ^ (h >> 32)) & 0xFFFFFFFF
+    return torch.Generator().manual_seed(low)
 
 
 @dataclass

@@ -13,10 +13,8 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass
 
-import torch
-
 from runtime.batching import PlainGroup, Sequence, SpeculativeGroup
-from runtime.sampling import SamplingParams
+from runtime.sampling import SamplingParams, seeded_generator
 
 
 @dataclass
@@ -138,7 +136,7 @@ class Scheduler:
             self.metrics["queued"] = len(self._queue)
         by_group = {}
         for request_id, r, cb in taken:
-            generator = torch.Generator().manual_seed(r.seed) if r.seed is not None else None
+            generator = seeded_generator(r.seed)
             params = SamplingParams(r.temperature, r.top_p, generator, tuple(w[0] for w in r.bad_words if len(w) == 1),
                                     r.top_k, r.repetition_penalty, r.presence_penalty, r.frequency_penalty,
                                     r.min_length, r.logprobs, tuple(tuple(w) for w in r.bad_words if len(w) > 1))

@@ -12,12 +12,10 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-import torch
-
 from runtime.batching import SpeculativeGroup
 from runtime.draft_policy import DraftPolicy
 from runtime.generation import GenerationResult, check_request, run_group
-from runtime.sampling import SamplingParams
+from runtime.sampling import SamplingParams, seeded_generator
 from runtime.tree.draft import TreeShape
 from runtime.tree.group import TreeSpeculativeGroup
 
@@ -48,7 +46,7 @@ def speculative_generate(target, proposer, prompts: list[list[int]], max_new_tok
     check_request(prompts, max_new_tokens, max_seq_len, target.config.vocab_size)
     if draft_len < 1:
         raise ValueError(f"draft_len: expected >= 1, got {draft_len}")
-    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    generator = seeded_generator(seed)
     start = time.perf_counter()
     if tree is not None:
         draft_len = max(draft_len, tree.depth)

@@ -78,6 +78,27 @@ def test_seeded_sampling_does_not_depend_on_the_batch(loaded):
     assert len(alone) == 16
 
 
+def test_every_bit_of_a_64_bit_seed_picks_the_stream(loaded):
+    """random_seed is UINT64: S and S + 2^32 (and S + 2^63) drew one stream when torch's CPU generator
+    kept the low 32 bits; a seed under 2^32 keeps the stream torch.manual_seed gives it."""
+    import torch
+    from runtime.sampling import seeded_generator
+
+    def draws(seed):
+        return torch.rand(8, generator=seeded_generator(seed)).tolist()
+    assert draws(5) == torch.rand(8, generator=torch.Generator().manual_seed(5)).tolist()
+    streams = {tuple(draws(s)) for s in (5, 5 + 2**32, 5 + 2**63, 2**64 - 1, 2**32 - 1, 2**33 + 5)}
+    assert len(streams) == 6
+
+    def sample(seed):
+        scheduler = Scheduler(loaded)
+        mine = Collector()
+        scheduler.submit(Request([5, 9, 17], 16, temperature=1.5, seed=seed), mine)
+        _drain(scheduler)
+        return mine.tokens
+    assert sample(5 + 2**32) == sample(5 + 2**32) != sample(5)
+
+
 def test_a_seeded_request_with_its_own_draft_length_does_not_depend_on_the_batch(loaded):
     """A seeded request drafting fewer tokens than the rest of its batch (num_draft_tokens 1 beside
     requests at the engine's K): its draws past its own K are not made from its generator, so its
