@@ -53,7 +53,7 @@ class Sequence:
         for t in tokens:
             self.outputs.append(t)
             kept.append(t)
-            if t in self.end_ids or any(tuple(self.outputs[-len(s):]) == tuple(s) for s in self.stop_words if s):
+            if t in self.end_ids or any(self._ends_with(s) for s in self.stop_words if s):
                 self.finished, self.finish_reason, self.ended_at_end_id = True, "stop", t in self.end_ids
                 break
             if len(self.outputs) >= self.max_new_tokens:
@@ -62,6 +62,15 @@ class Sequence:
         if logprobs:
             self.logprobs.extend(logprobs[:len(kept)])
         return kept
+
+    def _ends_with(self, word) -> bool:
+        """The sequence, prompt included, ends with ``word``: a stop word may begin in the prompt, as
+        TensorRT-LLM's stop criterion reads the whole sequence (and bad words here do)."""
+        n = len(word)
+        if len(self.outputs) >= n:
+            return self.outputs[-n:] == list(word)
+        before = n - len(self.outputs)
+        return len(self.prompt) >= before and list(self.prompt[-before:]) + self.outputs == list(word)
 
     @property
     def mean_accepted_tokens(self) -> float:

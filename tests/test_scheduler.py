@@ -173,12 +173,16 @@ def test_stop_words_bad_words_and_end_ids(loaded):
     free = generate(loaded.runner, [[5, 9]], 20).output_ids[0]
     assert_greedy_margin(loaded.runner, [[5, 9]], [free], 3)
     scheduler = Scheduler(loaded)
-    stop, banned, end = Collector(), Collector(), Collector()
+    stop, banned, end, across = Collector(), Collector(), Collector(), Collector()
     scheduler.submit(Request([5, 9], 20, stop_words=(tuple(free[3:5]),)), stop)
+    # a stop word that begins in the prompt ends at its first generated token (TensorRT-LLM's
+    # criterion reads the whole sequence): the prompt's last id, then the first output
+    scheduler.submit(Request([5, 9], 20, stop_words=((9, free[0]),)), across)
     scheduler.submit(Request([5, 9], 20, bad_words=((free[0],),)), banned)
     scheduler.submit(Request([5, 9], 20, end_ids=frozenset({free[6]})), end)
     _drain(scheduler)
     assert stop.tokens == free[:5]
+    assert across.tokens == free[:1]
     assert banned.tokens[0] != free[0] and free[0] not in banned.tokens
     assert end.tokens == free[:free.index(free[6]) + 1]
 
