@@ -134,6 +134,7 @@ def grpc_request(url, prompt, max_tokens, *, temperature=0.0, seed=None, cancel_
               ("stream", np.array([[True]], dtype=bool), "BOOL")]
     if temperature:
         values += [("temperature", np.array([[temperature]], dtype=np.float32), "FP32"),
+                   ("top_p", np.array([[1.0]], dtype=np.float32), "FP32"),   # TensorRT-LLM's rule: else greedy
                    ("random_seed", np.array([[seed]], dtype=np.uint64), "UINT64")]
     inputs = []
     for name, array, dtype in values:
@@ -225,7 +226,7 @@ def soak(args, engine_dir, scratch):
         if kind == "grpc_sampled":
             return grpc_request(server.grpc, prompt, tokens, temperature=0.8, seed=seed)
         if kind == "http_sampled":
-            return http_request(server.http, {"text_input": prompt, "max_tokens": tokens, "temperature": 0.8,
+            return http_request(server.http, {"text_input": prompt, "max_tokens": tokens, "temperature": 0.8, "top_p": 1.0,
                                               "random_seed": seed})
         if kind == "grpc_cancelled":
             return grpc_request(server.grpc, prompt, max(tokens, 32), cancel_after=2)

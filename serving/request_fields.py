@@ -121,8 +121,8 @@ def parse(inputs: dict, parameters: dict, *, vocab: int, default_end, max_draft_
     fields = dict(
         prompt_ids=[int(t) for t in ids[0]],
         max_new_tokens=int(_scalar(inputs, "max_tokens")),
-        temperature=_number(inputs, "temperature", 0.0, low=0.0, what="a finite number >= 0"),
-        top_p=_number(inputs, "top_p", 1.0, low=0.0, high=1.0, what="a value in (0, 1]"),
+        temperature=_number(inputs, "temperature", 1.0, low=0.0, what="a finite number >= 0"),
+        top_p=_number(inputs, "top_p", 0.0, low=0.0, high=1.0, what="a value in [0, 1] (0: no nucleus cut)"),
         top_k=_number(inputs, "top_k", 0, integer=True, low=0, high=vocab, what=f"0..{vocab} (0: no cut)"),
         min_length=_number(inputs, "min_length", 0, integer=True, low=0, high=1 << 30, what="a count in 0..2^30"),
         repetition_penalty=_number(inputs, "repetition_penalty", 1.0, low=FP32_1E_6, high=1e6,
@@ -136,8 +136,12 @@ def parse(inputs: dict, parameters: dict, *, vocab: int, default_end, max_draft_
         max_draft=_number(inputs, "num_draft_tokens", None, integer=True, low=0, high=max_draft_len,
                           what=f"0..{max_draft_len} (the engine's max_draft_len)"),
     )
+    # TensorRT-LLM's rule (its defaults: temperature 1, top_k 0, top_p 0): a request samples only
+    # with top_k > 1 or top_p > 0; with neither it is greedy at any temperature
+    if fields["top_k"] <= 1 and fields["top_p"] == 0:
+        fields["temperature"] = 0.0
     if fields["top_p"] == 0:
-        raise BadInput("top_p: expected a value in (0, 1], got 0.0")
+        fields["top_p"] = 1.0     # no nucleus cut (the runtime's value for it)
     options = Options(stream=_flag(inputs, "stream"), exclude_input_in_output=_flag(inputs, "exclude_input_in_output"),
                       return_log_probs=fields["logprobs"], return_perf_metrics=_flag(inputs, "return_perf_metrics"),
                       return_acceptance=_flag(inputs, "return_acceptance"))

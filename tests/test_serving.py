@@ -468,7 +468,7 @@ BAD = [
     ({"text_input": "x = 1", "max_tokens": 1000}, "max_seq_len"),
     ({"text_input": "import os\n" * 40, "max_tokens": 8}, "max_input_len"),
     ({"text_input": "x = 1", "max_tokens": 8, "temperature": -0.5}, "temperature"),
-    ({"text_input": "x = 1", "max_tokens": 8, "top_p": 0.0}, "top_p"),
+    ({"text_input": "x = 1", "max_tokens": 8, "top_p": -0.1}, "top_p"),
     ({"text_input": "x = 1", "max_tokens": 8, "top_p": 1.5}, "top_p"),
     ({"text_input": "x = 1", "max_tokens": 8, "end_id": 100000}, "end_id"),
     ({"text_input": "x = 1", "max_tokens": 8, "parameters": {"speculative": "maybe"}}, "speculative"),
@@ -493,6 +493,20 @@ def test_bad_input_gets_an_error_and_the_server_keeps_serving(server, engine_dir
     assert field in got["error"]
     status, good = generate(server, text_input=PROMPTS[0], max_tokens=6, exclude_input_in_output=True)
     assert status == 200 and good["output_ids"] == offline(engine_dir, PROMPTS[0], 6)["output_ids"]
+
+
+def test_sampling_follows_tensorrt_llms_rule(server, engine_dir):
+    """TensorRT-LLM's defaults (temperature 1, top_k 0, top_p 0) and rule: a request samples only with
+    top_k > 1 or top_p > 0, so its stock clients, which send a temperature of 1 and neither, get greedy
+    output; top_k 40 or top_p 0.95 at a seed sample, reproducibly."""
+    want = offline(engine_dir, PROMPTS[0], 24)["output_ids"]
+    for extra in ({"temperature": 1.0}, {"temperature": 1.5, "top_p": 0.0}, {"top_k": 1, "temperature": 2.0}, {}):
+        status, got = generate(server, text_input=PROMPTS[0], max_tokens=24, exclude_input_in_output=True, **extra)
+        assert status == 200 and got["output_ids"] == want, extra
+    for extra in ({"top_k": 40, "temperature": 1.5}, {"top_p": 0.95, "temperature": 1.5}):
+        runs = [generate(server, text_input=PROMPTS[0], max_tokens=24, exclude_input_in_output=True, random_seed=seed,
+                         **extra)[1]["output_ids"] for seed in (1, 1, 2)]
+        assert runs[0] == runs[1] and want not in runs[:1] + runs[2:], (extra, runs)
 
 
 def test_wrong_datatype_names_the_field(server):
