@@ -77,12 +77,14 @@ class Sequence:
         total = sum(self.gained.values())
         return sum(n * c for n, c in self.gained.items()) / total if total else 0.0
 
-    def speculation_stats(self) -> dict:
+    def speculation_stats(self, k: int = 0) -> dict:
         """This sequence's verify steps, draft tokens proposed and accepted, and the histogram of
-        accepted drafts per step (index j: steps that kept exactly j drafts)."""
+        accepted drafts per step (index j: steps that kept exactly j drafts), at least ``k`` + 1
+        buckets (its K: a client reads K from the length, as from the OpenAI frontend's)."""
         steps = sum(self.gained.values())
         accepted = sum((n - 1) * c for n, c in self.gained.items())
         top = max(self.gained, default=1)
+        top = max(top, k + 1)
         return {"steps": steps, "draft_tokens": self.drafted, "accepted_draft_tokens": accepted,
                 "histogram": [self.gained.get(j + 1, 0) for j in range(top)]}
 

@@ -156,7 +156,8 @@ class Scheduler:
     def _deliver(self, seqs, tokens):
         for seq, new in zip(seqs, tokens):
             self.metrics["generated_tokens"] += len(new)
-            info = {"speculation": seq.speculation_stats(), "admitted_ns": seq.admitted_ns}
+            k = (self.loaded.max_draft_len or 0) if seq.max_draft is None else seq.max_draft
+            info = {"speculation": seq.speculation_stats(k), "admitted_ns": seq.admitted_ns}
             if seq.params.logprobs:
                 info["logprobs"] = seq.logprobs[len(seq.logprobs) - len(new):] if new else []
             if seq.finished:

@@ -385,7 +385,8 @@ def test_http_generate_stream_sse(server, engine_dir):
     drafted = [e["total_draft_tokens"] for e in events]
     assert drafted == sorted(drafted) and drafted[-1] > drafted[0], "the request's counts so far, per response"
     means = [e["mean_accepted_tokens"] for e in events]   # tokens per verify step so far, from those counts
-    hists = [h if isinstance(h, list) else [h] for h in (e["acceptance_histogram"] for e in events)]   # one bucket: a scalar
+    hists = [e["acceptance_histogram"] for e in events]
+    assert all(len(h) == OPTIONS["max_draft_len"] + 1 for h in hists), "K+1 buckets, as the OpenAI frontend's"
     assert means == pytest.approx([sum((j + 1) * c for j, c in enumerate(h)) / sum(h) if sum(h) else 0.0
                                    for h in hists])
     status, body = http_post(server, "/v2/models/ensemble/generate_stream",
