@@ -20,12 +20,22 @@ def _check_replaceable(final: Path, replaceable) -> None:
                             "this command); remove it or choose another directory")
 
 
+def _check_inputs_outside(final: Path, inputs: dict) -> None:
+    """An input under ``final`` would go with the directory it replaces (a checkpoint copied into an
+    earlier engine directory was deleted by the build that read it)."""
+    for flag, path in inputs.items():
+        if path is not None and Path(path).resolve().is_relative_to(final.resolve()):
+            raise NemospecError(f"--output_dir {final}: holds the {flag} {path}; choose another directory")
+
+
 @contextmanager
-def atomic_dir(final, replaceable=None):
+def atomic_dir(final, replaceable=None, inputs: dict | None = None):
     """Yields a fresh temporary directory next to ``final``; renames it into place when the block
     succeeds (replacing an existing ``final`` that ``replaceable`` accepts), deletes it when the block
-    raises or the process is terminated."""
+    raises or the process is terminated. ``inputs`` ({flag: path}): what the command reads, refused
+    when it lies under ``final``."""
     final = Path(final)
+    _check_inputs_outside(final, inputs or {})
     _check_replaceable(final, replaceable)
     made = _make_parents(final)
     tmp = final.with_name(f".{final.name}.tmp-{time.time_ns()}")

@@ -419,7 +419,9 @@ def build(checkpoint_dir, output_dir, options: BuildOptions, log=print, draft_di
     build_memory.check(est, limit, options, config.num_layers)
 
     contracts, report_engines, refit = {}, {}, {}
-    with atomic_dir(output_dir, replaceable=is_engine_dir) as tmp:
+    with atomic_dir(output_dir, replaceable=is_engine_dir,
+                    inputs={"--checkpoint_dir": checkpoint_dir, "--draft_dir": draft_dir,
+                            "--speculative_token_map": token_map}) as tmp:
         log(f"writing weights into {output_dir}/weights")
         (tmp / "weights").mkdir()
         packed = quantized and options.strip_plan

@@ -59,10 +59,7 @@ def quantize_checkpoint(checkpoint_dir: str | os.PathLike, output_dir: str | os.
     raw_config = _read_json(src / CONFIG_FILE)
     raw_config["quantization_config"] = qc.quantization_config()
     from builder.atomic_dir import atomic_dir
-    if Path(src).resolve().is_relative_to(Path(dst).resolve()):
-        from builder.errors import NemospecError
-        raise NemospecError(f"--output_dir {dst}: holds the --checkpoint_dir {src}; choose another directory")
-    with atomic_dir(dst, replaceable=_earlier_output) as tmp:
+    with atomic_dir(dst, replaceable=_earlier_output, inputs={"--checkpoint_dir": src}) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_text(json.dumps(raw_config, indent=2) + "\n")
         (tmp / HF_QUANT_CONFIG).write_text(json.dumps(qc.hf_quant_config(), indent=4) + "\n")

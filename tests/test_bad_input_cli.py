@@ -76,6 +76,15 @@ def test_an_output_dir_that_is_not_an_earlier_build_is_never_replaced(engine, tm
     again = tmp_path / "again"
     shutil.copytree(engine, again)
     assert _run(capsys, "build", "--output_dir", again)[0] == 0    # an earlier build is rebuilt in place
+    # ... but never while it holds what the build reads: the rebuild deleted a checkpoint copied into it
+    from builder import embedded
+    shutil.copytree(embedded.target_dir(), again / "my_ckpt")
+    code, _, err = _run(capsys, "build", "--checkpoint_dir", again / "my_ckpt", "--output_dir", again)
+    assert code == 2 and "holds the --checkpoint_dir" in _one_error_line(err) and (again / "my_ckpt").is_dir()
+    shutil.copytree(embedded.draft_dir("eagle3"), again / "my_draft")
+    code, _, err = _run(capsys, "build", "--speculative_decoding_mode", "eagle3", "--draft_dir", again / "my_draft",
+                        "--output_dir", again)
+    assert code == 2 and "holds the --draft_dir" in _one_error_line(err) and (again / "my_draft").is_dir()
 
 
 @pytest.mark.parametrize("argv, named", [
