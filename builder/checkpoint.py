@@ -31,7 +31,7 @@ from safetensors import safe_open
 from builder import nvfp4_format, quantization
 from builder.config import NemotronHConfig, defaulted_sizes, load_config
 from builder.errors import CheckpointError
-from builder.safetensors_io import mmap_tensors
+from builder.safetensors_io import check_finite, mmap_tensors
 
 __all__ = [
     "SAFETENSORS_FILE",
@@ -394,6 +394,8 @@ def load_checkpoint(checkpoint_dir: str | os.PathLike) -> tuple[NemotronHConfig,
     loaded: dict[str, torch.Tensor] = {}
     for path, names in by_file.items():
         mapped = mmap_tensors(path, dict.fromkeys(entries[n].stored for n in names))
+        for stored, tensor in mapped.items():
+            check_finite(tensor, path, stored)
         for name in names:
             entry = entries[name]
             loaded[name] = mapped[entry.stored] if entry.expert is None else mapped[entry.stored][entry.expert]
@@ -452,6 +454,7 @@ def load_nvfp4_checkpoint(checkpoint_dir: str | os.PathLike, keep_quantized: boo
     for path in layout.files:
         mapped = mmap_tensors(path, layout.names[path])  # headers only: bytes are paged in when used
         for stored in layout.names[path]:
+            check_finite(mapped[stored], path, stored)
             name = canonical_name(stored)
             if name in raw:
                 raise CheckpointError(f"{path}: tensor {stored!r} duplicates another tensor named {name!r}")

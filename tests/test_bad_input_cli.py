@@ -49,6 +49,32 @@ def test_a_damaged_engine_config_is_one_line_naming_it(engine, tmp_path, capsys,
     assert code == 2 and "config.json" in _one_error_line(err), err
 
 
+@pytest.mark.parametrize("kind, tensor", [("target", "backbone.norm_f.weight"), ("eagle3", "fc.weight")])
+def test_nan_or_inf_weights_are_named_at_build_and_at_generate(tmp_path, capsys, kind, tensor):
+    """One NaN in a target or draft tensor built, and generated token 0 after token 0, with exit 0."""
+    from safetensors.torch import load_file, save_file
+
+    from builder import embedded
+    target = tmp_path / "target"
+    shutil.copytree(embedded.target_dir(), target)
+    draft = None
+    if kind != "target":
+        draft = tmp_path / kind
+        shutil.copytree(embedded.draft_dir(kind), draft)
+    damaged = next((draft or target).glob("*.safetensors"))
+    tensors = load_file(str(damaged))
+    tensors[tensor] = tensors[tensor].clone()
+    tensors[tensor].view(-1)[3] = float("nan") if kind == "target" else float("inf")
+    save_file(tensors, str(damaged), metadata={"format": "pt"})
+    sources = ["--checkpoint_dir", target] + (["--speculative_decoding_mode", kind, "--draft_dir", draft] if draft else [])
+    code, _, err = _run(capsys, "build", *sources, "--output_dir", tmp_path / "out")
+    line = _one_error_line(err)
+    assert code == 2 and f"tensor '{tensor}' holds NaN or inf" in line and damaged.name in line
+    assert not (tmp_path / "out").exists()
+    code, _, err = _run(capsys, "generate", *sources, "--input_ids", "1,2", "--max_new_tokens", 2, "--backend", "torch")
+    assert code == 2 and f"tensor '{tensor}' holds NaN or inf" in _one_error_line(err)
+
+
 def test_a_broken_tokenizer_is_named_at_build_and_at_generate(engine, tmp_path, capsys):
     from builder import embedded
     source = tmp_path / "ckpt"

@@ -21,6 +21,7 @@ from builder.checkpoint import checkpoint_files
 from builder.errors import CheckpointError, DraftError
 from builder.formats.fields import Fields
 from builder.formats.tensors import draft_tensors, fmt
+from builder.safetensors_io import check_finite
 
 CONFIG_FILE = "config.json"
 FLOAT_DTYPES = ("F32", "F16", "BF16")
@@ -197,5 +198,6 @@ def _read(entries: dict[str, Entry]) -> dict[str, torch.Tensor]:
                 t = cache.get(stored)
                 if t is None:
                     t = cache[stored] = f.get_tensor(stored)
+                    check_finite(t, path, stored)
                 weights[name] = t if part is None else t[part[0]:part[0] + part[1]].contiguous()
     return weights
