@@ -365,6 +365,17 @@ def _parse_str(value: Any, name: str) -> str:
     raise _fail(f"field '{name}': expected a non-empty string, got {_show(value)}")
 
 
+#: the activations both lowerings implement (builder.backends.torch_backend and trt_dense; tested equal)
+ACTIVATIONS = ("relu2", "relu", "silu", "gelu", "softplus", "sigmoid")
+
+
+def _parse_activation(value: Any, name: str) -> str:
+    value = _parse_str(value, name)
+    if value not in ACTIVATIONS:
+        raise _fail(f"field '{name}': {value!r} is not supported (expected one of {', '.join(ACTIVATIONS)})")
+    return value
+
+
 def _parse_eos(value: Any, name: str) -> int | tuple[int, ...] | None:
     if value is None:
         return None
@@ -432,8 +443,8 @@ _FIELD_PARSERS = {
     **{n: _parse_float for n in _FLOAT_FIELDS},
     **{n: _parse_bool for n in _BOOL_FIELDS},
     **{n: _parse_optional_int for n in _OPTIONAL_INT_FIELDS},
-    "mlp_hidden_act": _parse_str,
-    "mamba_hidden_act": _parse_str,
+    "mlp_hidden_act": _parse_activation,
+    "mamba_hidden_act": _parse_activation,
     "eos_token_id": _parse_eos,
     "time_step_limit": _parse_time_step_limit,
     "dtype": _parse_dtype,

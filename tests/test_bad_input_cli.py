@@ -75,6 +75,25 @@ def test_nan_or_inf_weights_are_named_at_build_and_at_generate(tmp_path, capsys,
     assert code == 2 and f"tensor '{tensor}' holds NaN or inf" in _one_error_line(err)
 
 
+@pytest.mark.parametrize("field", ["mlp_hidden_act", "mamba_hidden_act"])
+def test_an_activation_nemospec_lacks_is_named_at_load(tmp_path, capsys, field):
+    """gelu_new (valid in transformers) failed a build after its weights were written, without naming
+    config.json, and generate with a KeyError traceback."""
+    from builder import embedded
+    from builder.backends.torch_backend import _ACTIVATIONS
+    from builder.config import ACTIVATIONS
+    assert set(ACTIVATIONS) == set(_ACTIVATIONS)
+    target = tmp_path / "target"
+    shutil.copytree(embedded.target_dir(), target)
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, field: "gelu_new"}))
+    for argv in (["build", "--output_dir", tmp_path / "out"],
+                 ["generate", "--input_ids", "1,2", "--max_new_tokens", 2, "--backend", "torch"]):
+        code, _, err = _run(capsys, argv[0], "--checkpoint_dir", target, *argv[1:])
+        line = _one_error_line(err)
+        assert code == 2 and "config.json" in line and f"field '{field}': 'gelu_new' is not supported" in line, err
+
+
 def test_a_broken_tokenizer_is_named_at_build_and_at_generate(engine, tmp_path, capsys):
     from builder import embedded
     source = tmp_path / "ckpt"
