@@ -86,6 +86,9 @@ def load_draft(mode, target_cfg: NemotronHConfig, target_weights: dict, draft_di
     if quantization is not None and mode in ("mtp", "draft_target"):
         raise DraftError(f"--quantization: {mode} drafts are not quantized here; quantize the checkpoint with "
                          "`nemospec quantize` instead")
+    if quantization is not None and mode in ("eagle", "eagle3"):   # was ignored: the draft stayed in float
+        raise DraftError(f"--quantization: {mode} drafts are not quantized here; the block drafts (dflash, "
+                         "dspark, peagle) are")
     if mode == "mtp":
         if draft_dir is not None:
             raise BuildError("--draft_dir: mtp mode uses the target checkpoint's own MTP layers; drop --draft_dir")

@@ -60,7 +60,8 @@ def draft_dir(mode: str, quantization: str | None = None) -> Path | None:
     """The embedded draft for ``mode`` (None for mtp: its layers are in the target)."""
     if mode not in DRAFTS:
         raise CheckpointError(f"--speculative_decoding_mode: no embedded draft for mode {mode}")
-    name = NVFP4_DRAFTS.get(mode) if quantization else DRAFTS[mode]
+    # with no NVFP4 copy shipped for the mode, its float draft (the build quantizes it, or names why not)
+    name = NVFP4_DRAFTS.get(mode, DRAFTS[mode]) if quantization else DRAFTS[mode]
     return None if name is None else verify(name)
 
 

@@ -31,7 +31,7 @@ def _wide_draft(root: Path, mode: str | None, quantization: str | None) -> Path 
         return None
     if mode not in DRAFTS:
         raise CheckpointError(f"--speculative_decoding_mode: no embedded draft for mode {mode}")
-    name = NVFP4_DRAFTS.get(mode) if quantization else DRAFTS[mode]
+    name = NVFP4_DRAFTS.get(mode, DRAFTS[mode]) if quantization else DRAFTS[mode]
     return None if name is None else root / name
 
 
