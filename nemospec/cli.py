@@ -241,6 +241,9 @@ def cmd_generate(args):
     from runtime.generation import check_request, generate
     from runtime.loading import open_checkpoint, open_engine_dir
     from runtime.step_costs import cost_model
+    for flag in ("checkpoint_dir", "engine_dir", "draft_dir"):
+        if getattr(args, flag) == "":
+            raise NemospecError(f"--{flag}: expected a directory, got an empty path")
     if args.draft_dir and args.engine_dir is None and not args.speculative_decoding_mode:
         raise NemospecError(f"--draft_dir {args.draft_dir}: a draft needs --speculative_decoding_mode (its kind)")
     if args.engine_dir is None:

@@ -94,6 +94,37 @@ def test_an_activation_nemospec_lacks_is_named_at_load(tmp_path, capsys, field):
         assert code == 2 and "config.json" in line and f"field '{field}': 'gelu_new' is not supported" in line, err
 
 
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 1024}
+DRAFT_DAMAGES = {   # config.json edits of the embedded eagle3 draft -> the field the error names
+    "rms_norm_eps": (lambda c: c["transformer_layer_config"].update(rms_norm_eps=-1.0), "rms_norm_eps"),
+    "rope_theta": (lambda c: c["transformer_layer_config"]["rope_parameters"].update(rope_theta=0.0), "rope_theta"),
+    "low_freq_factor": (lambda c: c["transformer_layer_config"].update(
+        rope_parameters={**LLAMA3, "low_freq_factor": 0.0}), "low_freq_factor"),
+    "yarn beta_fast": (lambda c: c["transformer_layer_config"].update(rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 1024,
+        "beta_fast": -1.0}), "beta_fast"),
+    "architectures": (lambda c: c["speculators_config"]["verifier"].update(architectures=5), "architectures"),
+}
+
+
+@pytest.mark.parametrize("damage", DRAFT_DAMAGES, ids=list(DRAFT_DAMAGES))
+def test_a_draft_config_value_that_breaks_its_math_is_named(tmp_path, capsys, damage):
+    """Each built a draft that proposed nothing (epsilon < 0), or raised ZeroDivisionError, a math
+    domain error or a TypeError traceback."""
+    from builder import embedded
+    draft = tmp_path / "eagle3"
+    shutil.copytree(embedded.draft_dir("eagle3"), draft)
+    config = json.loads((draft / "config.json").read_text())
+    edit, field = DRAFT_DAMAGES[damage]
+    edit(config)
+    (draft / "config.json").write_text(json.dumps(config))
+    code, _, err = _run(capsys, "generate", "--speculative_decoding_mode", "eagle3", "--draft_dir", draft,
+                        "--input_ids", "1,2", "--max_new_tokens", 2, "--backend", "torch")
+    line = _one_error_line(err)
+    assert code == 2 and "config.json" in line and field in line, err
+
+
 def test_a_broken_tokenizer_is_named_at_build_and_at_generate(engine, tmp_path, capsys):
     from builder import embedded
     source = tmp_path / "ckpt"
@@ -139,6 +170,7 @@ def test_an_output_dir_that_is_not_an_earlier_build_is_never_replaced(engine, tm
     (["build", "--num_layers", "-1"], "--num_layers"),
     (["build", "--draft_dir", "DRAFT"], "--draft_dir"),
     (["generate", "--draft_dir", "DRAFT", "--input_ids", "1", "--max_new_tokens", "1"], "--draft_dir"),
+    (["generate", "--checkpoint_dir", "", "--input_ids", "1", "--max_new_tokens", "1"], "--checkpoint_dir"),
     (["build", "--draft_len_schedule", "1:4"], "--draft_len_schedule"),
     (["build", "--speculative_decoding_mode", "eagle3", "--quantization", "nvfp4_w4a16"], "--quantization: eagle3"),
     (["build", "--speculative_decoding_mode", "eagle", "--draft_dir", "DRAFT", "--quantization", "nvfp4_w4a16"],

@@ -42,7 +42,9 @@ class Fields:
             raise self.fail(field, f"must be >= {minimum}, got {value}")
         return value
 
-    def float(self, field: str, default: Any = ...) -> float:
+    def float(self, field: str, default: Any = ..., positive: bool = False) -> float:
+        """``positive``: > 0 and finite (an epsilon, a frequency, a scale: 0 or less built a draft
+        that divided by zero or proposed nothing)."""
         value = self.data.get(field)
         if value is None:
             if default is ...:
@@ -50,7 +52,17 @@ class Fields:
             return default
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise self.fail(field, f"must be a number, got {value!r}")
+        if positive and not 0 < value < float("inf"):
+            raise self.fail(field, f"must be a positive number, got {value!r}")
         return float(value)
+
+    def str_list(self, field: str) -> tuple[str, ...]:
+        value = self.data.get(field)
+        if value is None:
+            return ()
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise self.fail(field, f"must be a list of strings, got {value!r}")
+        return tuple(value)
 
     def bool(self, field: str, default: bool = False) -> bool:
         value = self.data.get(field)
@@ -95,11 +107,11 @@ def rope_fields(f: Fields) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
     params = f.obj("rope_parameters", required=False)
     if params is not None and params.has("sliding_attention"):
         raise params.fail("sliding_attention", "(per-layer-type rope parameters) is not supported")
-    theta = f.float("rope_theta", None)
+    theta = f.float("rope_theta", None, positive=True)
     scaling = f.obj("rope_scaling", required=False)
     source = scaling
     if params is not None:
-        theta = params.float("rope_theta", theta)
+        theta = params.float("rope_theta", theta, positive=True)
         source = params
     if theta is None:
         theta = 10000.0
@@ -111,16 +123,17 @@ def rope_fields(f: Fields) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
         raise source.fail(field, f"is {kind!r}: unsupported rope scaling (supported: {', '.join(ROPE_TYPES)})")
     if kind == "default":
         return theta, None
-    out = {"rope_type": kind, "factor": source.float("factor")}
+    out = {"rope_type": kind, "factor": source.float("factor", positive=True)}
     if kind == "llama3":
         for key in ("low_freq_factor", "high_freq_factor"):
-            out[key] = source.float(key)
+            out[key] = source.float(key, positive=True)
         out["original_max_position_embeddings"] = source.int("original_max_position_embeddings")
         if out["high_freq_factor"] <= out["low_freq_factor"]:
             raise source.fail("high_freq_factor", "must be greater than low_freq_factor")
     if kind == "yarn":
         out["original_max_position_embeddings"] = source.int("original_max_position_embeddings")
-        out.update({key: source.float(key) for key in _YARN_OPTIONAL if source.has(key)})
+        out.update({key: source.float(key, positive=key.startswith("beta")) for key in _YARN_OPTIONAL
+                    if source.has(key)})
         if source.has("truncate"):
             out["truncate"] = source.bool("truncate")
     return theta, tuple(sorted(out.items()))
@@ -158,7 +171,7 @@ def layer_fields(f: Fields, layer_type: str, sliding: bool = False) -> dict[str,
     return dict(
         layer_type=layer_type, hidden_size=hidden, intermediate_size=f.int("intermediate_size"),
         num_hidden_layers=f.int("num_hidden_layers", 1), num_attention_heads=heads,
-        num_key_value_heads=kv_heads, head_dim=head_dim, rms_norm_eps=f.float("rms_norm_eps", 1e-6),
+        num_key_value_heads=kv_heads, head_dim=head_dim, rms_norm_eps=f.float("rms_norm_eps", 1e-6, positive=True),
         hidden_act=act, rope_theta=theta, rope_scaling=scaling, rotary_dim=rotary_dim,
         attention_bias=f.bool("attention_bias"), mlp_bias=f.bool("mlp_bias"),
         max_position_embeddings=f.int("max_position_embeddings", None))
@@ -169,8 +182,7 @@ def verifier_fields(f: Fields) -> dict[str, Any]:
     verifier = None if spec is None else spec.obj("verifier", required=False)
     if verifier is None:
         return {}
-    archs = verifier.get("architectures", [])
-    return dict(verifier=verifier.get("name_or_path"), verifier_architectures=tuple(str(a) for a in archs))
+    return dict(verifier=verifier.get("name_or_path"), verifier_architectures=verifier.str_list("architectures"))
 
 
 def aux_layer_ids(f: Fields) -> tuple[int, ...] | None:

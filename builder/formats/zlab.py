@@ -87,7 +87,8 @@ def unpack(entries: dict, data: dict) -> dict:
     and their block scales split along the rows too; their global scales are shared."""
     hidden = data.get("hidden_size")
     heads, kv_heads = data.get("num_attention_heads"), data.get("num_key_value_heads", data.get("num_attention_heads"))
-    head_dim = data.get("head_dim") or (hidden // heads if isinstance(hidden, int) and isinstance(heads, int) else None)
+    head_dim = data.get("head_dim") or (hidden // heads if isinstance(hidden, int) and isinstance(heads, int)
+                                        and heads > 0 else None)   # else the fields' checks name it
     out = {}
     for name, entry in entries.items():
         fused = next((k for k in _PACKED if f".{k}." in f".{name}"), None)
