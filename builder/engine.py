@@ -40,7 +40,7 @@ from builder.checkpoint import TORCH_DTYPES, checkpoint_hash, convert_weights, l
 from builder.errors import BuildError
 from builder.integrity import record_files
 from builder.models.nemotron_h import NemotronH
-from builder.tokenizer_file import load_tokenizer
+from builder.tokenizer_file import load_tokenizer, read_tokenizer_config
 
 def is_engine_dir(path) -> bool:
     """Whether ``path`` holds an engine directory `nemospec build` wrote (its config.json's format)."""
@@ -390,6 +390,8 @@ def build(checkpoint_dir, output_dir, options: BuildOptions, log=print, draft_di
     checkpoint_dir, output_dir = Path(checkpoint_dir), Path(output_dir)
     if (checkpoint_dir / "tokenizer.json").is_file():   # a damaged one fails now, not every later generate
         load_tokenizer(checkpoint_dir / "tokenizer.json")
+    if (checkpoint_dir / "tokenizer_config.json").is_file():   # and its chat template, not the served chat later
+        read_tokenizer_config(checkpoint_dir / "tokenizer_config.json")
     log(f"reading checkpoint {checkpoint_dir} (memory-mapped)")
     from builder import quantization  # an NVFP4 checkpoint keeps its linears packed: FP4 constants in the engine
     quantized = quantization.is_nvfp4_checkpoint(checkpoint_dir)

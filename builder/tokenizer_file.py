@@ -17,3 +17,31 @@ def load_tokenizer(path):
         return Tokenizer.from_file(str(path))
     except Exception as e:   # the library raises a bare Exception with serde's message
         raise NemospecError(f"{path}: not a readable tokenizer.json ({e})") from None
+
+
+def read_tokenizer_config(path) -> dict:
+    """tokenizer_config.json as an object, its ``chat_template`` (one, or a list of named ones) parsed
+    by jinja2: a damaged file is one line naming it when a build copies it, not a failure of the
+    server's chat endpoint later."""
+    import json
+
+    from jinja2 import Environment, TemplateSyntaxError
+    path = Path(path)
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise NemospecError(f"{path}: not readable JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise NemospecError(f"{path}: expected a JSON object, got {type(config).__name__}")
+    templates = config.get("chat_template")
+    for entry in [] if templates is None else templates if isinstance(templates, list) else [templates]:
+        source = entry.get("template") if isinstance(entry, dict) else entry
+        if not isinstance(source, str):
+            raise NemospecError(f"{path}: field 'chat_template': expected a template string (or a list of "
+                                f"{{name, template}} objects), got {json.dumps(entry)[:60]}")
+        try:
+            Environment().parse(source)
+        except TemplateSyntaxError as e:
+            raise NemospecError(f"{path}: field 'chat_template': not a valid jinja2 template (line {e.lineno}: "
+                                f"{e.message})") from None
+    return config

@@ -125,6 +125,20 @@ def test_a_draft_config_value_that_breaks_its_math_is_named(tmp_path, capsys, da
     assert code == 2 and "config.json" in line and field in line, err
 
 
+@pytest.mark.parametrize("text, named", [('{"chat_template": ', "not readable JSON"),
+                                         ('{"chat_template": "{% for m in messages %}{{ m }"}', "not a valid jinja2"),
+                                         ('{"chat_template": 5}', "expected a template string")])
+def test_a_broken_chat_template_is_named_at_build(tmp_path, capsys, text, named):
+    """tokenizer_config.json was copied unchecked, and the served chat endpoint failed on it later."""
+    from builder import embedded
+    target = tmp_path / "target"
+    shutil.copytree(embedded.target_dir(), target)
+    (target / "tokenizer_config.json").write_text(text)
+    code, _, err = _run(capsys, "build", "--checkpoint_dir", target, "--output_dir", tmp_path / "out")
+    line = _one_error_line(err)
+    assert code == 2 and "tokenizer_config.json" in line and named in line and not (tmp_path / "out").exists()
+
+
 def test_a_broken_tokenizer_is_named_at_build_and_at_generate(engine, tmp_path, capsys):
     from builder import embedded
     source = tmp_path / "ckpt"

@@ -48,7 +48,8 @@ class ChatTemplate:
         path = Path(engine_dir) / "tokenizer_config.json"
         if not path.is_file():
             return None
-        config = json.loads(path.read_text())
+        from builder.tokenizer_file import read_tokenizer_config
+        config = read_tokenizer_config(path)   # a damaged file: one line naming it
         source = config.get("chat_template")
         if isinstance(source, list):     # named templates: the default one
             source = next((t.get("template") for t in source if t.get("name") == "default"), None)
