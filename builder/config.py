@@ -215,6 +215,8 @@ class NemotronHConfig:
         if eos is not None:
             for v in eos if isinstance(eos, tuple) else (eos,):
                 _check_int("eos_token_id", v)
+                if isinstance(self.vocab_size, int) and self.vocab_size > 0 and not 0 <= v < self.vocab_size:
+                    raise _fail(f"field 'eos_token_id': {v} is outside the vocabulary [0, {self.vocab_size})")
         if self.dtype not in DTYPES:
             raise _fail(f"field 'dtype': expected one of {', '.join(DTYPES)}, got {self.dtype!r}")
         for name in ("layer_types", "mtp_layer_types"):
