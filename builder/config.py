@@ -213,10 +213,14 @@ class NemotronHConfig:
                 _check_int(name, value)
         eos = self.eos_token_id
         if eos is not None:
-            for v in eos if isinstance(eos, tuple) else (eos,):
+            ids = eos if isinstance(eos, tuple) else (eos,)
+            for v in ids:
                 _check_int("eos_token_id", v)
-                if isinstance(self.vocab_size, int) and self.vocab_size > 0 and not 0 <= v < self.vocab_size:
-                    raise _fail(f"field 'eos_token_id': {v} is outside the vocabulary [0, {self.vocab_size})")
+            # none inside the vocabulary: never generated, so generation never stops (one of a set
+            # outside it is inert, as transformers treats it)
+            if isinstance(self.vocab_size, int) and self.vocab_size > 0 and ids and \
+                    not any(0 <= v < self.vocab_size for v in ids):
+                raise _fail(f"field 'eos_token_id': {ids[0]} is outside the vocabulary [0, {self.vocab_size})")
         if self.dtype not in DTYPES:
             raise _fail(f"field 'dtype': expected one of {', '.join(DTYPES)}, got {self.dtype!r}")
         for name in ("layer_types", "mtp_layer_types"):

@@ -339,7 +339,7 @@ def write_config(tmp_path: Path, raw) -> Path:
     (hf_raw(hidden_size=0), ["config.json", "hidden_size", "positive", "0"]),
     (hf_raw(vocab_size=-3), ["vocab_size", "-3"]),
     (hf_raw(vocab_size=2048, eos_token_id=99999), ["eos_token_id", "99999", "outside the vocabulary"]),   # never stopped
-    (hf_raw(eos_token_id=[2, -5]), ["eos_token_id", "-5", "outside the vocabulary"]),
+    (hf_raw(vocab_size=2048, eos_token_id=[-5, 4096]), ["eos_token_id", "-5", "outside the vocabulary"]),
     (hf_raw(hidden_size="big"), ["hidden_size", "integer", "big"]),
     (hf_raw(num_attention_heads=4, num_key_value_heads=3), ["num_attention_heads", "num_key_value_heads=3"]),
     (hf_raw(mamba_num_heads=6, n_groups=4), ["mamba_num_heads", "n_groups=4", "6"]),
