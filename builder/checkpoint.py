@@ -394,12 +394,20 @@ def load_checkpoint(checkpoint_dir: str | os.PathLike) -> tuple[NemotronHConfig,
     loaded: dict[str, torch.Tensor] = {}
     for path, names in by_file.items():
         mapped = mmap_tensors(path, dict.fromkeys(entries[n].stored for n in names))
-        for stored, tensor in mapped.items():
-            check_finite(tensor, path, stored)
         for name in names:
             entry = entries[name]
             loaded[name] = mapped[entry.stored] if entry.expert is None else mapped[entry.stored][entry.expert]
     return config, {name: loaded[name] for name in order}
+
+
+def check_finite_weights(directory, weights: dict) -> None:
+    """No NaN or inf in a loaded checkpoint's tensors (NVFP4 weights: their scales too), named by the
+    checkpoint and tensor: one built and generated token 0 after token 0 with exit 0. Reads every
+    byte, so the commands that use the weights call it (build, generate, quantize), not the loader,
+    which maps headers only."""
+    for name, t in weights.items():
+        for part in [t] if isinstance(t, torch.Tensor) else [v for v in vars(t).values() if isinstance(v, torch.Tensor)]:
+            check_finite(part, directory, name)
 
 
 def _add(entries: dict[str, _Entry], name: str, entry: _Entry, path: Path) -> None:
@@ -454,7 +462,6 @@ def load_nvfp4_checkpoint(checkpoint_dir: str | os.PathLike, keep_quantized: boo
     for path in layout.files:
         mapped = mmap_tensors(path, layout.names[path])  # headers only: bytes are paged in when used
         for stored in layout.names[path]:
-            check_finite(mapped[stored], path, stored)
             name = canonical_name(stored)
             if name in raw:
                 raise CheckpointError(f"{path}: tensor {stored!r} duplicates another tensor named {name!r}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from builder.checkpoint import checkpoint_hash, convert_weights, load_checkpoint, validate_mtp
+from builder.checkpoint import check_finite_weights, checkpoint_hash, convert_weights, load_checkpoint, validate_mtp
 from builder.config import NemotronHConfig
 from builder.errors import BuildError, DraftError
 from builder.safetensors_io import own_storage as _copy_if_view
@@ -100,6 +100,7 @@ def load_draft(mode, target_cfg: NemotronHConfig, target_weights: dict, draft_di
     log(f"reading {mode} draft {directory}")
     if mode == "draft_target":
         cfg, weights = load_checkpoint(directory)
+        check_finite_weights(directory, weights)
         for field in ("vocab_size",):
             if getattr(cfg, field) != getattr(target_cfg, field):
                 raise DraftError(f"{directory / 'config.json'}: field '{field}' is {getattr(cfg, field)}, the target's "

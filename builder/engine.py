@@ -36,7 +36,8 @@ from typing import Callable
 import torch
 
 from builder.atomic_dir import atomic_dir
-from builder.checkpoint import TORCH_DTYPES, checkpoint_hash, convert_weights, load_checkpoint, load_nvfp4_checkpoint
+from builder.checkpoint import (TORCH_DTYPES, check_finite_weights, checkpoint_hash, convert_weights,
+                                load_checkpoint, load_nvfp4_checkpoint)
 from builder.errors import BuildError
 from builder.integrity import record_files
 from builder.models.nemotron_h import NemotronH
@@ -399,6 +400,7 @@ def build(checkpoint_dir, output_dir, options: BuildOptions, log=print, draft_di
         config, weights = load_nvfp4_checkpoint(checkpoint_dir, keep_quantized=True)
     else:
         config, weights = load_checkpoint(checkpoint_dir)
+    check_finite_weights(checkpoint_dir, weights)
     if options.num_layers:
         config, weights = first_layers(config, weights, options.num_layers)
     dtype_name = options.resolve_dtype(config.dtype)

@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 from typing import Sequence
 
-from builder.checkpoint import load_checkpoint
+from builder.checkpoint import check_finite_weights, load_checkpoint
 from builder.errors import CheckpointError
 from builder.nvfp4_format import BLOCK_SIZE
 from builder.quantization import (CONFIG_FILE, HF_QUANT_CONFIG, PRODUCER, QUANT_ALGO, QuantConfig, _module, _read_json,
@@ -47,6 +47,7 @@ def quantize_checkpoint(checkpoint_dir: str | os.PathLike, output_dir: str | os.
     if src.resolve() == dst.resolve():
         raise CheckpointError(f"--output_dir {dst}: must differ from --checkpoint_dir")
     _config, weights = load_checkpoint(src)
+    check_finite_weights(src, weights)
     chosen, excluded = choose_quantized({n: tuple(w.shape) for n, w in weights.items()}, exclude_modules, log)
     if not chosen:
         raise CheckpointError(f"{src}: no linear layer left to quantize (check --exclude_modules)")

@@ -136,9 +136,10 @@ def open_checkpoint(checkpoint_dir, dtype="auto", device=None, mode=None, draft_
     backend = resolve_backend(backend, engine_dir=False)
     if backend not in ("torch", "compiled"):
         raise NemospecError(f"--backend {backend} needs --engine_dir (build one with `nemospec build`)")
-    from builder.checkpoint import load_checkpoint
+    from builder.checkpoint import check_finite_weights, load_checkpoint
     from builder.drafts import load_draft
     config, weights = load_checkpoint(checkpoint_dir)
+    check_finite_weights(checkpoint_dir, weights)
     torch_dtype = TORCH_DTYPES[config.dtype if dtype == "auto" else dtype]
     device = _device(device)
     draft = spec = proposer = None

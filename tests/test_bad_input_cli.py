@@ -69,7 +69,7 @@ def test_nan_or_inf_weights_are_named_at_build_and_at_generate(tmp_path, capsys,
     sources = ["--checkpoint_dir", target] + (["--speculative_decoding_mode", kind, "--draft_dir", draft] if draft else [])
     code, _, err = _run(capsys, "build", *sources, "--output_dir", tmp_path / "out")
     line = _one_error_line(err)
-    assert code == 2 and f"tensor '{tensor}' holds NaN or inf" in line and damaged.name in line
+    assert code == 2 and f"tensor '{tensor}' holds NaN or inf" in line and (draft or target).name in line
     assert not (tmp_path / "out").exists()
     code, _, err = _run(capsys, "generate", *sources, "--input_ids", "1,2", "--max_new_tokens", 2, "--backend", "torch")
     assert code == 2 and f"tensor '{tensor}' holds NaN or inf" in _one_error_line(err)
@@ -281,3 +281,18 @@ def test_a_request_past_max_seq_len_is_refused_before_any_step_compiles(engine, 
 def test_serve_timeouts_out_of_range_are_refused_before_a_server_starts(engine, capsys, flag, value):
     code, _, err = _run(capsys, "serve", "--engine_dir", engine, "--no_verify", flag, value)
     assert code == 2 and flag in _one_error_line(err), err
+
+
+def test_a_nan_block_scale_of_an_nvfp4_weight_is_named():
+    """NVFP4 weights bind as packed codes + FP8 block scales: a NaN scale built and generated garbage
+    (a NaN global scale was already refused)."""
+    from builder.checkpoint import check_finite_weights
+    from builder.errors import CheckpointError
+    from builder.nvfp4_format import NVFP4Weight, quantize_nvfp4
+    packed, scale, scale_2 = quantize_nvfp4(torch.randn(8, 32))
+    check_finite_weights("ckpt", {"w": NVFP4Weight(packed, scale, scale_2, (8, 32))})
+    scale = scale.float()
+    scale[1, 0] = float("nan")
+    bad = NVFP4Weight(packed, scale.to(torch.float8_e4m3fn), scale_2, (8, 32))
+    with pytest.raises(CheckpointError, match="ckpt: tensor 'w' holds NaN or inf"):
+        check_finite_weights("ckpt", {"w": bad, "n": torch.ones(3)})
