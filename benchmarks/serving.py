@@ -198,6 +198,8 @@ def main():
     p.add_argument("--json", default=None, help="also write the numbers to this JSON file")
     p.add_argument("--serve_args", default="", help="extra `nemospec serve` flags, e.g. '--draft_len_schedule 1:4,8:2,16:0'")
     args = p.parse_args()
+    from builder.embedded.sources import refuse_embedded_with
+    refuse_embedded_with(args, "engine_dir")
     os.environ["OMP_NUM_THREADS"] = str(args.threads)   # inherited by tritonserver's python stubs
     import torch
     torch.set_num_threads(args.threads)

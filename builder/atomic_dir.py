@@ -13,6 +13,8 @@ def _check_replaceable(final: Path, replaceable) -> None:
     """An existing file is never replaced; an existing non-empty directory only where ``replaceable``
     says it is this command's own output (an earlier build), so a mistyped --output_dir cannot
     delete a checkpoint or anything else."""
+    if final.is_symlink() and not final.exists():
+        raise NemospecError(f"--output_dir {final}: is a symbolic link to a missing path; expected a directory to write")
     if final.is_file() or final.is_symlink() and not final.is_dir():
         raise NemospecError(f"--output_dir {final}: exists and is a file; expected a directory to write")
     if final.is_dir() and replaceable is not None and any(final.iterdir()) and not replaceable(final):
@@ -35,6 +37,10 @@ def atomic_dir(final, replaceable=None, inputs: dict | None = None):
     raises or the process is terminated. ``inputs`` ({flag: path}): what the command reads, refused
     when it lies under ``final``."""
     final = Path(final)
+    if final.is_symlink() and final.resolve().is_dir():
+        # a link to a directory (engines kept on another disk) is written through: its target is replaced
+        # and the link left pointing at the new directory, not renamed aside and left behind
+        final = final.resolve()
     _check_inputs_outside(final, inputs or {})
     _check_replaceable(final, replaceable)
     made = _make_parents(final)

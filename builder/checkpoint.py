@@ -167,7 +167,13 @@ def validate_mtp(config: NemotronHConfig, tensors: dict, where: str) -> None:
     if "mamba" in config.mtp_layer_types:
         raise CheckpointError(f"{where}: field 'mtp_hybrid_override_pattern' "
                               f"{config.mtp_hybrid_override_pattern!r}: MTP layers may be attention, MLP or MoE (*, -, E)")
-    for name, shape in mtp_tensors(config).items():
+    expected = mtp_tensors(config)
+    extra = sorted(n for n in tensors if n.startswith(MTP_PREFIX) and n not in expected)
+    if extra:   # a layer past num_nextn_predict_layers (or of another kind) would be silently left out
+        raise CheckpointError(f"{where}: unexpected tensor {extra[0]} is not part of the MTP layers that fields "
+                              f"'num_nextn_predict_layers' ({config.num_nextn_predict_layers}) and "
+                              f"'mtp_hybrid_override_pattern' ({config.mtp_hybrid_override_pattern!r}) describe")
+    for name, shape in expected.items():
         if name not in tensors:
             raise CheckpointError(f"{where}: missing tensor {name} (MTP layer), expected shape {_fmt(shape)}")
         if tuple(tensors[name].shape) != shape:
@@ -239,6 +245,9 @@ def _locate(checkpoint_dir: str | os.PathLike) -> _Layout:
         return _Layout(directory, [single], None, {single: _header_names(single)})
     if index.is_file():
         return _locate_sharded(directory, index)
+    for path in (single, index):
+        if path.exists():
+            raise CheckpointError(f"{path}: is not a file; expected the checkpoint's {path.name}")
     pickles = sorted(p.name for p in directory.iterdir() if p.is_file() and (
         p.name.endswith(_PICKLE_SUFFIXES) or p.name.endswith(".bin.index.json")))
     if pickles:
@@ -406,8 +415,12 @@ def check_finite_weights(directory, weights: dict) -> None:
     byte, so the commands that use the weights call it (build, generate, quantize), not the loader,
     which maps headers only."""
     for name, t in weights.items():
-        for part in [t] if isinstance(t, torch.Tensor) else [v for v in vars(t).values() if isinstance(v, torch.Tensor)]:
-            check_finite(part, directory, name)
+        if not getattr(t, "is_nvfp4", False):
+            check_finite(t, directory, name)
+            continue
+        check_finite(t.packed, directory, name)
+        check_finite(t.scale, directory, f"{name} (weight_scale)", scale=True)
+        check_finite(t.scale_2, directory, f"{name} (weight_scale_2)")   # its sign is checked when it binds
 
 
 def _add(entries: dict[str, _Entry], name: str, entry: _Entry, path: Path) -> None:

@@ -41,6 +41,7 @@ def _need_draft_dir(mode, draft_dir):
 
 
 BLOCK_MODES = {"dflash": DFlashDraft, "dspark": DSparkDraft, "peagle": PEagleDraft}
+DRAFT_KINDS = ("eagle", "eagle3", *BLOCK_MODES)   # the kinds a draft directory's config names
 QUANTIZATIONS = ("nvfp4_w4a16",)
 # draft tensors that stay in high precision when the draft is quantized (ModelOpt keeps these too)
 _KEEP_PRECISION = ("embed", "lm_head", "norm", "markov_w1", "d2t", "t2d", "mask_hidden")
@@ -73,6 +74,24 @@ def _own_storages(mode, target_weights: dict, draft_weights: dict | None, own: b
     return None if draft_weights is None else {k: _copy_if_view(v) for k, v in draft_weights.items()}
 
 
+def _check_kind(directory: Path, mode: str) -> None:
+    """A speculators config names its kind: a draft of another mode is refused in the same words
+    whichever loader the mode would use (each layout's loader only knows its own kinds)."""
+    import json
+    try:
+        kind = json.loads((directory / "config.json").read_text()).get("speculators_model_type")
+    except (OSError, ValueError, AttributeError):
+        return   # the loader names what is wrong with the file
+    if isinstance(kind, str) and kind != mode and kind in DRAFT_KINDS:
+        raise _wrong_kind(directory, kind, mode)
+
+
+def _wrong_kind(directory: Path, kind: str, mode: str) -> DraftError:
+    article = "an" if kind[0] in "aeiou" else "a"
+    return DraftError(f"{directory / 'config.json'}: this is {article} {kind} draft, not {mode}; "
+                      f"pass --speculative_decoding_mode {kind}")
+
+
 def load_draft(mode, target_cfg: NemotronHConfig, target_weights: dict, draft_dir, dtype, log=print,
                quantization=None, token_map=None, own_storage: bool = False) -> LoadedDraft:
     """``token_map``: a file of target token ids the draft's LM head is cut to (``builder.token_map``);
@@ -98,6 +117,7 @@ def load_draft(mode, target_cfg: NemotronHConfig, target_weights: dict, draft_di
                            {"mode": mode})
     directory = _need_draft_dir(mode, draft_dir)
     log(f"reading {mode} draft {directory}")
+    _check_kind(directory, mode)
     if mode == "draft_target":
         cfg, weights = load_checkpoint(directory)
         check_finite_weights(directory, weights)
@@ -111,8 +131,7 @@ def load_draft(mode, target_cfg: NemotronHConfig, target_weights: dict, draft_di
     if mode in ("eagle", "eagle3"):
         cfg, weights = load_draft_checkpoint(directory)
         if cfg.kind != mode:
-            raise DraftError(f"{directory / 'config.json'}: this is an {cfg.kind} draft, not {mode}; "
-                             f"pass --speculative_decoding_mode {cfg.kind}")
+            raise _wrong_kind(directory, cfg.kind, mode)
         cfg = validate_against_target(cfg, target_cfg)
         weights = _own_storages(mode, target_weights, convert_weights(weights, dtype), own_storage)
         if ids is not None:
@@ -126,8 +145,7 @@ def load_draft(mode, target_cfg: NemotronHConfig, target_weights: dict, draft_di
     if mode in BLOCK_MODES:
         cfg, weights = load_block_draft_checkpoint(directory, keep_quantized=True)
         if cfg.kind != mode:
-            raise DraftError(f"{directory / 'config.json'}: this is a {cfg.kind} draft, not {mode}; "
-                             f"pass --speculative_decoding_mode {cfg.kind}")
+            raise _wrong_kind(directory, cfg.kind, mode)
         cfg = validate_block_draft(cfg, target_cfg)
         stored = _to_storable(weights, dtype)
         if quantization == "nvfp4_w4a16":

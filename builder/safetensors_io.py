@@ -71,9 +71,10 @@ def read_header(path: str | os.PathLike) -> tuple[dict, int]:
 _FINITE_CHUNK = 1 << 24   # elements per isfinite pass: a bounded bool buffer, whatever the tensor's size
 
 
-def check_finite(tensor: torch.Tensor, path, stored: str) -> None:
+def check_finite(tensor: torch.Tensor, path, stored: str, scale: bool = False) -> None:
     """A checkpoint's floating-point tensor (FP8 scales included) holds no NaN or inf: one that did
-    built and generated a stream of token 0 with exit 0."""
+    built and generated a stream of token 0 with exit 0. A ``scale`` (NVFP4's block and global
+    scales, magnitudes by definition) holds no negative value either: one flipped its blocks' signs."""
     if not tensor.is_floating_point() or tensor.numel() == 0:
         return
     flat = tensor.reshape(-1)
@@ -83,6 +84,8 @@ def check_finite(tensor: torch.Tensor, path, stored: str) -> None:
             part = part.float()
         if not torch.isfinite(part).all():
             raise CheckpointError(f"{path}: tensor {stored!r} holds NaN or inf values")
+        if scale and (part < 0).any():
+            raise CheckpointError(f"{path}: tensor {stored!r} holds negative scales; expected values >= 0")
 
 
 def mmap_tensors(path: str | os.PathLike, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:

@@ -399,7 +399,7 @@ def _check_counts(args) -> None:
 def run_bench(args) -> dict:
     from builder.tokenizer_file import load_tokenizer
 
-    from builder.embedded.sources import resolve_sources
+    from builder.embedded.sources import refuse_embedded_with, resolve_sources
     from nemospec.bench_report import write_report
     _check_counts(args)
     if args.threads:
@@ -431,6 +431,7 @@ def run_bench(args) -> dict:
         from builder.errors import NemospecError
         raise NemospecError(f"--output_dir {root}: exists and is a file; expected a report directory")
     embedded_model, factor = getattr(args, "embedded", "small"), getattr(args, "embedded_factor", None)
+    refuse_embedded_with(args, "checkpoint_dir")
     target_dir, _ = resolve_sources(args.checkpoint_dir, None, None, None, embedded_model, factor)
     tokenizer = load_tokenizer(Path(target_dir) / "tokenizer.json")
     root.mkdir(parents=True, exist_ok=True)   # after the sources resolve: a bad one leaves no directory behind

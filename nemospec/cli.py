@@ -15,7 +15,7 @@ from dataclasses import replace
 from rich.console import Console
 
 from builder.errors import ArgumentParser, NemospecError
-from builder.embedded.sources import add_embedded_args, resolve_sources
+from builder.embedded.sources import add_embedded_args, refuse_embedded_with, resolve_sources
 from builder.engine import TREE_STEP_KINDS
 from runtime import allocator
 from runtime.draft_len import AUTO, draft_len_arg
@@ -171,6 +171,7 @@ def cmd_serve(args):
 
 def cmd_build(args):
     from builder.engine import BuildOptions, build
+    refuse_embedded_with(args, "checkpoint_dir")
     args.checkpoint_dir, args.draft_dir = resolve_sources(args.checkpoint_dir, args.speculative_decoding_mode,
                                                           args.draft_dir, args.quantization, args.embedded,
                                                           args.embedded_factor)
@@ -246,6 +247,7 @@ def cmd_generate(args):
             raise NemospecError(f"--{flag}: expected a directory, got an empty path")
     if args.draft_dir and args.engine_dir is None and not args.speculative_decoding_mode:
         raise NemospecError(f"--draft_dir {args.draft_dir}: a draft needs --speculative_decoding_mode (its kind)")
+    refuse_embedded_with(args, "engine_dir", "checkpoint_dir")
     if args.engine_dir is None:
         args.checkpoint_dir, args.draft_dir = resolve_sources(args.checkpoint_dir, args.speculative_decoding_mode,
                                                               args.draft_dir, None, args.embedded, args.embedded_factor)

@@ -75,6 +75,54 @@ def test_nan_or_inf_weights_are_named_at_build_and_at_generate(tmp_path, capsys,
     assert code == 2 and f"tensor '{tensor}' holds NaN or inf" in _one_error_line(err)
 
 
+def test_an_mtp_layer_the_config_does_not_describe_is_named(tmp_path, capsys):
+    """A checkpoint's mtp.layers.N past num_nextn_predict_layers was silently left out of the draft."""
+    from safetensors.torch import load_file, save_file
+
+    from builder import embedded
+    target = tmp_path / "target"
+    shutil.copytree(embedded.target_dir(), target)
+    damaged = next(target.glob("*.safetensors"))
+    tensors = load_file(str(damaged))
+    tensors["mtp.layers.7.enorm.weight"] = tensors["mtp.layers.0.enorm.weight"].clone()
+    save_file(tensors, str(damaged), metadata={"format": "pt"})
+    code, _, err = _run(capsys, "build", "--checkpoint_dir", target, "--speculative_decoding_mode", "mtp",
+                        "--output_dir", tmp_path / "out")
+    line = _one_error_line(err)
+    assert code == 2 and "mtp.layers.7.enorm.weight" in line and "num_nextn_predict_layers" in line
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("mode, given", [("eagle3", "dflash"), ("dflash", "eagle3"), ("eagle", "eagle3"),
+                                         ("peagle", "dflash"), ("draft_target", "eagle3")])
+def test_a_draft_of_another_kind_is_named_in_one_wording(tmp_path, capsys, mode, given):
+    """Each layout's loader worded it its own way ("unsupported draft type" for a supported dflash draft,
+    a missing model_type for draft_target)."""
+    from builder import embedded
+    code, _, err = _run(capsys, "build", "--speculative_decoding_mode", mode, "--draft_dir",
+                        embedded.draft_dir(given), "--output_dir", tmp_path / "out")
+    line = _one_error_line(err)
+    assert code == 2 and f"draft, not {mode}; pass --speculative_decoding_mode {given}" in line, line
+
+
+def test_an_odd_draft_head_dim_and_a_directory_named_model_safetensors_are_named(tmp_path, capsys):
+    from builder import embedded
+    draft = tmp_path / "eagle3"
+    shutil.copytree(embedded.draft_dir("eagle3"), draft)
+    config = json.loads((draft / "config.json").read_text())
+    config["transformer_layer_config"]["head_dim"] = 33
+    (draft / "config.json").write_text(json.dumps(config))
+    code, _, err = _run(capsys, "build", "--speculative_decoding_mode", "eagle3", "--draft_dir", draft,
+                        "--output_dir", tmp_path / "out")
+    assert code == 2 and "'transformer_layer_config.head_dim' is 33: rotary embeddings need an even" in _one_error_line(err)
+    target = tmp_path / "target"
+    shutil.copytree(embedded.target_dir(), target)
+    (target / "model.safetensors").unlink()
+    (target / "model.safetensors").mkdir()
+    code, _, err = _run(capsys, "build", "--checkpoint_dir", target, "--output_dir", tmp_path / "out")
+    assert code == 2 and "model.safetensors: is not a file" in _one_error_line(err)
+
+
 @pytest.mark.parametrize("field", ["mlp_hidden_act", "mamba_hidden_act"])
 def test_an_activation_nemospec_lacks_is_named_at_load(tmp_path, capsys, field):
     """gelu_new (valid in transformers) failed a build after its weights were written, without naming
@@ -166,6 +214,15 @@ def test_an_output_dir_that_is_not_an_earlier_build_is_never_replaced(engine, tm
     again = tmp_path / "again"
     shutil.copytree(engine, again)
     assert _run(capsys, "build", "--output_dir", again)[0] == 0    # an earlier build is rebuilt in place
+    link = tmp_path / "link"    # ... also through a symbolic link, which stays and points at the new build
+    link.symlink_to(again)
+    assert _run(capsys, "build", "--output_dir", link)[0] == 0
+    assert link.resolve() == again.resolve() and (again / "config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to(tmp_path / "nowhere")
+    code, _, err = _run(capsys, "build", "--output_dir", dangling)
+    assert code == 2 and "symbolic link to a missing path" in _one_error_line(err)
     # ... but never while it holds what the build reads: the rebuild deleted a checkpoint copied into it
     from builder import embedded
     shutil.copytree(embedded.target_dir(), again / "my_ckpt")
@@ -192,6 +249,10 @@ def test_an_output_dir_that_is_not_an_earlier_build_is_never_replaced(engine, tm
     (["build", "--max_tree_nodes", "8"], "--max_tree_nodes"),
     (["build", "--speculative_decoding_mode", "eagle3", "--tree_topk", "99"], "--tree_topk"),
     (["bench", "--embedded", "wide", "--embedded_factor", "0"], "--embedded_factor"),
+    (["build", "--embedded", "wide", "--checkpoint_dir", "CKPT"], "--embedded wide"),
+    (["generate", "--embedded", "small", "--checkpoint_dir", "CKPT", "--input_ids", "1", "--max_new_tokens", "1"],
+     "--embedded small"),
+    (["bench", "--embedded", "wide", "--checkpoint_dir", "CKPT"], "--embedded wide"),
 ])
 def test_flags_that_make_no_sense_are_refused_by_name(tmp_path, capsys, argv, named):
     from builder import embedded
@@ -294,5 +355,10 @@ def test_a_nan_block_scale_of_an_nvfp4_weight_is_named():
     scale = scale.float()
     scale[1, 0] = float("nan")
     bad = NVFP4Weight(packed, scale.to(torch.float8_e4m3fn), scale_2, (8, 32))
-    with pytest.raises(CheckpointError, match="ckpt: tensor 'w' holds NaN or inf"):
+    with pytest.raises(CheckpointError, match=r"ckpt: tensor 'w \(weight_scale\)' holds NaN or inf"):
         check_finite_weights("ckpt", {"w": bad, "n": torch.ones(3)})
+    # a negative scale (E4M3 has a sign bit) flipped its block's signs, silently
+    scale[1, 0] = -scale[1, 1]
+    flipped = NVFP4Weight(packed, scale.to(torch.float8_e4m3fn), scale_2, (8, 32))
+    with pytest.raises(CheckpointError, match=r"'w \(weight_scale\)' holds negative scales"):
+        check_finite_weights("ckpt", {"w": flipped})

@@ -2,6 +2,7 @@
 (``builder.embedded.widen``) written once into a cache directory on first use."""
 from __future__ import annotations
 
+import argparse
 import hashlib
 import os
 from pathlib import Path
@@ -57,10 +58,29 @@ def resolve_sources(checkpoint_dir, mode=None, draft=None, quantization=None, em
     return target_dir(), draft
 
 
+class _Given(argparse.Action):
+    """Stores the choice and notes that it was given, so that a command can refuse it beside a model of
+    the user's own (the default is always set, so its value alone cannot tell)."""
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.embedded_given = True
+
+
+def refuse_embedded_with(args, *flags: str) -> None:
+    """--embedded picks the embedded model: given beside one of ``flags`` (a model of the user's own)
+    it would be silently ignored."""
+    if not getattr(args, "embedded_given", False):
+        return
+    for flag in flags:
+        value = getattr(args, flag, None)
+        if value is not None:
+            raise CheckpointError(f"--embedded {args.embedded}: picks the embedded model; leave it out with --{flag} {value}")
+
+
 def add_embedded_args(p, default: str = "small", given: str = "--checkpoint_dir") -> None:
     """--embedded / --embedded_factor: which embedded default a command runs when not ``given`` a model
     (``default``: small for build, generate and serve; wide for bench and the demo, which measure speed)."""
-    p.add_argument("--embedded", default=default, choices=EMBEDDED_CHOICES,
+    p.add_argument("--embedded", default=default, choices=EMBEDDED_CHOICES, action=_Given,
                    help=f"with no {given}: the embedded trained model as shipped (small: its weights sit "
                         "in cache) or widened (wide: the same function at --embedded_factor times the width, "
                         "decoding from memory as a served model does; written once under ~/.cache/nemospec)"

@@ -160,6 +160,8 @@ def layer_fields(f: Fields, layer_type: str, sliding: bool = False) -> dict[str,
     params = f.obj("rope_parameters", required=False)
     factor = f.float("partial_rotary_factor", 1.0 if params is None else params.float("partial_rotary_factor", 1.0))
     rotary_dim = int(head_dim * factor)
+    if factor == 1.0 and head_dim % 2:   # rope rotates channel pairs: the head dim itself is at fault
+        raise f.fail("head_dim", f"is {head_dim}: rotary embeddings need an even head dim")
     if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_dim:
         raise f.fail("partial_rotary_factor", f"gives rotary dim {rotary_dim} for head_dim {head_dim}")
     act = f.str("hidden_act", "silu")

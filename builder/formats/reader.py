@@ -198,6 +198,6 @@ def _read(entries: dict[str, Entry]) -> dict[str, torch.Tensor]:
                 t = cache.get(stored)
                 if t is None:
                     t = cache[stored] = f.get_tensor(stored)
-                    check_finite(t, path, stored)
+                    check_finite(t, path, stored, scale=stored.endswith(("weight_scale", "weight_scale_2")))
                 weights[name] = t if part is None else t[part[0]:part[0] + part[1]].contiguous()
     return weights
