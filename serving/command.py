@@ -165,4 +165,5 @@ def start_openai(args, handle, ready=None, cancel_dir=None):
     from serving.openai.server import OpenAIFrontend
     headers = {GRPC_API_KEY_HEADER: args.api_key} if args.api_key else None
     return OpenAIFrontend(args.engine_dir, handle.grpc_url, args.host, args.openai_port, args.api_key, headers,
-                          ready=ready, model_name=args.served_model_name, cancel_dir=cancel_dir).start()
+                          ready=ready, model_name=args.served_model_name, cancel_dir=cancel_dir,
+                          limits={flag: getattr(args, flag, None) for flag in LIMITS}).start()

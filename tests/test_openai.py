@@ -218,11 +218,36 @@ def test_chat_uses_the_template(client, stack, engine_dir):  # noqa: F811
     (dict(n=2), "n"), (dict(logprobs=2), "logprobs"), (dict(temperature=5.0), "temperature"),
     (dict(max_tokens=100000), "max_seq_len"), (dict(stop=["a", "b", "c", "d", "e"]), "stop"),
     (dict(extra_body={"top_p": "high"}), "top_p"), (dict(extra_body={"tools": [{"type": "function"}]}), "tools"),
+    (dict(prompt="x" * ((64 << 10) + 1)), "--max_prompt_bytes"),
 ])
 def test_bad_fields_are_400_naming_them(client, stack, kwargs, param):
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=_model(stack), prompt="x = 1", **kwargs)
+        client.completions.create(**{"model": _model(stack), "prompt": "x = 1", **kwargs})
     assert param in str(e.value)
+
+
+@pytest.mark.parametrize("value", [1, 1.0, "true"])
+def test_chat_logprobs_other_than_a_boolean_are_refused(stack, value):
+    """1 == True in Python: ``logprobs: 1`` passed the check and the answer came back without them."""
+    code, body = _post(stack[1], "/chat/completions", {"model": _model(stack), "max_tokens": 2, "logprobs": value,
+                                                        "messages": [{"role": "user", "content": "x"}]})
+    assert code == 400 and json.loads(body)["error"]["param"] == "logprobs"
+
+
+def test_a_body_past_the_limit_is_413_before_it_is_read_whole(stack):
+    """No limit held on this port: a 30 MB prompt was tokenized (which holds the GIL) for 40 s, and
+    every endpoint, /health/ready included, waited for it."""
+    _, frontend = stack
+    body = json.dumps({"model": _model(stack), "prompt": "x " * (3 << 20), "max_tokens": 2}).encode()
+    code, answer = _post_raw(frontend, "/completions", body)
+    assert code == 413 and "--max_body_bytes" in json.loads(answer)["error"]["message"]
+    chunked = urllib.request.Request(frontend.url + "/completions", data=iter([body[i:i + (1 << 20)] for i in
+                                                                                range(0, len(body), 1 << 20)]),
+                                     headers={"Authorization": f"Bearer {KEY}", "Transfer-Encoding": "chunked"},
+                                     method="POST")   # no Content-Length: refused as the bytes arrive
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(chunked, timeout=60)
+    assert e.value.code == 413
 
 
 def test_statuses(stack, client):
@@ -346,10 +371,14 @@ def test_not_ready_is_503(engine_dir):  # noqa: F811
 
 
 def _post(frontend, path: str, body) -> tuple[int, bytes]:
-    request = urllib.request.Request(frontend.url + path, data=json.dumps(body).encode(), method="POST",
+    return _post_raw(frontend, path, json.dumps(body).encode())
+
+
+def _post_raw(frontend, path: str, data: bytes, timeout: float = 120) -> tuple[int, bytes]:
+    request = urllib.request.Request(frontend.url + path, data=data, method="POST",
                                      headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(request, timeout=120) as r:
+        with urllib.request.urlopen(request, timeout=timeout) as r:
             return r.status, r.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()

@@ -273,6 +273,11 @@ def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk():
         assert done == sorted(done) and done[-1] == len(_ids("hello")) + len(_ids(" world")), done
         assert all(e["usage"]["total_tokens"] == e["usage"]["prompt_tokens"] + e["usage"]["completion_tokens"]
                    for e in events)
+        # include_usage alone: OpenAI's chunks carry "usage": null until the last, which holds the counts
+        status, raw = _call(app, path, {**base, "stream": True, "stream_options": {"include_usage": True}})
+        events = _events(raw)
+        assert status == 200 and all("usage" in e and e["usage"] is None for e in events[:-1]), raw
+        assert events[-1]["usage"]["completion_tokens"] == done[-1] and not events[-1]["choices"]
 
 
 def test_errors_inside_stream_options_name_the_nested_field():
@@ -329,3 +334,70 @@ def test_penalties_keep_openais_order_on_a_server_with_tensorrt_llms():
         {"presence_penalty": 2.0, "frequency_penalty": -1.0, "repetition_penalty": pytest.approx(1.3)}
     assert sent(temperature=0.0, presence_penalty=1.0) == {"presence_penalty": 1.0}
     assert sent(temperature=GREEDY_BELOW / 2, presence_penalty=1.0) == {"presence_penalty": 1.0}
+
+
+def test_signed_seeds_are_taken_as_vllm_takes_them():
+    """vLLM takes any signed 64-bit seed; a negative one was a 400 here. It reaches the ensemble's
+    unsigned random_seed in two's complement, so -1 and 2^64 - 1 are one stream."""
+    app, backend = _app()
+    for seed, sent in ((-1, (1 << 64) - 1), (-(1 << 63), 1 << 63), (7, 7)):
+        assert _call(app, body={**PROMPT, "seed": seed})[0] == 200
+        assert backend.calls[-1][0].seed == sent
+    _error(*_call(app, body={**PROMPT, "seed": -(1 << 63) - 1}), 400, "seed")
+
+
+def test_an_empty_stream_options_needs_no_stream():
+    """vLLM refuses only stream options that ask for something when the answer is not streamed."""
+    app, _ = _app()
+    assert _call(app, body={**PROMPT, "stream_options": {}})[0] == 200
+    _error(*_call(app, body={**PROMPT, "stream_options": {"include_usage": True}}), 400, "stream_options")
+
+
+def test_a_body_or_prompt_past_the_limits_is_refused_before_it_is_tokenized():
+    backend = RecordingBackend()
+    info = ModelInfo("m", TOKENIZER, 256, 4, ChatTemplate(TEMPLATE), 0)
+    app = create_app(info, backend, limits={"max_body_bytes": 200, "max_prompt_bytes": 20})
+    status, raw = _call(app, body={**PROMPT, "pad": "x" * 200})
+    assert status == 413 and "--max_body_bytes 200" in json.loads(raw)["error"]["message"]
+    _error(*_call(app, body={"prompt": "y" * 21}), 400, "prompt")
+    _error(*_call(app, "/v1/chat/completions", body={"messages": [{"role": "user", "content": "y" * 12}]}),
+           400, "messages")
+    assert _call(app, body={"prompt": "y" * 20})[0] == 200 and len(backend.calls) == 1
+
+
+def test_a_whole_answer_whose_client_left_is_cancelled():
+    """A non-streamed request went on to its full length after the client's timeout, holding a batch
+    slot: the frontend now leaves the backend's stream (which cancels the gRPC call) once the client
+    has gone."""
+    import asyncio
+
+    closed = []
+
+    class EndlessBackend(RecordingBackend):
+        async def generate(self, g, max_tokens):
+            try:
+                while True:
+                    yield ScriptedDelta(_ids("x"))
+                    await asyncio.sleep(0.01)
+            finally:
+                closed.append(True)
+
+    app, _ = _app(EndlessBackend())
+    messages, received = [], []
+
+    async def receive():
+        received.append(asyncio.get_running_loop().time())
+        if len(received) == 1:
+            return {"type": "http.request", "body": json.dumps(PROMPT).encode(), "more_body": False}
+        if received[-1] - received[0] > 0.3:   # the client went away while the answer was being generated
+            return {"type": "http.disconnect"}
+        await asyncio.sleep(3600)              # nothing yet (the app polls with an already cancelled scope)
+
+    async def send(message):
+        messages.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "query_string": b"", "headers": [(b"content-type", b"application/json")], "http_version": "1.1",
+             "scheme": "http", "server": ("test", 80), "client": ("test", 1), "root_path": ""}
+    asyncio.run(asyncio.wait_for(app(scope, receive, send), 30))
+    assert closed == [True]

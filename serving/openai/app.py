@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from serving.openai.backend import TritonBackend
@@ -21,9 +21,12 @@ from serving.openai.errors import APIError, shown
 from serving.openai.logprobs import TextOffsets, chat_logprobs, completion_logprobs
 from serving.openai.protocol import (StopMatcher, chat_options, completion_prompt, generation, lone_surrogate,
                                      speculative_metrics, usage)
+from serving.http_guard import DRAIN_BYTES
+from serving.limits import limits_from
 from serving.protocol import CONTEXT_TOKENS
 
 READY_SECONDS = 0.5
+DISCONNECT_POLL_SECONDS = 0.25   # how often a non-streamed request looks for its client having gone
 log = logging.getLogger(__name__)
 
 
@@ -68,8 +71,11 @@ def model_info(engine_dir, name: str | None = None) -> ModelInfo:
                      int(build.get("max_input_len", 0) or 0))
 
 
-def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = None, ready=None):
-    """``ready``: an optional extra readiness check (a callable returning bool), e.g. the supervisor's."""
+def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = None, ready=None, limits=None):
+    """``ready``: an optional extra readiness check (a callable returning bool), e.g. the supervisor's;
+    ``limits``: the request limits of ``serving.limits`` (the body's and the prompt's bytes apply here,
+    before anything is tokenized: tokenizing holds the GIL, so a 30 MB prompt stalled every endpoint)."""
+    limits = limits_from(limits)
     checked = {"at": -1.0, "ready": False, "refresh": None}   # Triton's readiness on file; its refresh task
 
     @asynccontextmanager
@@ -121,10 +127,29 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
             checked["refresh"] = task
         return checked["ready"]
 
+    async def read_body(request: Request) -> bytes:
+        """The body, refused with 413 past --max_body_bytes (by its Content-Length, or as it arrives).
+        The rest of a refused body is read and dropped (up to DRAIN_BYTES), so that the client, still
+        sending, sees the 413 rather than a broken pipe."""
+        most, raw, seen = limits["max_body_bytes"], bytearray(), 0
+        length = request.headers.get("content-length", "")
+        over = length.isdigit() and int(length) > most
+        async for chunk in request.stream():
+            seen += len(chunk)
+            over = over or seen > most
+            if over and seen > DRAIN_BYTES:
+                break
+            if not over:
+                raw += chunk
+        if over:
+            told = f"{length} bytes exceed" if length.isdigit() else "more bytes than"
+            raise APIError(413, f"request body: {told} --max_body_bytes {most}", "body")
+        return bytes(raw)
+
     async def body_of(request: Request) -> dict:
         authorise(request)
         try:
-            body = json.loads(await request.body() or b"null")
+            body = json.loads(await read_body(request) or b"null")
         except (ValueError, UnicodeDecodeError):
             raise APIError(400, "the request body is not valid JSON", "body") from None
         except RecursionError:      # nested deeper than the parser goes: a bad body, not a server error
@@ -199,9 +224,14 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
             prompt = info.chat.render(body.get("messages"), *chat_options(body))
         else:
             prompt = completion_prompt(body)
+        field = "messages" if chat else "prompt"
+        size = len(prompt.encode())
+        if size > limits["max_prompt_bytes"]:   # as the ensemble refuses text_input, but before tokenizing it
+            raise APIError(400, f"{field}: prompt of {size} bytes exceeds --max_prompt_bytes {limits['max_prompt_bytes']}",
+                           field)
         g = generation(body, prompt, chat)
         prompt_tokens = len(info.tokenizer.encode(prompt, add_special_tokens=g.add_special_tokens).ids)
-        stream = backend.generate(g, budget(g, prompt_tokens, "messages" if chat else "prompt"))
+        stream = backend.generate(g, budget(g, prompt_tokens, field))
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         base = {"id": rid, "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": info.name}
@@ -209,6 +239,23 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
             first = await _first(stream)      # errors before the first byte keep their status
             return StreamingResponse(_events(first, stream, g, base, chat, prompt_tokens),
                                      media_type="text/event-stream")
+        return await unless_gone(request, _whole(stream, g, base, chat, prompt_tokens))
+
+    async def unless_gone(request: Request, work):
+        """Awaits ``work``, or cancels it once the client has disconnected (a client's timeout left a
+        full-length generation holding a batch slot): leaving the stream cancels the gRPC call."""
+        task = asyncio.ensure_future(work)
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                return Response(status_code=499)   # nobody reads it: nginx's "client closed request"
+
+    async def _whole(stream, g, base, chat: bool, prompt_tokens: int) -> dict:
+        """A non-streamed answer: every response of ``stream`` read, stop strings applied."""
         text, tokens, reason, last, ids, logprobs = [], 0, "", None, [], []
         stops, recent = StopMatcher(g.stop), deque(maxlen=CONTEXT_TOKENS)
         try:
@@ -268,8 +315,10 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
         chunk_object = "chat.completion.chunk" if chat else "text_completion"
 
         def event(choice, **extra):
-            """One chunk; with vLLM's ``continuous_usage_stats`` each carries the usage so far."""
-            so_far = {"usage": usage(prompt_tokens, tokens)} if g.continuous_usage else {}
+            """One chunk; with vLLM's ``continuous_usage_stats`` each carries the usage so far, and with
+            ``include_usage`` alone a null one (OpenAI's chunks before the usage chunk)."""
+            so_far = ({"usage": usage(prompt_tokens, tokens)} if g.continuous_usage else
+                      {"usage": None} if g.include_usage else {})
             chunk = {**base, "object": chunk_object, "choices": [choice] if choice else [], **so_far, **extra}
             return f"data: {json.dumps(chunk)}\n\n"
 

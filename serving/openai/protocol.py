@@ -76,7 +76,7 @@ def _unsupported(body, chat: bool):
         if _number(body, name, 1, 1, INT32_MAX, integer=True) != 1:
             raise bad(name, f"only {name} = 1 is supported, got {body.get(name)!r}")
     logprobs = body.get("logprobs")
-    if chat and logprobs not in (None, True, False):
+    if chat and not (logprobs is None or isinstance(logprobs, bool)):   # 1 == True: it passed, then was dropped
         raise bad("logprobs", f"expected true or false, got {logprobs!r}")
     if not chat and logprobs is not None and logprobs is not False and (logprobs is True or logprobs != 0):
         raise bad("logprobs", "only 0: each chosen token's log-probability (the server returns no alternatives)")
@@ -108,11 +108,13 @@ def generation(body, prompt: str, chat: bool) -> Generation:
     if not isinstance(options, dict):
         raise bad("stream_options", "expected an object")
     stream = _flag(body, "stream")
-    if body.get("stream_options") is not None and not stream:
+    if options and not stream:   # as vLLM: an empty object asks for nothing
         raise bad("stream_options", "only allowed with stream: true")
     seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 64):
-        raise bad("seed", f"expected an integer in [0, 2^64), got {seed!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not -(1 << 63) <= seed < 1 << 64):
+        raise bad("seed", f"expected an integer in [-2^63, 2^64), got {seed!r}")
+    if seed is not None:
+        seed %= 1 << 64   # vLLM takes signed 64-bit seeds; the ensemble's random_seed is unsigned: two's complement
     return Generation(
         prompt=prompt, max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),

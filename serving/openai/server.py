@@ -14,10 +14,10 @@ from serving.openai.backend import TritonBackend
 class OpenAIFrontend:
     def __init__(self, engine_dir, grpc_url: str, host: str = "127.0.0.1", port: int = 9000,
                  api_key: str | None = None, grpc_headers: dict | None = None, ready=None, model_name=None,
-                 cancel_dir=None):
+                 cancel_dir=None, limits=None):
         self.info = model_info(engine_dir, model_name)
         self.app = create_app(self.info, TritonBackend(grpc_url, headers=grpc_headers, cancel_dir=cancel_dir),
-                              api_key, ready)
+                              api_key, ready, limits)
         self.host = host
         try:
             self.socket = socket.create_server((host, port), reuse_port=False)
