@@ -42,6 +42,12 @@ def process_alive(pid: int) -> bool:
     return stat is not None and stat[0] not in ("Z", "X")
 
 
+def process_stopped(pid: int) -> bool:
+    """Stopped by a signal (state T) or by a tracer (t): alive, but it answers nothing until resumed."""
+    stat = _stat(pid)
+    return stat is not None and stat[0] in ("T", "t")
+
+
 def children(pid: int) -> list[int]:
     out = []
     for entry in os.listdir("/proc"):
@@ -77,10 +83,16 @@ def what_died(process, stubs: dict[int, str]) -> str | None:
     """What of a server died, read from the process table now: ``process`` (tritonserver's Popen) and
     ``stubs`` {pid: model}; None while all live. Every death seen is named: a killed stub can take the
     server down with it (SIGABRT) before anyone looks."""
-    dead = [f"the Python stub of model '{model}' (pid {pid}) died"
-            for pid, model in sorted(stubs.items()) if not process_alive(pid)]
+    dead = []
+    for pid, model in sorted(stubs.items()):
+        if not process_alive(pid):
+            dead.append(f"the Python stub of model '{model}' (pid {pid}) died")
+        elif process_stopped(pid):   # Triton fails every request to it ("not healthy") while its readiness says 200
+            dead.append(f"the Python stub of model '{model}' (pid {pid}) is stopped (SIGSTOP or a tracer)")
     if process.poll() is not None:
         dead.append(f"tritonserver (pid {process.pid}) exited with code {process.returncode}")
+    elif process_stopped(process.pid):
+        dead.append(f"tritonserver (pid {process.pid}) is stopped (SIGSTOP or a tracer)")
     return "; ".join(dead) or None
 
 

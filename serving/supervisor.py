@@ -148,16 +148,21 @@ class Supervisor:
         if self.handle is None:
             self.start()
         while not self._stop.wait(self.check_interval):
-            health = self._check(self.handle, self.handle.stubs, timeout=max(1.0, self.check_interval * 2))
+            health = self._check(self.handle, self.handle.stubs, timeout=max(2.0, self.check_interval * 2))
             if health.ready and self.stall_timeout:
                 health = self._stalled() or health
+            process_died = not health.reason.startswith("tritonserver: /v2/health/ready")   # or stalled
             if health.ready:
                 self._unready_since = None
                 self._set(health=health)
                 continue
-            self._set(health=health)
             now = time.monotonic()
-            process_died = not health.reason.startswith("tritonserver: /v2/health/ready")   # or stalled
+            if not process_died and self._unready_since is None and self.is_ready():
+                # one probe missing its timeout on a loaded machine is not a server that cannot serve (it
+                # flapped readiness while requests succeeded): a second miss in a row says so
+                self._unready_since = now
+                continue
+            self._set(health=health)
             self._unready_since = self._unready_since or now
             if process_died or now - self._unready_since >= HTTP_GRACE_SECONDS:
                 code = self._restart(health.reason)

@@ -102,6 +102,8 @@ def test_the_spec_decode_payload_keeps_every_bucket_up_to_k():
     assert spec["acceptance_histogram"] == [2, 0, 1, 0, 0] and spec["num_spec_tokens"] == 4
     assert spec["num_spec_steps"] == sum(spec["acceptance_histogram"])
     assert spec["mean_acceptance_length"] == pytest.approx(1 + 2 / 3)
+    # no speculative step (speculative: false): no payload, rather than K drafts a step and a mean of 0
+    assert speculative_metrics({"steps": 0, "accepted": 0, "drafts": 0, "histogram": [0] * 5}, 4) == {}
 
 
 def test_models_lists_the_engine(client, stack):
@@ -129,7 +131,7 @@ def test_completion_equals_offline_generate(client, stack, engine_dir, tokenizer
     off = client.completions.create(model=_model(stack), prompt=prompt, max_tokens=24, temperature=0,
                                     extra_body={"speculative": False})
     assert off.choices[0].text == want["text"]
-    assert off.model_extra["metrics"]["speculative_decoding"]["num_spec_steps"] == 0
+    assert off.model_extra["metrics"] == {}    # no speculative step ran: no spec-decode payload
 
 
 def test_stop_strings_and_ignore_eos(client, stack, engine_dir, tokenizer):  # noqa: F811

@@ -115,6 +115,36 @@ def test_readiness_endpoint_and_is_ready():
     assert not health.is_ready(f"http://127.0.0.1:{port}/health/ready"), "nothing listening: not ready"
 
 
+def test_one_missed_readiness_probe_is_not_unready_but_two_are():
+    """Under load one probe of Triton's readiness missed its timeout, and readiness flapped to 503 (the
+    OpenAI frontend refused 29 requests) while requests to Triton succeeded."""
+    slow = health.Health(False, "tritonserver: /v2/health/ready is not 200")
+    script = iter([health.Health(True), slow, health.Health(True), slow, slow] + [health.Health(True)] * 10**6)
+    seen = []
+
+    def scripted(handle, stubs, timeout):
+        answer = next(script)
+        seen.append(answer)
+        return answer
+
+    s = supervisor.Supervisor(lambda **kw: FakeHandle(dead_after=1e9), check_interval=0.05, check=scripted,
+                              stall_timeout=0)
+    states = []
+    thread = threading.Thread(target=s.run)
+    s.start()
+    thread.start()
+    deadline = time.monotonic() + 10
+    while len(seen) < 7 and time.monotonic() < deadline:
+        states.append((len(seen), s.is_ready()))
+        time.sleep(0.001)
+    s.request_stop()
+    thread.join(10)
+    unready = sorted({n for n, ready in states if not ready})
+    # not ready only after the second miss in a row (seen as 6 where the 6th check has answered, not yet set)
+    assert unready and min(unready) >= 5 and max(unready) <= 6, states
+    assert s.restarts == 0
+
+
 def test_bad_flags():
     with pytest.raises(NemospecError, match="--max_restarts"):
         supervisor.Supervisor(lambda: None, max_restarts=-1)
@@ -165,3 +195,29 @@ def test_check_server_names_every_death():
     assert reason == (f"the Python stub of model 'speculative' (pid {gone}) died; "
                       f"tritonserver (pid {10**6}) exited with code -6")
     assert health.check_server(handle, {}).reason == f"tritonserver (pid {10**6}) exited with code -6"
+
+
+def test_a_stopped_stub_is_named_until_it_resumes():
+    """A SIGSTOPped stub fails every request (Triton: "Stub process ... is not healthy") while Triton's
+    readiness, and so ours, said 200: it is now as good as dead (the supervisor restarts the server)."""
+    import signal
+    import subprocess
+    import sys
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        process = SimpleNamespace(pid=10**6, returncode=None, poll=lambda: None)
+        assert health.what_died(process, {child.pid: "speculative"}) is None
+        child.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while not health.process_stopped(child.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert health.what_died(process, {child.pid: "speculative"}) == (
+            f"the Python stub of model 'speculative' (pid {child.pid}) is stopped (SIGSTOP or a tracer)")
+        child.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while health.process_stopped(child.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert health.what_died(process, {child.pid: "speculative"}) is None
+    finally:
+        child.kill()
+        child.wait()

@@ -180,12 +180,16 @@ def completion_prompt(body) -> str:
 def speculative_metrics(stats: dict, draft_len: int) -> dict:
     """vLLM's per-request speculative-decoding metrics from the ensemble's acceptance outputs. The
     histogram always has num_spec_tokens + 1 buckets (0..K drafts kept), trailing zeros included, as
-    vLLM's payload and aiperf's reader of it expect."""
+    vLLM's payload and aiperf's reader of it expect. A request no speculative step ran for
+    (``speculative: false``, or one that ended at its first token) has none: it reported K draft
+    tokens a step and a mean acceptance length of 0, which no run of steps can have."""
     steps, accepted, drafts = stats["steps"], stats["accepted"], stats["drafts"]
+    if not steps:
+        return {}
     histogram = list(stats["histogram"])
     histogram += [0] * (draft_len + 1 - len(histogram))
     return {"speculative_decoding": {
-        "mean_acceptance_length": 1 + accepted / steps if steps else 0.0,
+        "mean_acceptance_length": 1 + accepted / steps,
         "draft_acceptance_rate": accepted / drafts if drafts else 0.0,
         "acceptance_histogram": histogram,
         "num_spec_steps": steps,

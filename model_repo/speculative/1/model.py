@@ -148,7 +148,7 @@ class TritonPythonModel:
             "steps": metric("nemospec_steps_total", "Scheduler steps (one speculative round or decode step per group)", MF.COUNTER),
             "verify_rows": metric("nemospec_verify_rows_total", "Sequence rows verified by the target (one per sequence per speculative step)", MF.COUNTER),
             "accepted_tokens": metric("nemospec_accepted_tokens_total", "Tokens gained over all verify rows (accepted drafts + bonus)", MF.COUNTER),
-            "generated_tokens": metric("nemospec_generated_tokens_total", "Tokens generated for clients", MF.COUNTER),
+            "generated_tokens": metric("nemospec_generated_tokens_total", "Tokens generated (a step's tokens past a cancel or stop string included)", MF.COUNTER),
             "draft_seconds": metric("nemospec_draft_seconds_total", "Seconds spent proposing drafts", MF.COUNTER),
             "verify_seconds": metric("nemospec_verify_seconds_total", "Seconds the speculative group spent in target forwards (verify, or decode in a step with K = 0)", MF.COUNTER),
             "active_sequences": metric("nemospec_active_sequences", "Sequences in the running batch", MF.GAUGE),
