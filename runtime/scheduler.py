@@ -52,6 +52,7 @@ class Scheduler:
                                       loaded.draft_policy) if loaded.speculative else None)
         self._queue: deque = deque()
         self._cancelled: set[int] = set()
+        self._admitting = 0   # requests taken off the queue whose prefill has not yet put them in a group
         self._lock = threading.Condition()
         self._next_id = 0
         self._thread = None
@@ -97,7 +98,7 @@ class Scheduler:
         with self._lock:
             # the queue is admitted between steps: the requests in it that free batch slots will take
             # at the next step are not waiting, nor are cancelled ones (dropped at admission)
-            free = max(0, self.max_batch_size - self._active())
+            free = max(0, self.max_batch_size - self._active() - self._admitting)
             waiting = sum(1 for q in self._queue if q[0] not in self._cancelled) - free
             if waiting >= self.max_queue:
                 raise SchedulerError(f"server busy: {waiting} requests queued beyond the batch (max_queue "
@@ -134,6 +135,17 @@ class Scheduler:
                 taken.append((request_id, r, cb))
                 room -= 1
             self.metrics["queued"] = len(self._queue)
+            # neither queued nor active while they prefill: counted, or requests arriving meanwhile saw
+            # their slots free and the queue went past max_queue (67 of 64 under load)
+            self._admitting = len(taken)
+        try:
+            self._start(taken)
+        finally:
+            with self._lock:
+                self._admitting = 0
+
+    def _start(self, taken):
+        """Prefills the requests ``_admit`` took and puts each into its group."""
         by_group = {}
         for request_id, r, cb in taken:
             generator = seeded_generator(r.seed)
@@ -148,6 +160,8 @@ class Scheduler:
         for group, seqs in by_group.values():
             try:
                 emitted = group.add(seqs)
+                with self._lock:
+                    self._admitting -= len(seqs)   # in the group now: counted as active
             except Exception as error:   # their prefill failed: they hear it now (step fails the running)
                 self._fail([s for s in seqs if all(s is not g for g in group.seqs)], f"{type(error).__name__}: {error}")
                 raise

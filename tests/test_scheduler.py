@@ -169,6 +169,40 @@ def test_full_queue_is_refused_then_recovers(loaded):
     scheduler.submit(Request([5], 4), Collector())
 
 
+def test_requests_arriving_while_others_prefill_keep_the_queue_bound(loaded, monkeypatch):
+    """Requests taken off the queue are neither queued nor active while they prefill: a burst that
+    arrived then saw their slots free, and the queue went past --max_queue (67 of 64 under load)."""
+    import threading
+    scheduler = Scheduler(loaded, max_batch_size=2, max_queue=2)
+    prefilling, go = threading.Event(), threading.Event()
+    add = type(scheduler.spec or scheduler.plain).add
+
+    def slow_add(group, seqs):
+        prefilling.set()
+        go.wait(30)
+        return add(group, seqs)
+
+    monkeypatch.setattr(type(scheduler.plain), "add", slow_add)
+    if scheduler.spec is not None:
+        monkeypatch.setattr(type(scheduler.spec), "add", slow_add)
+    for _ in range(2):
+        scheduler.submit(Request([5], 4), Collector())
+    stepper = threading.Thread(target=scheduler.step)
+    stepper.start()                                   # takes both into the batch and prefills them
+    assert prefilling.wait(30)
+    accepted = 0
+    for _ in range(5):
+        try:
+            scheduler.submit(Request([5], 4), Collector())
+            accepted += 1
+        except SchedulerError as e:
+            assert "busy: 2 requests queued beyond the batch (max_queue 2)" in str(e)
+    go.set()
+    stepper.join(30)
+    assert accepted == 2                              # the batch is full: max_queue waiting, no more
+    _drain(scheduler)
+
+
 def test_stop_words_bad_words_and_end_ids(loaded):
     free = generate(loaded.runner, [[5, 9]], 20).output_ids[0]
     assert_greedy_margin(loaded.runner, [[5, 9]], [free], 3)
