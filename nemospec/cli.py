@@ -60,6 +60,14 @@ def cmd_token_map(args):
     return 0
 
 
+SPECULATIVE_MODES = ("draft_target", "eagle", "eagle3", "mtp", "dflash", "dspark", "peagle")
+MODE_ALIASES = {"draft_tokens_external": "draft_target"}   # trtllm-build's name for a separate draft model
+
+
+def _mode(value: str) -> str:
+    return MODE_ALIASES.get(value, value)
+
+
 def _add_build_args(p):
     p.add_argument("--checkpoint_dir", default=None,
                    help="Hugging Face NemotronH checkpoint (safetensors); default: the embedded trained model")
@@ -71,9 +79,9 @@ def _add_build_args(p):
                    help="K: draft tokens verified per step (default: 4 with a speculative mode, else 0)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="auto keeps the checkpoint's dtype")
-    p.add_argument("--speculative_decoding_mode", default=None,
-                   choices=["draft_target", "eagle", "eagle3", "mtp", "dflash", "dspark", "peagle"],
-                   help="build a draft and a verify engine beside the target")
+    p.add_argument("--speculative_decoding_mode", default=None, type=_mode, choices=SPECULATIVE_MODES,
+                   help="build a draft and a verify engine beside the target (trtllm-build's "
+                        "draft_tokens_external is draft_target)")
     p.add_argument("--quantization", default=None, choices=["nvfp4_w4a16"],
                    help="quantize the draft's linear layers (ModelOpt NVFP4 W4A16) while building")
     p.add_argument("--draft_dir", default=None,
@@ -140,8 +148,7 @@ def _parser():
                         "bonus, K, draft/verify ms)")
     add_policy_args(g, build=False)
     add_tree_args(g, build=False)
-    g.add_argument("--speculative_decoding_mode", default=None,
-                   choices=["draft_target", "eagle", "eagle3", "mtp", "dflash", "dspark", "peagle"],
+    g.add_argument("--speculative_decoding_mode", default=None, type=_mode, choices=SPECULATIVE_MODES,
                    help="with a checkpoint: speculate eagerly with this draft (no engines needed)")
     g.add_argument("--draft_dir", default=None, help="with a checkpoint: the draft (default with the embedded model: "
                                                      "its trained draft)")

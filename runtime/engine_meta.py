@@ -47,3 +47,16 @@ def read_engine_meta(path: Path, dtypes=DTYPES) -> dict:
         if isinstance(draft_len, bool) or not isinstance(draft_len, int) or draft_len < 1:
             _fail(path, f"field 'build.max_draft_len': expected an integer >= 1 for a speculative engine, got {draft_len!r}")
     return meta
+
+
+def check_tensorrt_match(path: Path, meta: dict, flavour: str, version: str) -> None:
+    """A serialized engine runs only on the TensorRT that built it: an engine directory built by
+    ``tensorrt_rtx`` on a CPU-only machine cannot load in full TensorRT (the Docker image), nor one
+    of another version. Said before deserializing, naming both, rather than TensorRT's own error."""
+    built = meta.get("tensorrt")
+    if not isinstance(built, dict):
+        _fail(path, "field 'tensorrt' missing or not an object (the TensorRT that built the engines)")
+    if (built.get("flavour"), built.get("version")) != (flavour, version):
+        raise NemospecError(f"{path}: engines built with {built.get('flavour')} {built.get('version')}; this process "
+                            f"runs {flavour} {version}. Rebuild them here with `nemospec build` (a TensorRT "
+                            "engine runs only on the TensorRT flavour and version that built it)")

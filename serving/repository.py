@@ -72,8 +72,8 @@ def fill_model_repo(engine_dir, repo_dir, *, backend: str = "auto", torch_thread
         # resolved here: without a GPU the server runs eagerly for now. The compiled path
         # (--backend compiled) compiles its steps inside the first requests, tens of seconds per step
         # on a cold cache, which would stall them (and readiness checks) behind it.
-        import torch
-        backend = "tensorrt" if torch.cuda.is_available() else "torch"
+        from runtime.loading import tensorrt_available
+        backend = "tensorrt" if tensorrt_available() else "torch"   # a GPU without TensorRT runs the torch path
     engine_batch = int(meta["build"]["max_batch_size"])
     if max_batch_size is not None and not 1 <= max_batch_size <= engine_batch:
         raise NemospecError(f"--max_batch_size: expected 1..{engine_batch} (the engine's max_batch_size), got {max_batch_size}")

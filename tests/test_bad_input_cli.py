@@ -201,6 +201,21 @@ def test_a_broken_tokenizer_is_named_at_build_and_at_generate(engine, tmp_path, 
     assert code == 2 and "tokenizer.json" in _one_error_line(err)
 
 
+def test_engines_of_another_tensorrt_are_named_before_loading(engine, tmp_path, capsys):
+    """An engine directory built by tensorrt_rtx on a CPU-only machine reached full TensorRT (the
+    Docker image) unchecked: TensorRT's own deserialize error named neither side."""
+    from builder.backends.trt_import import FLAVOUR, VERSION
+    other = tmp_path / "eng"
+    shutil.copytree(engine, other)
+    meta = json.loads((other / "config.json").read_text())
+    meta["tensorrt"] = {"flavour": "tensorrt" if FLAVOUR != "tensorrt" else "tensorrt_rtx", "version": "0.1"}
+    (other / "config.json").write_text(json.dumps(meta))
+    code, _, err = _run(capsys, "generate", "--engine_dir", other, "--backend", "tensorrt",
+                        "--input_ids", "1,2", "--max_new_tokens", 2)
+    line = _one_error_line(err)
+    assert code == 2 and f"{meta['tensorrt']['flavour']} 0.1" in line and f"{FLAVOUR} {VERSION}" in line, line
+
+
 def test_an_output_dir_that_is_not_an_earlier_build_is_never_replaced(engine, tmp_path, capsys):
     a_file = tmp_path / "notes.txt"
     a_file.write_text("keep")

@@ -127,3 +127,10 @@ def test_console_script_is_installed():
     exe = Path(sys.executable).parent / "nemospec"
     result = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and "build" in result.stdout and "generate" in result.stdout
+
+
+def test_trtllm_builds_name_for_a_draft_model_is_taken():
+    """trtllm-build calls a separate draft model draft_tokens_external; a TensorRT-LLM user types it."""
+    for command in (["build", "--output_dir", "x"], ["generate", "--input_ids", "1", "--max_new_tokens", "1"]):
+        args = cli._parser().parse_args(command + ["--speculative_decoding_mode", "draft_tokens_external"])
+        assert args.speculative_decoding_mode == "draft_target"
