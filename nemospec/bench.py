@@ -15,6 +15,7 @@ if __name__ == "__main__":   # a model process: mimalloc first (runtime.allocato
     from runtime.allocator import preload
     preload()
 
+import hashlib
 import json
 import platform
 import statistics
@@ -178,11 +179,20 @@ def _lower_median(values, key=None):
 
 
 def _timed(fn, runs: int):
-    """The median run (``_lower_median``) and its seconds: its step costs and prefill are then the
+    """The median run (``_lower_median``), its seconds and every run: the median's step costs are the
     ones its time is made of, so the cost model explains the run it sits beside (the costs of the
-    last run beside the median time had moved mtp's gap by 0.05-0.26)."""
-    median = _lower_median([fn() for _ in range(runs)], key=lambda r: r.seconds)
-    return median, median.seconds
+    last run beside the median time had moved mtp's gap by 0.05-0.26); every run's output is checked."""
+    results = [fn() for _ in range(runs)]
+    median = _lower_median(results, key=lambda r: r.seconds)
+    return median, median.seconds, results
+
+
+def _check_equal(runs, want, what: str) -> int:
+    """Each run's output ids equal ``want`` (target-only greedy); the number compared."""
+    for r in runs:
+        if r.output_ids != want:
+            raise RuntimeError(f"{what} output differs from target-only greedy")
+    return len(runs)
 
 
 def _offline(engine_dir: Path, prompts: list[list[int]], new_tokens: int, k: int, runs: int,
@@ -210,20 +220,26 @@ def _offline(engine_dir: Path, prompts: list[list[int]], new_tokens: int, k: int
     hist: dict[str, int] = {}
     lengths: dict[str, int] = {}          # verify steps by the K they drafted (an adaptive policy's choices)
     spec_costs, plain_costs = StepCosts(), StepCosts()
-    outside = {"speculative": 0.0, "target_only": 0.0}     # seconds of the runs outside their steps (prefill)
+    # each side's prefill, timed on its own (a one-token run: the prompt, and the draft's pass over it), so
+    # that the prediction with prefill is one: it was the run's time outside its steps, which made the
+    # prediction the measured speedup by construction
+    prefill = {"speculative": 0.0, "target_only": 0.0}
+    compared, digest = 0, hashlib.sha256()   # runs checked against target-only greedy; what they output
     for ids in prompts:
-        spec, s = _timed(lambda: speculative_generate(loaded.runner, loaded.proposer(), [ids], new_tokens, k,
-                                                      policy=policy), runs)
-        plain, t = _timed(lambda: generate(loaded.runner, [ids], new_tokens), runs)
-        if spec.output_ids != plain.output_ids:
-            raise RuntimeError(f"{engine_dir}: speculative output differs from target-only greedy")
+        spec, s, spec_runs = _timed(lambda: speculative_generate(loaded.runner, loaded.proposer(), [ids], new_tokens,
+                                                                 k, policy=policy), runs)
+        plain, t, plain_runs = _timed(lambda: generate(loaded.runner, [ids], new_tokens), runs)
+        compared += _check_equal(plain_runs, plain.output_ids, f"{engine_dir}: a target-only")
+        compared += _check_equal(spec_runs, plain.output_ids, f"{engine_dir}: speculative")
+        digest.update(json.dumps(plain.output_ids).encode())
         if trees is not None:
             trees.run(ids, new_tokens, runs, plain.output_ids, engine_dir)
         spec_s, plain_s, tokens = spec_s + s, plain_s + t, tokens + spec.num_tokens
         spec_costs.merge(spec.extra["cost"])
         plain_costs.merge(plain.extra["cost"])
-        outside["speculative"] += spec.seconds - spec.extra["cost"].step_seconds
-        outside["target_only"] += plain.seconds - plain.extra["cost"].step_seconds
+        prefill["speculative"] += _timed(lambda: speculative_generate(loaded.runner, loaded.proposer(), [ids], 1, k,
+                                                                      policy=policy), runs)[1]
+        prefill["target_only"] += _timed(lambda: generate(loaded.runner, [ids], 1), runs)[1]
         a = spec.extra["acceptance"]
         forwards += a["num_verify_forwards"]
         for n, c in a["histogram"].items():
@@ -237,8 +253,9 @@ def _offline(engine_dir: Path, prompts: list[list[int]], new_tokens: int, k: int
            "draft_len_adaptive": bool(policy is not None and policy.adaptive), "max_draft_len": k,
            "tokens": tokens, "tokens_per_second": round(tokens / spec_s, 1),
            "target_only_tokens_per_second": round(tokens / plain_s, 1), "speedup": round(plain_s / spec_s, 3),
-           "exact": True, "cost": with_prefill(cost_model(spec_costs.summary(), plain_costs.summary()),
-                                               {side: 1e3 * v / len(prompts) for side, v in outside.items()},
+           "exact": True, "outputs_compared": compared, "output_ids_sha256": digest.hexdigest(),
+           "cost": with_prefill(cost_model(spec_costs.summary(), plain_costs.summary()),
+                                               {side: 1e3 * v / len(prompts) for side, v in prefill.items()},
                                                new_tokens)}
     # the K these measured costs and acceptances pick (runtime.draft_len, `generate --num_draft_tokens auto`)
     from runtime.draft_len import acceptance_rates, choose, costs_from, is_block_draft
@@ -279,9 +296,8 @@ class _TreeRuns:
         self.hist, self.sizes, self.depths, self.off_chain = {}, {}, {}, 0
 
     def run(self, ids, new_tokens, runs, want, engine_dir):
-        result, seconds = _timed(lambda: self.run_one(ids, new_tokens), runs)
-        if result.output_ids != want:
-            raise RuntimeError(f"{engine_dir}: tree speculative output differs from target-only greedy")
+        result, seconds, results = _timed(lambda: self.run_one(ids, new_tokens), runs)
+        _check_equal(results, want, f"{engine_dir}: tree speculative")
         self.seconds += seconds
         self.tokens += result.num_tokens
         self.costs.merge(result.extra["cost"])

@@ -5,11 +5,12 @@ import json
 from pathlib import Path
 
 PLOTS = ("acceptance.png", "histogram.png", "throughput.png", "costs.png")
-PART_LABELS = {"draft": "draft", "verify": "verify (K+1 rows)", "accept": "accept + rollback", "host": "host"}
+PART_LABELS = {"draft": "draft", "verify": "verify (K+1 rows; greedy: with its accept + rollback)",
+               "accept": "accept + rollback (sampled)", "host": "host"}
 
 
 def _table(report: dict) -> list[str]:
-    rows = ["| mode | mean accepted / target forward | tokens/s speculative | tokens/s target-only | speedup | "
+    rows = ["| mode | mean accepted / verify | tokens/s speculative | tokens/s target-only | speedup | "
             "engine build s | engines MiB |", "|---|---:|---:|---:|---:|---:|---:|"]
     for mode, m in report["modes"].items():
         rows.append(f"| {mode} | {m['mean_accepted_tokens']:.2f} | {m['tokens_per_second']:.1f} | "
@@ -128,10 +129,11 @@ def markdown(report: dict) -> str:
         lines += [""] + [f"**Warning: {mode}'s timings include steps compiled or loaded mid-run** (a warm-up gap): "
                          f"{'; '.join(v)}" for mode, v in late.items()]
     lines += ["", "## Where a step's time goes", "",
-              "Milliseconds per decode step (prefill excluded), speculative vs target-only on the same engines; "
+              "Milliseconds per decode step (prefill excluded), speculative vs target-only on the same engines "
+              "(greedy rows verify, accept and roll back in one call: its time is the verify column's); "
               "predicted speedup = tokens per step x target-only step / speculative step; with prefill: each "
-              "side's measured prefill per request (the speculative side's includes the draft's pass over the "
-              "prompt) plus its steps for the report's new tokens.", ""]
+              "side's prefill per request, timed apart as a one-token run (the speculative side's includes the "
+              "draft's pass over the prompt), plus its steps for the report's new tokens.", ""]
     lines += cost_table(report)
     lines += tree_table(report)
     moe = {mode: m["moe_experts_read"] for mode, m in report["modes"].items() if m.get("moe_experts_read")}
@@ -140,7 +142,7 @@ def markdown(report: dict) -> str:
                   "a decode is 1 row, a verify K+1):", ""]
         lines += [f"- {mode}: " + ", ".join(f"{n} row(s): {v} of {m['experts']}" for n, v in m["per_call_by_rows"].items())
                   for mode, m in moe.items()]
-    lines += ["", "Acceptance histogram (tokens emitted per target forward: count):", ""]
+    lines += ["", "Acceptance histogram (tokens gained per verify, bonus included: count):", ""]
     for mode, m in report["modes"].items():
         lines.append(f"- {mode}: " + ", ".join(f"{n}: {c}" for n, c in m["histogram"].items()))
     peers = report.get("peers", {})
@@ -177,8 +179,8 @@ def plots(report: dict, root: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.bar(modes, [m[x]["mean_accepted_tokens"] for x in modes], color="#76b900")
     ax.axhline(report["num_draft_tokens"] + 1, color="grey", linestyle="--", linewidth=1, label="maximum (K + 1)")
-    ax.set_ylabel("tokens per target forward")
-    ax.set_title("Mean accepted tokens per target forward")
+    ax.set_ylabel("tokens per verify")
+    ax.set_title("Mean accepted tokens per verify")
     ax.legend()
     plt.setp(ax.get_xticklabels(), rotation=30, ha="right")
     fig.tight_layout()
@@ -192,7 +194,7 @@ def plots(report: dict, root: Path) -> None:
         total = sum(hist.values()) or 1
         ax.bar([int(n) + (i - len(modes) / 2) * width for n in hist], [c / total for c in hist.values()],
                width=width, label=x)
-    ax.set_xlabel("tokens emitted by one target forward")
+    ax.set_xlabel("tokens gained by one verify")
     ax.set_ylabel("fraction of forwards")
     ax.set_title("Acceptance histogram")
     ax.legend(fontsize=7, ncol=2)
@@ -262,7 +264,7 @@ def readme_table(report: dict) -> str:
              f"{report.get('backend', 'torch')} backend on both sides{_precisions(report)}; "
              f"{m0['cpu_threads']} torch thread(s), torch {m0.get('torch', '?')}, allocator "
              f"{m0.get('allocator', 'system')}{_kernel(report)}, CUDA {m0['cuda']}. {_exactness(report)}", "",
-             "| mode | accepted / target forward | tokens/s speculative | tokens/s target-only | speedup | "
+             "| mode | accepted / verify | tokens/s speculative | tokens/s target-only | speedup | "
              "predicted by step costs (with prefill) |", "|---|---:|---:|---:|---:|---:|"]
     for mode, m in report["modes"].items():
         cost = m.get("cost") or {}
@@ -284,7 +286,9 @@ def readme_table(report: dict) -> str:
 def _exactness(report: dict) -> str:
     inexact = [mode for mode, m in report["modes"].items() if not m.get("exact", False)]
     if not inexact:
-        return "Every speculative output equals the target-only greedy output (checked)."
+        compared = sum(m.get("outputs_compared", 0) for m in report["modes"].values())
+        checked = f"checked: {compared} runs against the target-only ids" if compared else "checked"
+        return f"Every speculative output equals the target-only greedy output ({checked})."
     return f"Speculative output differs from target-only greedy output in: {', '.join(inexact)}."
 
 

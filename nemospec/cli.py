@@ -425,8 +425,8 @@ def cmd_generate(args):
         record = {
             "output_ids": result.output_ids[0] if single else result.output_ids,
             "num_tokens": result.num_tokens,
-            "tokens_per_second": result.tokens_per_second,
-            "seconds": result.seconds,
+            "tokens_per_second": round(result.tokens_per_second, 1),
+            "seconds": round(result.seconds, 6),   # to the microsecond: finer is noise
             "num_target_forwards": result.num_target_forwards,
             "backend": loaded.backend,
             "allocator": allocator.active(),

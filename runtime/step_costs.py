@@ -75,11 +75,12 @@ def cost_model(speculative: dict, target_only: dict) -> dict:
 
 
 def with_prefill(cost: dict, prefill_ms: dict, new_tokens: int) -> dict:
-    """``cost`` (``cost_model``'s) with each side's measured time outside the steps per request
-    (``prefill_ms``: {"speculative", "target_only"}: prefill, which on the speculative side includes
-    the draft's own pass over the prompt) and the speedup the shares then predict for requests of
-    ``new_tokens`` tokens: (prefill + (N - 1) target-only steps) / (prefill + (N - 1) / tokens_per_step
-    speculative steps); the first token comes from the prefill."""
+    """``cost`` (``cost_model``'s) with each side's prefill per request, timed apart from the runs
+    (``prefill_ms``: {"speculative", "target_only"}: a one-token run, which on the speculative side
+    includes the draft's own pass over the prompt), and the speedup prefill and steps then predict for
+    requests of ``new_tokens`` tokens: (prefill + (N - 1) target-only steps) / (prefill + (N - 1) /
+    tokens_per_step speculative steps); the first token comes from the prefill. Whatever else a run
+    spends outside its steps is left out: it is the gap between this and the measured speedup."""
     s, plain = cost["speculative"], cost["target_only"]
     steps = max(0, new_tokens - 1)
     spec_ms = prefill_ms["speculative"] + steps / max(s["tokens_per_step"], 1e-9) * s["step_ms"]

@@ -39,7 +39,8 @@ def test_report_json_holds_every_field(report_dir):
         assert m["mean_accepted_tokens"] > 1.0
         assert m["tokens_per_second"] > 0 and m["target_only_tokens_per_second"] > 0
         assert m["speedup"] == pytest.approx(m["tokens_per_second"] / m["target_only_tokens_per_second"], rel=0.02)
-        assert m["exact"] is True
+        assert m["exact"] is True and len(m["output_ids_sha256"]) == 64
+        assert m["outputs_compared"] == 2 * r["prompts"] * r["runs"]   # every run of both sides, not the medians
         assert m["build_seconds"] > 0 and m["engine_bytes"] == sum(e["bytes"] for e in m["engines"].values())
         assert set(m["engines"]) >= {"target", "verify", "draft"}
         c = m["cost"]

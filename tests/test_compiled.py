@@ -190,6 +190,19 @@ def test_warm_up_compiles_the_plain_draft_steps_a_prompt_chunk_meets(one_thread)
     assert got.output_ids == generate(eager.runner, RAGGED[:1], NEW).output_ids
 
 
+def test_a_target_only_warm_up_leaves_nothing_to_load_in_the_run(one_thread):
+    """A prompt chunk compiles or loads on its second call, and a target-only warm-up prefilled once:
+    `generate --no_speculation` loaded its prompt's chunk inside the timed run (15 ms of a 36 ms run;
+    a whole compile on a cold store)."""
+    from runtime.compiled.runner import warm_up
+    from runtime.compiled.steps import COMPILE_LOG
+    fresh = open_checkpoint(embedded.target_dir(), backend="compiled")
+    warm_up(fresh, RAGGED[:1], 0)
+    before = len(COMPILE_LOG)
+    generate(fresh.runner, RAGGED[:1], NEW)
+    assert COMPILE_LOG[before:] == [], "compiled or loaded mid-run"
+
+
 def test_warm_up_at_k_1_readies_the_draft_steps_its_catch_ups_meet(one_thread):
     """At K = 1 a feature draft proposes from its catch-up step's own logits and never runs a chain,
     so the warm-up learns the target features' width from that step: it then readies the step's
