@@ -107,7 +107,7 @@ def check_server(handle, stubs: dict[int, str], timeout: float = 2.0) -> Health:
 
 
 class StallWatch:
-    """A stub that is alive but stuck (a deadlocked scheduler, a stopped process): requests are in
+    """A stub that is alive but stuck (a deadlocked scheduler; a stopped one is dead, ``what_died``): requests are in
     flight and ``nemospec_steps_total`` has not moved for ``timeout`` seconds. No request in flight:
     no verdict.
 

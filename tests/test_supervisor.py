@@ -288,26 +288,24 @@ def test_crash_loop_exits_3(engine_dir, tmp_path):
         serve.stop()
 
 
-def test_stalled_stub_is_restarted(engine_dir, tmp_path):
-    """A stub alive but stuck (SIGSTOP here; a deadlock alike): requests in flight and no scheduler
-    step for --stall_timeout seconds -> not ready, restarted, the stream gets an error."""
-    serve = Serve(engine_dir, tmp_path / "serve.log", "--stall_timeout", "2")
+def test_stopped_stub_is_restarted(engine_dir, tmp_path):
+    """A stub alive but stopped (SIGSTOP): Triton fails every request to it while its own readiness
+    stays 200, so the supervisor counts it dead at once (a stuck but running stub is the stall
+    watch's, tests/test_supervisor_policy.py): not ready, restarted, the stream gets an error."""
+    serve = Serve(engine_dir, tmp_path / "serve.log", "--stall_timeout", "120")
     try:
         pid = next(int(p) for p, m in serve.state()["stub_pids"].items() if m == "speculative")
         stream = Stream(serve)
         assert stream.first.wait(60)
         os.kill(pid, signal.SIGSTOP)
         stopped = time.monotonic()
-        # --stall_timeout 2 plus the supervisor's checks, each a metrics scrape that a stopped stub can
-        # slow down; a loaded CI machine has taken over 10 s
-        assert serve.wait_not_ready(30), ("not ready within --stall_timeout + a few checks:\n"
-                                          + _speculative_metrics(serve) + serve.log()[-2000:])
-        MEASURED["stall_not_ready_s"] = time.monotonic() - stopped
+        assert serve.wait_not_ready(30), "not ready within a few checks:\n" + serve.log()[-2000:]
+        MEASURED["stopped_not_ready_s"] = time.monotonic() - stopped
         assert stream.done.wait(30) and stream.error is not None
         assert serve.wait_ready(60)
-        assert "stalled" in serve.state()["last_cause"] and not health.process_alive(pid)
+        assert "is stopped" in serve.state()["last_cause"] and not health.process_alive(pid)
         status, got = generate(SimpleNamespace(http_url=serve.http_url), text_input=PROMPTS[0], max_tokens=12,
-                           exclude_input_in_output=True)
+                               exclude_input_in_output=True)
         assert status == 200 and got["output_ids"] == offline(engine_dir, PROMPTS[0], 12)["output_ids"]
     finally:
         serve.stop()

@@ -170,6 +170,32 @@ def test_stall_watch_needs_requests_in_flight_and_no_step():
     assert w.update("", now=200) is None, "no speculative metrics (yet)"
 
 
+def test_a_stub_stuck_with_requests_in_flight_is_restarted_as_stalled():
+    """The stall watch wired into the loop: a live stub whose scheduler stops stepping while a
+    request is in flight (a deadlock; SIGSTOP, which the end-to-end test used, is now a death of its
+    own) is not ready and restarted after --stall_timeout, with the stall as the cause."""
+    class Stuck(FakeHandle):
+        def metrics(self):
+            return _metrics(10, 1)     # one sequence active, the step count never moves
+
+    handles, logs = [], []
+
+    def start(ready_timeout=None):
+        handles.append(Stuck(dead_after=1e9))
+        return handles[-1]
+
+    s = supervisor.Supervisor(start, check_interval=0.02, stall_timeout=0.2, max_restarts=1, restart_window=60,
+                              check=check, log=logs.append)
+    thread = threading.Thread(target=s.run)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while s.restarts < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    s.request_stop()
+    thread.join(10)
+    assert s.restarts >= 1 and handles[0].killed and "stalled: 1 requests in flight" in s.last_cause, logs
+
+
 def test_stall_watch_counts_requests_the_gauges_have_not_shown():
     """A stub stopped right after a request's first tokens may not have published its gauges (every
     0.1 s): the received-minus-ended counters still say a request is in flight."""
