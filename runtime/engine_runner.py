@@ -46,8 +46,9 @@ class TensorRTExecutor:
             raise UnavailableError("--backend tensorrt: the TensorRT backend needs a CUDA GPU; use --backend torch "
                                    "or compiled on this machine")
         if HAS_PLUGIN_LAYERS:  # engines may hold our plugin layers: register them before deserializing
-            from plugins.hidden_capture import register_tensorrt_plugin
-            register_tensorrt_plugin()
+            from plugins import fp4_markov_head, hidden_capture
+            hidden_capture.register_tensorrt_plugin()
+            fp4_markov_head.register_tensorrt_plugin()   # a DSpark markov.engine holds it
         path = Path(engine_dir) / contract["file"]
         self.contract = contract
         self._logger = trt.Logger(trt.Logger.WARNING)
@@ -78,7 +79,9 @@ class TensorRTExecutor:
         for name, tensor in feeds.items():
             tensor = tensor.to("cuda").contiguous()
             keep.append(tensor)
-            ctx.set_input_shape(name, tuple(tensor.shape))
+            if not ctx.set_input_shape(name, tuple(tensor.shape)):   # outside every profile: say which
+                raise ValueError(f"{self.contract['file']}: input {name} of shape {list(tensor.shape)} is outside "
+                                 "the engine's profiles (rebuild with larger --max_batch_size / --max_input_len)")
             ctx.set_tensor_address(name, tensor.data_ptr())
         for name, tensor in self.weight_inputs.items():  # static shapes (FP4 ones: 2 values a byte)
             ctx.set_input_shape(name, tuple(self.engine.get_tensor_shape(name)))
@@ -87,6 +90,8 @@ class TensorRTExecutor:
         for name, dtype in self.contract["outputs"].items():
             outputs[name] = torch.empty(tuple(ctx.get_tensor_shape(name)), dtype=DTYPES[dtype], device="cuda")
             ctx.set_tensor_address(name, outputs[name].data_ptr())
+        # the inputs were written on torch's current stream; this executor's stream must not run ahead
+        self.stream.wait_stream(torch.cuda.current_stream())
         if not ctx.execute_async_v3(self.stream.cuda_stream):
             raise RuntimeError(f"TensorRT execution of {self.contract['file']} failed")
         self.stream.synchronize()

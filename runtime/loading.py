@@ -50,15 +50,17 @@ class Loaded:
 
 
 def tensorrt_available() -> bool:
-    """A CUDA GPU (seen by torch, which allocates the engine's buffers) and a TensorRT to run engines
-    on it: where engines execute. A GPU without TensorRT (the lent H200's image) runs the torch paths."""
+    """A CUDA GPU (seen by torch, which allocates the engine's buffers) and full TensorRT to run engines
+    on it: where ``auto`` picks engines. A GPU without it (the lent H200's image, or one with only the
+    ``tensorrt_rtx`` that `make setup` installs, whose runtime supports RTX GPUs, not Hopper) runs the
+    torch paths; ``--backend tensorrt`` still runs tensorrt_rtx engines where that runtime works."""
     if not torch.cuda.is_available():
         return False
     try:
-        import builder.backends.trt_import  # noqa: F401
+        from builder.backends.trt_import import FLAVOUR
     except ImportError:
         return False
-    return True
+    return FLAVOUR == "tensorrt"
 
 
 def _device(device):
@@ -112,6 +114,15 @@ def _eager_proposer(draft, vocab_size: int, device, chunk: int, compiled: bool =
                else EagerDraft(draft, vocab_size, device))
     make = PROPOSERS.get(_draft_kind(draft), FeatureDraftProposer)
     return lambda: make(stepper, chunk)
+
+
+def place_rollback(target, device) -> None:
+    """What the target's host-side rollback reads besides the states (each Mamba layer's A) onto the
+    engines' device: the engines hold every weight, and the rollback of their CUDA states met a CPU A
+    (the whole module is not moved: it would be a second copy of the model on the GPU)."""
+    for kind, _, mixer in target.layers:
+        if kind == "mamba":
+            mixer.A = mixer.A.to(device)
 
 
 def _place_modules(device, target, draft=None) -> None:
@@ -223,6 +234,8 @@ def open_engine_dir(engine_dir, backend="auto", device=None, matmul_precision: s
                               rollback=target.rollback,
                               tree=executor(tree_verify_component(target, options)) if tree else None,
                               tree_rollback=target.tree_rollback)
+        if backend == "tensorrt":   # after the executors, which say first what this machine lacks
+            place_rollback(target, device)
     proposer = None
     if draft is not None:
         chunk = build["max_input_len"]

@@ -74,6 +74,10 @@ def fill_model_repo(engine_dir, repo_dir, *, backend: str = "auto", torch_thread
         # on a cold cache, which would stall them (and readiness checks) behind it.
         from runtime.loading import tensorrt_available
         backend = "tensorrt" if tensorrt_available() else "torch"   # a GPU without TensorRT runs the torch path
+    if backend == "tensorrt":   # said here, exit 2, rather than as a model that fails to load inside Triton
+        from builder.backends.trt_import import FLAVOUR, VERSION
+        from runtime.engine_meta import check_tensorrt_match
+        check_tensorrt_match(engine_dir / "config.json", meta, FLAVOUR, VERSION)
     engine_batch = int(meta["build"]["max_batch_size"])
     if max_batch_size is not None and not 1 <= max_batch_size <= engine_batch:
         raise NemospecError(f"--max_batch_size: expected 1..{engine_batch} (the engine's max_batch_size), got {max_batch_size}")

@@ -214,6 +214,12 @@ def test_engines_of_another_tensorrt_are_named_before_loading(engine, tmp_path, 
                         "--input_ids", "1,2", "--max_new_tokens", 2)
     line = _one_error_line(err)
     assert code == 2 and f"{meta['tensorrt']['flavour']} 0.1" in line and f"{FLAVOUR} {VERSION}" in line, line
+    from serving.launch import free_port   # serve says it before Triton starts, not as a model failing to load
+    ports = [a for flag in ("--http_port", "--grpc_port", "--metrics_port", "--health_port", "--openai_port")
+             for a in (flag, str(free_port()))]
+    code, _, err = _run(capsys, "serve", "--engine_dir", other, "--backend", "tensorrt", "--no_verify", *ports)
+    line = _one_error_line(err)
+    assert code == 2 and f"{FLAVOUR} {VERSION}" in line, line
 
 
 def test_an_output_dir_that_is_not_an_earlier_build_is_never_replaced(engine, tmp_path, capsys):

@@ -342,6 +342,33 @@ def test_a_gpu_without_tensorrt_runs_engine_directories_on_the_torch_paths(monke
     assert resolve_backend("auto") == "compiled" and resolve_backend("auto", tokens=64) == "torch"
 
 
+def test_a_gpu_with_only_tensorrt_rtx_runs_engine_directories_on_the_torch_paths(monkeypatch):
+    """`make setup` installs tensorrt_rtx everywhere, and its runtime supports RTX GPUs, not Hopper:
+    ``auto`` picked its engines on an H100/H200 because the import succeeded."""
+    from builder.backends import trt_import
+    from runtime import loading
+    monkeypatch.setattr(loading.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(trt_import, "FLAVOUR", "tensorrt_rtx")
+    assert not loading.tensorrt_available() and resolve_backend("auto") == "compiled"
+    monkeypatch.setattr(trt_import, "FLAVOUR", "tensorrt")
+    assert loading.tensorrt_available() and resolve_backend("auto") == "tensorrt"
+
+
+def test_the_tensorrt_backends_rollback_reads_its_state_on_the_engines_device():
+    """The engines hold the weights; the host module's rollback runs on their CUDA states and read
+    each Mamba layer's A from the CPU (a device mismatch at the first verify). ``meta`` stands in for
+    the device here."""
+    from builder.checkpoint import load_checkpoint
+    from builder.models.nemotron_h import NemotronH
+    from runtime.loading import place_rollback
+    cfg, weights = load_checkpoint(embedded.target_dir())
+    target = NemotronH(cfg, weights, torch.float32)
+    place_rollback(target, "meta")
+    mixers = [m for kind, _, m in target.layers if kind == "mamba"]
+    assert mixers and all(m.A.device.type == "meta" for m in mixers)
+    assert all(m.out_proj.device.type == "cpu" for m in mixers)   # the weights stay: no second copy
+
+
 def test_cli_backend_compiled(models):
     eager, _ = models
     out, err = io.StringIO(), io.StringIO()
