@@ -31,6 +31,7 @@ class InterpretedExecutor:
         return run_network(self.recorder.network, feeds)
 
 
+IO_ALIGNMENT = 256          # bytes: what TensorRT asks of an I/O tensor's address (torch's allocations are 512)
 _DEVICE_WEIGHTS: dict = {}  # the device copies of --strip_plan weight inputs, shared by the engines
 
 
@@ -78,6 +79,8 @@ class TensorRTExecutor:
         keep = []
         for name, tensor in feeds.items():
             tensor = tensor.to("cuda").contiguous()
+            if tensor.data_ptr() % IO_ALIGNMENT:   # a view into a larger buffer: TensorRT wants aligned I/O
+                tensor = tensor.clone()
             keep.append(tensor)
             if not ctx.set_input_shape(name, tuple(tensor.shape)):   # outside every profile: say which
                 raise ValueError(f"{self.contract['file']}: input {name} of shape {list(tensor.shape)} is outside "
