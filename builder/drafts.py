@@ -6,6 +6,7 @@ it, what the target must additionally output for it, and the JSON the engine dir
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,7 +78,6 @@ def _own_storages(mode, target_weights: dict, draft_weights: dict | None, own: b
 def _check_kind(directory: Path, mode: str) -> None:
     """A speculators config names its kind: a draft of another mode is refused in the same words
     whichever loader the mode would use (each layout's loader only knows its own kinds)."""
-    import json
     try:
         kind = json.loads((directory / "config.json").read_text()).get("speculators_model_type")
     except (OSError, ValueError, AttributeError):

@@ -13,7 +13,7 @@ from builder.drafts import draft_from_engine_dir
 from builder.engine import (TORCH_DTYPES, BuildOptions, check_matmul_precision, draft_component, draft_components,
                             target_component, tree_verify_component)
 from builder.errors import NemospecError
-from runtime.engine_meta import read_engine_meta
+from runtime.engine_meta import check_tensorrt_match, read_engine_meta
 from builder.models.nemotron_h import NemotronH
 from runtime.draft_policy import policy_from
 from runtime.drafts import EagerDraft
@@ -192,6 +192,9 @@ def open_engine_dir(engine_dir, backend="auto", device=None, matmul_precision: s
         raise NemospecError(f"{meta_path}: missing; is {engine_dir} an engine directory built by `nemospec build`?")
     meta = read_engine_meta(meta_path, TORCH_DTYPES)
     backend = resolve_backend(backend)
+    if backend == "tensorrt":   # once, before any engine is deserialized (TensorRT's own error names neither)
+        from builder.backends.trt_import import FLAVOUR, VERSION
+        check_tensorrt_match(meta_path, meta, FLAVOUR, VERSION)
     try:
         config = NemotronHConfig.from_dict(meta["model"])
     except (KeyError, TypeError, ValueError) as e:
