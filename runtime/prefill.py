@@ -7,16 +7,18 @@ import torch
 from runtime.state import chunk_inputs, keep_rows
 
 def prefill(runner, prompts, state, chunk_size, features=()):
-    """Feeds every prompt in chunks of at most chunk_size tokens; a batch one prompt at a time where
-    the runner says so (``prefills_alone``).
+    """Feeds every prompt in chunks of at most chunk_size tokens: each prompt that the runner wants fed
+    alone (``prefills_alone``) as a batch of one, the batch's other prompts together.
 
     Returns (last-token logits [B, V], state, number of forwards, {feature name: per-sequence
     [L_b, F] tensors}) where ``features`` names the runner's feature outputs to collect per row.
     """
     alone = getattr(runner, "prefills_alone", None)
-    if len(prompts) > 1 and alone is not None and alone(prompts, chunk_size) \
-            and all(v.shape[0] == len(prompts) for v in state.values()):
-        return _each_alone(runner, prompts, state, chunk_size, features)
+    if len(prompts) > 1 and alone is not None and all(v.shape[0] == len(prompts) for v in state.values()):
+        single = [b for b, p in enumerate(prompts) if alone(p, chunk_size)]
+        if single:
+            rest = [b for b in range(len(prompts)) if b not in single]
+            return _in_groups(runner, prompts, state, chunk_size, features, [[b] for b in single] + ([rest] if rest else []))
     done = [0] * len(prompts)
     last = [None] * len(prompts)
     collected = {name: [[] for _ in prompts] for name in features}
@@ -38,14 +40,19 @@ def prefill(runner, prompts, state, chunk_size, features=()):
     return torch.stack(last), state, forwards, collected
 
 
-def _each_alone(runner, prompts, state, chunk_size, features):
-    """``prefill`` of each prompt as a batch of one, on its rows of ``state``, joined back: the
-    compiled path's prompt chunks are batch-1 graphs, so a prompt admitted beside others runs them as
-    it would alone (a batch's chunk ran eagerly: slower, and its sums in another order)."""
+def _in_groups(runner, prompts, state, chunk_size, features, groups):
+    """``prefill`` of each group of the batch's rows (a prompt alone, or the rest together) on its
+    rows of ``state``, joined back in the batch's order: the compiled path's prompt chunks are batch-1
+    graphs, so a prompt admitted beside others runs them as it would alone, whatever else arrived
+    with it (a batch's chunk runs eagerly: slower, and its sums in another order)."""
     # each its own copy of its rows, not a view into the batch's tensors: a step compiled (or
     # recorded for a direct call) on a view input writes that input back after its graph
-    rows = [{k: v[b:b + 1].clone() for k, v in state.items()} for b in range(len(prompts))]
-    outs = [prefill(runner, [p], rows[b], chunk_size, features) for b, p in enumerate(prompts)]
-    joined = {k: torch.cat([out[1][k] for out in outs]) for k in state}
-    collected = {name: [out[3][name][0] for out in outs] for name in features}
-    return torch.cat([out[0] for out in outs]), joined, sum(out[2] for out in outs), collected
+    outs = [prefill(runner, [prompts[b] for b in g], {k: v[g].clone() for k, v in state.items()}, chunk_size, features)
+            for g in groups]
+    order = torch.tensor([b for g in groups for b in g])
+    back = torch.argsort(order)                      # row of the joined groups that holds batch row b
+    joined = {k: torch.cat([out[1][k] for out in outs])[back.to(state[k].device)] for k in state}
+    logits = torch.cat([out[0] for out in outs])[back.to(outs[0][0].device)]
+    collected = {name: [rows for out in outs for rows in out[3][name]] for name in features}
+    collected = {name: [rows[i] for i in back.tolist()] for name, rows in collected.items()}
+    return logits, joined, sum(out[2] for out in outs), collected

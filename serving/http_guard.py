@@ -89,7 +89,7 @@ def make_handler(upstream: tuple[str, int], max_body_bytes: int, alive=None):
                 return self._error(400, "request body: malformed Content-Length or chunk size", close=True)
             generate = GENERATE_PATH.match(self.path) if self.command == "POST" else None
             if generate:
-                error = check_generate_body(body, streaming=bool(generate.group(2)))
+                error = check_generate_body(body, streaming=bool(generate.group(3)), model=generate.group(1))
                 if error:
                     return self._error(400, error)
             path = self.path.split("?")[0].rstrip("/")
@@ -106,7 +106,8 @@ def make_handler(upstream: tuple[str, int], max_body_bytes: int, alive=None):
                 upstream_conn.request(self.command, self.path, body=body, headers=headers)
                 response = upstream_conn.getresponse()
                 status, reason, data = response.status, response.reason, None
-                if response.length is not None or self.command == "HEAD":
+                # an error is read whole: Triton sends generate's answers chunked, errors included
+                if response.length is not None or self.command == "HEAD" or status >= 400:
                     data = response.read()
                     if status == 400 and BUSY in data:   # Triton's HTTP answers every model error 400
                         status, reason = 429, "Too Many Requests"

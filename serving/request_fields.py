@@ -26,12 +26,14 @@ class Options:
     return_log_probs: bool = False
     return_perf_metrics: bool = False
     return_acceptance: bool = False          # the acceptance counts in every streamed response
+    return_num_input_tokens: bool = False
+    return_num_output_tokens: bool = False
 
 
 # (field, what it does, the neutral values accepted)
-NEUTRAL = {
-    "beam_width": ("beam search", (1,)),
-    "num_return_sequences": ("several sequences per request", (1,)),
+NEUTRAL = {   # (the backend reads a 0 beam width or sequence count as 1)
+    "beam_width": ("beam search", (1, 0)),
+    "num_return_sequences": ("several sequences per request", (1, 0)),
     "length_penalty": ("length penalty (beam search only)", (1.0,)),
     "return_context_logits": ("context logits outputs", (False,)),
     "return_generation_logits": ("generation logits outputs", (False,)),
@@ -39,7 +41,7 @@ NEUTRAL = {
     "prompt_table_extra_id": ("prompt tuning", (0,)),
     "lora_task_id": ("LoRA", (0,)),
 }
-ABSENT = {  # accepted only when absent or empty
+ABSENT = {  # accepted only when absent or empty (bias weights: or all 0, which bias nothing)
     "decoder_text_input": "encoder-decoder input",
     "prompt_embedding_table": "prompt tuning",
     "embedding_bias_words": "embedding bias",
@@ -84,13 +86,14 @@ def _flag(inputs, name, default=False) -> bool:
     raise BadInput(f"{name}: expected true or false, got {value!r}")
 
 
-def _empty(array) -> bool:
+def _empty(array, zeros: bool = False) -> bool:
+    """No value, only empty strings, or (``zeros``) only zeros."""
     array = np.asarray(array)
     if array.size == 0:
         return True
     if array.dtype == object:
         return all((v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)) == "" for v in array.reshape(-1))
-    return False
+    return zeros and not array.any()
 
 
 def check_unsupported(inputs) -> None:
@@ -99,20 +102,33 @@ def check_unsupported(inputs) -> None:
         if value is not None and value not in neutral:
             raise BadInput(f"{name}: {what} is not supported by nemospec; expected {neutral[0]}, got {value!r}")
     for name, what in ABSENT.items():
-        if name in inputs and not _empty(inputs[name]):
+        if name in inputs and not _empty(inputs[name], zeros=name == "embedding_bias_weights"):
             raise BadInput(f"{name}: {what} is not supported by nemospec; leave it out")
+
+
+def _either(inputs, name: str, older: str) -> str:
+    """Which of a field's two names (``serving.tensors.RENAMED``) the request used; both only with
+    the same value."""
+    if name in inputs and older in inputs:
+        if _scalar(inputs, name) != _scalar(inputs, older):
+            raise BadInput(f"{name}: given beside {older} (its older name) with another value; send one")
+    return name if name in inputs else older
 
 
 def parse(inputs: dict, parameters: dict, *, vocab: int, default_end, max_draft_len: int):
     """inputs: request tensor name -> array (absent ones missing) -> (Request fields, Options)."""
     check_unsupported(inputs)
+    for required in ("input_ids", "max_tokens"):
+        if required not in inputs:
+            raise BadInput(f"{required}: required (the ensemble makes input_ids from text_input)")
     ids = np.asarray(inputs["input_ids"])
     if ids.ndim != 2 or ids.shape[0] != 1:
         raise BadInput(f"text_input: expected one prompt per request row, got shape {list(ids.shape)}")
     end_id = _number(inputs, "end_id", None, integer=True, low=-1, high=vocab - 1,
                      what=f"a token id below the vocabulary size {vocab} (or -1 for none)")
     _number(inputs, "pad_id", 0, integer=True, low=-1, high=vocab - 1, what=f"a token id below {vocab}")
-    seed = _scalar(inputs, "random_seed")
+    # TensorRT-LLM's default seed is 0: an unseeded sampled request samples the same way every time
+    seed = _scalar(inputs, _either(inputs, "seed", "random_seed"), 0)
     speculative = parameters.get("speculative", True)
     if isinstance(speculative, str) and speculative.lower() in ("true", "false"):
         speculative = speculative.lower() == "true"
@@ -124,12 +140,13 @@ def parse(inputs: dict, parameters: dict, *, vocab: int, default_end, max_draft_
         temperature=_number(inputs, "temperature", 1.0, low=0.0, what="a finite number >= 0"),
         top_p=_number(inputs, "top_p", 0.0, low=0.0, high=1.0, what="a value in [0, 1] (0: no nucleus cut)"),
         top_k=_number(inputs, "top_k", 0, integer=True, low=0, high=vocab, what=f"0..{vocab} (0: no cut)"),
-        min_length=_number(inputs, "min_length", 0, integer=True, low=0, high=1 << 30, what="a count in 0..2^30"),
+        min_length=_number(inputs, _either(inputs, "min_tokens", "min_length"), 0, integer=True, low=0, high=1 << 30,
+                           what="a count in 0..2^30"),
         repetition_penalty=_number(inputs, "repetition_penalty", 1.0, low=FP32_1E_6, high=1e6,
                                    what="a number in [1e-6, 1e6] (1: none)"),
         presence_penalty=_number(inputs, "presence_penalty", 0.0, low=-1e6, high=1e6, what="a number in [-1e6, 1e6]"),
         frequency_penalty=_number(inputs, "frequency_penalty", 0.0, low=-1e6, high=1e6, what="a number in [-1e6, 1e6]"),
-        seed=None if seed is None else int(seed),
+        seed=int(seed),
         end_ids=default_end if end_id is None else frozenset() if end_id < 0 else frozenset([end_id]),
         speculative=speculative,
         logprobs=_flag(inputs, "return_log_probs"),
@@ -144,5 +161,7 @@ def parse(inputs: dict, parameters: dict, *, vocab: int, default_end, max_draft_
         fields["top_p"] = 1.0     # no nucleus cut (the runtime's value for it)
     options = Options(stream=_flag(inputs, "stream"), exclude_input_in_output=_flag(inputs, "exclude_input_in_output"),
                       return_log_probs=fields["logprobs"], return_perf_metrics=_flag(inputs, "return_perf_metrics"),
-                      return_acceptance=_flag(inputs, "return_acceptance"))
+                      return_acceptance=_flag(inputs, "return_acceptance"),
+                      return_num_input_tokens=_flag(inputs, "return_num_input_tokens"),
+                      return_num_output_tokens=_flag(inputs, "return_num_output_tokens"))
     return fields, options

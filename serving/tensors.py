@@ -38,7 +38,8 @@ TEXT_INPUTS = {
 
 # the speculative model's request inputs, in the TensorRT-LLM ensemble's order (num_draft_tokens is
 # that backend's tensorrt_llm-model input, exposed here as the per-request K; return_acceptance is
-# nemospec's: the request's acceptance counts in every streamed response, not only the last)
+# nemospec's: the request's acceptance counts in every streamed response, not only the last), then
+# the older names of two of them
 REQUEST_INPUTS = (
     Tensor("decoder_text_input", "STRING"),
     Tensor("num_return_sequences", "INT32"),
@@ -50,14 +51,16 @@ REQUEST_INPUTS = (
     Tensor("temperature", "FP32"),
     Tensor("length_penalty", "FP32"),
     Tensor("repetition_penalty", "FP32"),
-    Tensor("min_length", "INT32"),
+    Tensor("min_tokens", "INT32"),
     Tensor("presence_penalty", "FP32"),
     Tensor("frequency_penalty", "FP32"),
-    Tensor("random_seed", "UINT64"),
+    Tensor("seed", "UINT64"),
     Tensor("return_log_probs", "BOOL"),
     Tensor("return_context_logits", "BOOL"),
     Tensor("return_generation_logits", "BOOL"),
     Tensor("return_perf_metrics", "BOOL"),
+    Tensor("return_num_input_tokens", "BOOL"),
+    Tensor("return_num_output_tokens", "BOOL"),
     Tensor("beam_width", "INT32"),
     Tensor("stream", "BOOL"),
     Tensor("prompt_embedding_table", "FP16", (-1, -1)),
@@ -72,7 +75,13 @@ REQUEST_INPUTS = (
     Tensor("guided_decoding_guide", "STRING", ragged=True),
     Tensor("num_draft_tokens", "INT32"),
     Tensor("return_acceptance", "BOOL"),
+    # the backend's names before May 2025 (``seed``, ``min_tokens`` since): clients of either work
+    Tensor("random_seed", "UINT64"),
+    Tensor("min_length", "INT32"),
 )
+
+#: a newer input name -> the older one it stands for (``serving.request_fields`` reads either)
+RENAMED = {"seed": "random_seed", "min_tokens": "min_length"}
 
 # outputs of speculative that postprocessing passes through unchanged (text_output is made there)
 PASS_OUTPUTS = (
@@ -91,6 +100,10 @@ PASS_OUTPUTS = (
     Tensor("acceptance_rate", "FP32", optional=False),
     Tensor("total_accepted_draft_tokens", "INT32", optional=False),
     Tensor("total_draft_tokens", "INT32", optional=False),
+    # with return_num_input_tokens / return_num_output_tokens: the prompt's tokens, and the output
+    # ids this response carries (as the backend counts them)
+    Tensor("num_input_tokens", "INT32", optional=False),
+    Tensor("num_output_tokens", "INT32", optional=False),
     # nemospec's own: the request's verify steps by drafts kept (vLLM's acceptance_histogram), tokens
     # gained per verify, and why it ended ("length", "stop", "" while streaming)
     Tensor("acceptance_histogram", "INT32", (-1,), optional=False),

@@ -254,6 +254,18 @@ def test_a_batchs_prompts_prefill_as_each_would_alone(models, monkeypatch):
         assert torch.equal(features["aux_hidden"][b], want_features["aux_hidden"][0])
         for name, value in want_state.items():
             assert torch.equal(state[name][b:b + 1], value), name
+    # a burst with a prompt past the compiled chunks: the short ones still prefill as they would alone
+    monkeypatch.undo()
+    long = [(i * 37) % 2000 + 3 for i in range(70)]
+    burst = [RAGGED[0], long, RAGGED[2]]
+    logits, state, _, _ = prefill(runner, burst, runner.new_state(len(burst), 96), 512)
+    for b in (0, 2):
+        want_logits, want_state, _, _ = prefill(runner, [burst[b]], runner.new_state(1, 96), 512)
+        assert torch.equal(logits[b], want_logits[0])
+        for name, value in want_state.items():
+            assert torch.equal(state[name][b:b + 1], value), name
+    want_logits = prefill(runner, [long], runner.new_state(1, 96), 512)[0]
+    assert torch.equal(logits[1], want_logits[0])
 
 
 def test_the_runtime_steps_run_as_direct_calls(models):

@@ -18,14 +18,17 @@ from serving.launch import free_port
     (b'{"text_input": "x", "max_tokens": 4}', None),
     (b'{"text_input": ["x"], "max_tokens": [4], "stop_words": ["a", "b"], "parameters": {"y": 1}}', None),
     (b'{"id": "7", "text_input": "x", "speculative": false}', None),
-    (b'{"text_input": "x", "min_tokens": 30}', "min_tokens: not an input of the ensemble"),
+    (b'{"text_input": "x", "min_tokens": 30, "seed": 3, "return_num_input_tokens": true}', None),  # the backend's names
+    (b'{"text_input": "x", "min_length": 30, "random_seed": 3}', None),                           # and its older ones
+    (b'{"text_input": "x", "end_id": [1, 2]}', "end_id: expected one int32, got a list of 2"),
+    (b'{"text_input": "x", "temperature": 1e400}', "temperature: expected a finite number"),
     (b'{"text_input": "x", "runtime_top_k": 1}', "runtime_top_k: not an input of the ensemble"),
     (b'{"text_input": "x", "temperature": "hot", "temperature": 1}', "temperature: given twice"),
     (b'{"text_input": "x", "max_tokens": NaN}', "max_tokens: expected an integer"),
     (b'{"text_input": "x", "max_tokens": 4294967301}', "max_tokens: 4294967301 is outside the INT32 range"),
     (b'{"text_input": "x", "max_tokens": true}', "max_tokens: expected an integer"),
     (b'{"text_input": "x", "random_seed": 18446744073709551616}', "random_seed: 18446744073709551616 is outside"),
-    (b'{"text_input": "x", "temperature": Infinity}', None),          # a number: the model names it
+    (b'{"text_input": "x", "temperature": Infinity}', "temperature: expected a finite number"),
     (b'{"text_input": "\\ud800"}', "text_input: not valid UTF-8"),
     (b'{"text_input": "x", "stop_words": [["a"]]}', "stop_words: expected a string or a flat list"),
     (b'{"text_input": "x", "parameters": []}', "parameters: expected a JSON object"),
@@ -35,6 +38,16 @@ from serving.launch import free_port
 def test_check_generate_body(body, needle):
     error = check_generate_body(body)
     assert (error is None) if needle is None else (needle in error), error
+
+
+def test_the_speculative_models_generate_is_checked_over_its_own_inputs():
+    """A client may call the speculative model with token ids, as the TensorRT-LLM backend's
+    tensorrt_llm model is called: its INT32 inputs wrap silently in Triton as the ensemble's do."""
+    check = lambda body: check_generate_body(body, model="speculative")  # noqa: E731
+    assert check(b'{"input_ids": [446, 283], "max_tokens": 4, "stop_words_ids": [[5], [1]]}') is None
+    assert "max_tokens: 4294967301 is outside the INT32 range" in check(b'{"input_ids": [446], "max_tokens": 4294967301}')
+    assert "text_input: not an input of the speculative" in check(b'{"text_input": "x", "max_tokens": 4}')
+    assert "input_ids: expected an integer" in check(b'{"input_ids": ["a"], "max_tokens": 4}')
 
 
 def test_stream_true_is_for_generate_stream():
@@ -50,6 +63,7 @@ def test_stream_true_is_for_generate_stream():
 def test_generate_path_is_the_ensembles():
     assert GENERATE_PATH.match("/v2/models/ensemble/generate") and GENERATE_PATH.match("/v2/models/ensemble/generate_stream")
     assert GENERATE_PATH.match("/v2/models/ensemble/versions/1/generate")
+    assert GENERATE_PATH.match("/v2/models/speculative/generate_stream").group(1, 3) == ("speculative", "_stream")
     assert not GENERATE_PATH.match("/v2/models/preprocessing/generate") and not GENERATE_PATH.match("/v2/models/ensemble/infer")
 
 
@@ -82,9 +96,14 @@ class Upstream(BaseHTTPRequestHandler):
             self.wfile.write(b"0\r\n\r\n")
             return
         reply = json.dumps({"path": self.path, "bytes": len(body), "key": self.headers.get("api-key")}).encode()
-        if self.path == "/busy":   # what Triton's HTTP answers for the scheduler's full queue
+        if self.path.startswith("/busy"):   # what Triton's HTTP answers for the scheduler's full queue
             reply = b'{"error":"in ensemble \'ensemble\', server busy: 4 requests queued beyond the batch"}'
-        self.send_response(400 if self.path == "/busy" else 200)
+        self.send_response(400 if self.path.startswith("/busy") else 200)
+        if self.path == "/busy_chunked":    # as Triton 2.51 sends generate's answers, errors too
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            self.wfile.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(reply), reply))
+            return
         self.send_header("Content-Length", str(len(reply)))
         self.end_headers()
         self.wfile.write(reply)
@@ -121,10 +140,11 @@ def test_guard_forwards_caps_and_streams(guard):
     assert status == 200 and body == b"data: 1\n\ndata: 2\n\ndata: 3\n\n"
     status, body = _post(g, "/v2/models/ensemble/generate", b'{"text_input": "x", "max_tokens": 4294967296}')
     assert status == 400 and "max_tokens" in json.loads(body)["error"]
-    conn = http.client.HTTPConnection("127.0.0.1", g.server.server_address[1], timeout=10)
-    conn.request("POST", "/busy", body=b"{}")
-    busy = conn.getresponse()
-    assert busy.status == 429 and busy.getheader("Retry-After") == "1" and b"server busy" in busy.read()
+    for path in ("/busy", "/busy_chunked"):
+        conn = http.client.HTTPConnection("127.0.0.1", g.server.server_address[1], timeout=10)
+        conn.request("POST", path, body=b"{}")
+        busy = conn.getresponse()
+        assert busy.status == 429 and busy.getheader("Retry-After") == "1" and b"server busy" in busy.read(), path
     status, body = _post(g, "/v2/models/ensemble/generate", b'{"text_input": "x", "stream": true}')
     assert status == 400 and "generate_stream" in json.loads(body)["error"]
     upstream.shutdown()

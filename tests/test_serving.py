@@ -370,12 +370,14 @@ def test_http_generate_stream_sse(server, engine_dir):
     events = [json.loads(line[len("data:"):]) for line in body.splitlines() if line.startswith("data:")]
     assert len(events) > 1
     assert "".join(e["text_output"] for e in events) == want["text"]
-    # as the TensorRT-LLM backend: perf metrics and log probs only when asked for (and in the final
-    # response), so a streamed step costs Triton 5 output tensors, not 22
+    # as the TensorRT-LLM backend: perf metrics only when asked for (and in the final response), so a
+    # streamed step costs Triton 5 output tensors, not 22; log probs only when asked for (a 0 would
+    # read as probability 1)
     perf = ("arrival_time_ns", "total_draft_tokens", "acceptance_histogram", "mean_accepted_tokens", "finish_reason",
-            "kv_cache_alloc_new_blocks", "cum_log_probs")
+            "kv_cache_alloc_new_blocks")
     assert not any(name in e for e in events[:-1] for name in perf), events[0]
     assert all(name in events[-1] for name in perf) and events[-1]["finish_reason"] == "length"
+    assert not any("cum_log_probs" in e or "output_log_probs" in e for e in events)
     assert events[-1]["mean_accepted_tokens"] == pytest.approx(want["acceptance"]["mean_accepted_tokens"])
     status, body = http_post(server, "/v2/models/ensemble/generate_stream",
                              {"text_input": PROMPTS[0], "max_tokens": 24, "stream": True, "return_perf_metrics": True})

@@ -67,15 +67,18 @@ def test_the_ensemble_declares_every_input_of_the_trtllm_ensemble(server):
     declared = {i["name"]: (i["data_type"], [int(d) for d in i["dims"]]) for i in config["input"]}
     names = ("text_input decoder_text_input max_tokens num_return_sequences bad_words stop_words "
              "exclude_input_in_output end_id pad_id top_k top_p temperature length_penalty repetition_penalty "
-             "min_length presence_penalty frequency_penalty random_seed return_log_probs return_context_logits "
-             "return_generation_logits return_perf_metrics beam_width stream prompt_embedding_table "
+             "min_tokens presence_penalty frequency_penalty seed return_log_probs return_context_logits "
+             "return_generation_logits return_perf_metrics return_num_input_tokens return_num_output_tokens "
+             "beam_width stream prompt_embedding_table "
              "prompt_table_extra_id prompt_vocab_size embedding_bias_words embedding_bias_weights lora_task_id "
              "lora_weights lora_config guided_decoding_guide_type guided_decoding_guide").split()
-    assert len(names) == 34 and set(names) <= set(declared)
+    assert len(names) == 36 and set(names) <= set(declared)
+    assert {"random_seed", "min_length"} <= set(declared)   # the names before May 2025
     assert declared["lora_config"] == ("TYPE_INT32", [-1, 3]) and declared["max_tokens"] == ("TYPE_INT32", [1])
     assert declared["prompt_embedding_table"] == ("TYPE_FP16", [-1, -1])
     outputs = {o["name"] for o in config["output"]}
-    assert {"text_output", "cum_log_probs", "output_log_probs", "batch_index", "sequence_index", *PERF} <= outputs
+    assert {"text_output", "cum_log_probs", "output_log_probs", "batch_index", "sequence_index", "num_input_tokens",
+            "num_output_tokens", *PERF} <= outputs
     assert {t.name for t in tensors.PASS_OUTPUTS} | {"text_output"} == outputs
 
 
@@ -125,3 +128,27 @@ def test_neutral_values_pass_and_others_name_the_field(server):
     (error,) = run_inference(server, prepare_inputs("x = 1", 4, False, beam_width=np.array([[4]], np.int32)),
                              ["text_output"])
     assert isinstance(error, Exception) and "beam_width" in str(error)
+
+
+def test_current_names_token_counts_and_log_probs_only_when_asked(server, tokenizer):  # noqa: F811
+    """``seed`` / ``min_tokens`` (the backend's names since May 2025) act as ``random_seed`` /
+    ``min_length``; an unseeded sampled request samples as seed 0 does (TensorRT-LLM's default);
+    ``num_input_tokens`` / ``num_output_tokens`` count the prompt and the ids a response carries;
+    log probs are absent unless asked for (a 0 would read as probability 1)."""
+    prompt = "def fibonacci(n):"
+    sampled = dict(top_k=np.array([[50]], np.int32), temperature=np.array([[1.0]], np.float32),
+                   exclude_input_in_output=np.array([[True]]))
+    text = lambda results: "".join(r.as_numpy("text_output")[0].decode() for r in results)  # noqa: E731
+    ask = lambda **kw: run_inference(server, prepare_inputs(prompt, 12, False, **sampled, **kw), ["text_output"])  # noqa: E731
+    unseeded = text(ask())
+    assert text(ask()) == unseeded == text(ask(seed=np.array([[0]], np.uint64)))
+    assert text(ask(seed=np.array([[7]], np.uint64))) == text(ask(random_seed=np.array([[7]], np.uint64)))
+    counts = ["text_output", "output_ids", "num_input_tokens", "num_output_tokens", "cum_log_probs", "output_log_probs"]
+    results = run_inference(server, prepare_inputs(prompt, 6, True, min_tokens=np.array([[6]], np.int32),
+                                                   return_num_input_tokens=np.array([[True]]),
+                                                   return_num_output_tokens=np.array([[True]])), counts)
+    assert all(not isinstance(r, Exception) for r in results), results
+    assert {int(r.as_numpy("num_input_tokens").reshape(-1)[0]) for r in results} == {len(tokenizer.encode(prompt).ids)}
+    assert [int(r.as_numpy("num_output_tokens").reshape(-1)[0]) for r in results] == \
+        [r.as_numpy("output_ids").size for r in results] and sum(r.as_numpy("output_ids").size for r in results) == 6
+    assert all(r.as_numpy("cum_log_probs") is None and r.as_numpy("output_log_probs") is None for r in results)

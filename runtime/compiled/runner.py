@@ -71,12 +71,11 @@ class CompiledRunner(TorchRunner):
     def new_state(self, batch, capacity):
         return super().new_state(batch, capacity + HEADROOM)
 
-    def prefills_alone(self, prompts, chunk_size: int) -> bool:
-        """Whether ``runtime.prefill`` should feed a batch's prompts one at a time: on a CPU, when each
-        fits the compiled prompt chunks (``_prompt_chunks``: batch 1 only), which a batch's chunk would
-        run eagerly. A GPU runs a batch's eager chunk at once (one prompt at a time would be launch-bound)."""
-        return torch.device(self.device).type == "cpu" and all(
-            0 < len(p) <= min(PROMPT_COMPILED_MAX, chunk_size) for p in prompts)
+    def prefills_alone(self, prompt, chunk_size: int) -> bool:
+        """Whether ``runtime.prefill`` should feed this prompt of a batch alone: on a CPU, when it fits
+        the compiled prompt chunks (``_prompt_chunks``: batch 1 only), which a batch's chunk would run
+        eagerly. A GPU runs a batch's eager chunk at once (one prompt at a time would be launch-bound)."""
+        return torch.device(self.device).type == "cpu" and 0 < len(prompt) <= min(PROMPT_COMPILED_MAX, chunk_size)
 
     @torch.no_grad()
     def forward(self, input_ids, positions, lengths, logit_index, state, verify=False, tree=None):

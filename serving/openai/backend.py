@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import secrets
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -96,8 +97,10 @@ def ensemble_inputs(g: Generation, max_tokens: int):
               one("top_p", g.top_p, np.float32, "FP32")]
     if g.top_k:
         inputs.append(one("top_k", g.top_k, np.int32, "INT32"))
-    if g.seed is not None:
-        inputs.append(one("random_seed", g.seed, np.uint64, "UINT64"))
+    # the ensemble's default seed is TensorRT-LLM's 0 (every unseeded request samples alike); an
+    # OpenAI request without one samples afresh, as vLLM's and OpenAI's do
+    seed = g.seed if g.seed is not None else secrets.randbits(64)
+    inputs.append(one("random_seed", seed, np.uint64, "UINT64"))
     if g.ignore_eos:
         inputs.append(one("end_id", -1, np.int32, "INT32"))
     if g.min_tokens:
