@@ -23,11 +23,12 @@ import sys
 import time
 from pathlib import Path
 
-from builder.errors import ArgumentParser
+from builder.errors import ArgumentParser, NemospecError
 
 import torch
 from rich.console import Console
 
+from nemospec.bench_prompts import PROMPTS, read_prompt_file
 from runtime import allocator
 from runtime.compiled import small_linear
 
@@ -40,17 +41,6 @@ ADAPTIVE = "_adaptive"
 #: a full bench: every mode at --num_draft_tokens, and eagle3 with its K adapted per sequence
 DEFAULT_MODES = MODES + ("eagle3" + ADAPTIVE,)
 QUICK_MODES = ("eagle3", "dflash")
-# code to complete (written for this benchmark; the model was trained on the stdlib's style)
-PROMPTS = (
-    "import os\nimport sys\n\n\ndef main(argv=None):\n    ",
-    "class Error(Exception):\n    \"\"\"Base class for exceptions in this module.\"\"\"\n\n    def __init__(self, msg):\n",
-    "    def __repr__(self):\n        return ",
-    "def _check_arg(name, value):\n    if not isinstance(value, str):\n        raise TypeError(",
-    "        for key, value in self.items():\n            if ",
-    "    @property\n    def name(self):\n        ",
-)
-
-
 def add_bench_args(p) -> None:
     p.add_argument("--output_dir", default="build/bench", help="report directory to write")
     p.add_argument("--checkpoint_dir", default=None, help="target checkpoint (default: the embedded model)")
@@ -62,7 +52,11 @@ def add_bench_args(p) -> None:
     p.add_argument("--adaptive_max_draft_len", type=int, default=8,
                    help=f"the K up to which a mode named with {ADAPTIVE} (e.g. eagle3{ADAPTIVE}) adapts each sequence's K")
     p.add_argument("--max_new_tokens", type=int, default=128)
-    p.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many of the built-in prompts")
+    p.add_argument("--prompts", type=int, default=None,
+                   help=f"how many prompts (default: all; the built-in ones are {len(PROMPTS)} code completions)")
+    p.add_argument("--prompt_file", default=None, metavar="FILE",
+                   help="your own prompts, one JSON line each: a string or {\"prompt\": ...} (vLLM's custom dataset "
+                        "format); the engines are sized to the longest")
     p.add_argument("--runs", type=int, default=2, help="timed runs per prompt (median)")
     p.add_argument("--no_serving", action="store_true", help="skip the Triton measurement")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -97,7 +91,8 @@ def _log(message: str) -> None:
 
 def build_mode_engines(checkpoint, mode: str, root: Path, k: int, draft_weight_dtype: str = "auto",
                        matmul_precision: str = "highest", token_map=None, embedded_model: str = "small",
-                       embedded_factor: int | None = None, draft_dir=None) -> tuple[Path, dict]:
+                       embedded_factor: int | None = None, draft_dir=None, max_input_len: int = 256,
+                       max_seq_len: int = 512) -> tuple[Path, dict]:
     """Engines of ``mode`` under ``root/engines``: over ``checkpoint`` (or the embedded model,
     ``embedded_model`` small or wide, at ``embedded_factor``) with ``draft_dir``, by default the
     embedded model's trained draft of that kind."""
@@ -113,7 +108,7 @@ def build_mode_engines(checkpoint, mode: str, root: Path, k: int, draft_weight_d
     if checkpoint is not None and draft is None and base not in ("mtp",):
         draft = embedded.draft_dir(base, quant)
     out = root / "engines" / (mode + (ADAPTIVE if adaptive else ""))
-    options = BuildOptions(max_batch_size=4, max_input_len=256, max_seq_len=512, max_draft_len=k, dtype="auto",
+    options = BuildOptions(max_batch_size=4, max_input_len=max_input_len, max_seq_len=max_seq_len, max_draft_len=k, dtype="auto",
                            speculative_decoding_mode=base, draft_weight_dtype=draft_weight_dtype,
                            matmul_precision=matmul_precision, draft_len_adaptive=adaptive)
     report = build(target, out, options, log=lambda m: None, draft_dir=draft,
@@ -394,7 +389,6 @@ def _check_draft_dir(draft_dir, modes) -> None:
     """``--draft_dir`` names one draft, so it goes with one mode that has a separate draft."""
     if draft_dir is None:
         return
-    from builder.errors import NemospecError
     if len(modes) != 1:
         raise NemospecError(f"--draft_dir: one draft is for one mode; got --modes {','.join(modes)}")
     if modes[0].removesuffix(ADAPTIVE) == "mtp":
@@ -405,7 +399,6 @@ def _check_draft_dir(draft_dir, modes) -> None:
 
 def _check_counts(args) -> None:
     """Counts that must be positive, named before anything runs (a negative --threads was torch's traceback)."""
-    from builder.errors import NemospecError
     for flag in ("threads", "runs", "prompts", "max_new_tokens", "num_draft_tokens"):
         value = getattr(args, flag, None)
         if value is not None and value < 1 and not (flag == "threads" and value == 0):
@@ -424,8 +417,7 @@ def run_bench(args) -> dict:
     modes = tuple(args.modes.split(",")) if args.modes else (QUICK_MODES if quick else DEFAULT_MODES)
     unknown = [m for m in modes if m.removesuffix(ADAPTIVE) not in MODES]
     if unknown:
-        from builder.errors import NemospecError
-        raise NemospecError(f"--modes: unknown mode(s) {', '.join(unknown)}; expected some of {', '.join(MODES)}, "
+            raise NemospecError(f"--modes: unknown mode(s) {', '.join(unknown)}; expected some of {', '.join(MODES)}, "
                              f"each optionally with {ADAPTIVE}")
     _check_draft_dir(getattr(args, "draft_dir", None), modes)
     new_tokens = 24 if quick else args.max_new_tokens
@@ -440,21 +432,28 @@ def run_bench(args) -> dict:
                                     args.tree_depth or min(k, args.max_tree_nodes))
                     for mode in modes}
         except ValueError as e:
-            from builder.errors import NemospecError
-            raise NemospecError(str(e)) from None
+                    raise NemospecError(str(e)) from None
     root = Path(args.output_dir)
     if root.exists() and not root.is_dir():
-        from builder.errors import NemospecError
-        raise NemospecError(f"--output_dir {root}: exists and is a file; expected a report directory")
+            raise NemospecError(f"--output_dir {root}: exists and is a file; expected a report directory")
     embedded_model, factor = getattr(args, "embedded", "small"), getattr(args, "embedded_factor", None)
     refuse_embedded_with(args, "checkpoint_dir")
     target_dir, _ = resolve_sources(args.checkpoint_dir, None, None, None, embedded_model, factor)
     tokenizer = load_tokenizer(Path(target_dir) / "tokenizer.json")
-    root.mkdir(parents=True, exist_ok=True)   # after the sources resolve: a bad one leaves no directory behind
-    texts = list(PROMPTS[:2 if quick else args.prompts])
+    prompt_file = getattr(args, "prompt_file", None)
+    texts = read_prompt_file(prompt_file) if prompt_file else list(PROMPTS)
+    texts = texts[:2 if quick else getattr(args, "prompts", None) or len(texts)]
     prompts = [tokenizer.encode(t).ids for t in texts]
+    if not all(prompts):
+        raise NemospecError(f"--prompt_file {prompt_file}: prompt {[bool(p) for p in prompts].index(False) + 1} "
+                            f"has no tokens")
+    # engines long enough for every prompt and its completion (the defaults fit the built-in ones)
+    lengths = {"max_input_len": max(256, max(map(len, prompts))),
+               "max_seq_len": max(512, max(map(len, prompts)) + new_tokens + k + 1)}
+    root.mkdir(parents=True, exist_ok=True)   # after the sources and prompts resolve: no directory left behind
     report: dict = {"created": time.strftime("%Y-%m-%d %H:%M:%S"), "quick": quick, "num_draft_tokens": k,
                     "max_new_tokens": new_tokens, "prompts": len(prompts), "runs": runs,
+                    "prompt_file": portable_path(prompt_file, root) if prompt_file else None,
                     "machine": {"cpu_threads": torch.get_num_threads(), "platform": platform.platform(),
                                 "python": platform.python_version(), "torch": torch.__version__,
                                 "allocator": allocator.active(), "l3_bytes": l3_bytes(), "cpu": cpu_name(),
@@ -472,7 +471,7 @@ def run_bench(args) -> dict:
         engine_dir, build = build_mode_engines(args.checkpoint_dir, mode, root, mode_k, args.draft_weight_dtype,
                                                getattr(args, "matmul_precision", "highest"),
                                                getattr(args, "speculative_token_map", None), embedded_model, factor,
-                                               getattr(args, "draft_dir", None))
+                                               getattr(args, "draft_dir", None), **lengths)
         engines = {n: {"bytes": e["engine_bytes"], "layers": e["layers"], "build_seconds": round(e["build_seconds"], 1)}
                    for n, e in build["engines"].items()}
         _log(f"bench: {mode}: generating ({len(prompts)} prompts x {new_tokens} tokens, with and without speculation)")

@@ -10,13 +10,50 @@ import pytest
 from nemospec import cli
 
 
+#: the bench's prompts from a file (--prompt_file): a built-in one, and one past the default engines'
+#: max_input_len (256), which sizes them
+LONG = "".join(f"def f{i}(x):\n    return x + {i}\n\n\n" for i in range(17))
+
+
 @pytest.fixture(scope="module")
 def report_dir(tmp_path_factory):
+    from nemospec.bench_prompts import PROMPTS
     out = tmp_path_factory.mktemp("bench")
+    (out / "prompts.jsonl").write_text(json.dumps({"prompt": PROMPTS[0]}) + "\n\n" + json.dumps(LONG) + "\n")
     # the wide embedded model (the bench's default) at factor 2: the memory-bound instrument's path, small
     assert cli.main(["bench", "--quick", "--tree", "--max_tree_nodes", "8", "--tree_topk", "2",
-                     "--embedded_factor", "2", "--output_dir", str(out)]) == 0
+                     "--embedded_factor", "2", "--prompt_file", str(out / "prompts.jsonl"), "--output_dir", str(out)]) == 0
     return out
+
+
+def test_the_prompt_file_is_benched_on_engines_sized_to_it(report_dir):
+    from builder.tokenizer_file import load_tokenizer
+    from runtime.loading import open_engine_dir
+    r = json.loads((report_dir / "report.json").read_text())
+    assert r["prompt_file"] == "prompts.jsonl" and r["prompts"] == 2
+    loaded = open_engine_dir(report_dir / "engines" / "eagle3", "torch")
+    assert loaded.max_input_len >= len(load_tokenizer(loaded.tokenizer_path).encode(LONG).ids) > 256
+
+
+@pytest.mark.parametrize("text, needle", [
+    ('{"prompt": "x"}\n{"prompt": 3}\n', "prompts.jsonl:2: expected a non-empty string"),
+    ('"x"\nnot json\n', "prompts.jsonl:2: not a JSON line"),
+    ("\n\n", "prompts.jsonl: no prompts in it"),
+    (None, "prompts.jsonl: no such file"),
+])
+def test_a_bad_prompt_file_is_named_by_line_and_leaves_nothing(tmp_path, text, needle):
+    from argparse import ArgumentParser
+
+    from builder.errors import NemospecError
+    from nemospec.bench import add_bench_args, run_bench
+    if text is not None:
+        (tmp_path / "prompts.jsonl").write_text(text)
+    p = ArgumentParser()
+    add_bench_args(p)
+    with pytest.raises(NemospecError, match=needle):
+        run_bench(p.parse_args(["--modes", "eagle3", "--embedded", "small", "--prompt_file", str(tmp_path / "prompts.jsonl"),
+                                "--output_dir", str(tmp_path / "out")]))
+    assert not (tmp_path / "out").exists()
 
 
 def test_report_json_holds_every_field(report_dir):
