@@ -401,3 +401,15 @@ def test_a_whole_answer_whose_client_left_is_cancelled():
              "scheme": "http", "server": ("test", 80), "client": ("test", 1), "root_path": ""}
     asyncio.run(asyncio.wait_for(app(scope, receive, send), 30))
     assert closed == [True]
+
+
+def test_triton_failures_map_to_statuses_a_client_acts_on():
+    """A full queue is a 429 to retry; a dead model process a 503 that says the server is restarting it
+    (the raw gRPC text alone read as a crash); a refused field a 400 naming it."""
+    from serving.openai.errors import from_triton
+    assert from_triton("in ensemble 'ensemble', server busy: 4 requests queued").status == 429
+    dead = from_triton("[StatusCode.UNAVAILABLE] Stub process 'speculative_0_0' is not healthy.")
+    assert dead.status == 503 and "supervisor restarts it; retry" in dead.message and "speculative_0_0" in dead.message
+    assert from_triton("failed to connect to all addresses").status == 503
+    assert from_triton("top_k: expected 0..100 (0: no cut), got -1").status == 400
+    assert from_triton("speculative: generation failed: RuntimeError: x").status == 500

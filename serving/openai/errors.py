@@ -42,8 +42,10 @@ def from_triton(message: str) -> APIError:
     text = str(message)
     if "server busy" in text:
         return APIError(429, text)
-    if any(s in text for s in ("not ready", "Stub process", "is not healthy", "unavailable", "UNAVAILABLE",
-                               "shutting down", "failed to connect")):
+    if any(s in text for s in ("Stub process", "is not healthy")):   # a model process died or hangs
+        return APIError(503, f"the server cannot serve now: a model process stopped, and the supervisor restarts "
+                             f"it; retry shortly (Triton: {text.strip()})")
+    if any(s in text for s in ("not ready", "unavailable", "UNAVAILABLE", "shutting down", "failed to connect")):
         return APIError(503, text)
     if "generation failed" in text or "Exception" in text:
         return APIError(500, text)
