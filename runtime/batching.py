@@ -17,7 +17,7 @@ from runtime.prefill import prefill
 from runtime.adaptive_draft_len import (PositionFactors, StepCostTable, best_length, candidate_lengths,
                                         sequence_rates)
 from runtime.draft_policy import AcceptanceTracker, DraftPolicy
-from runtime.logits_shaping import shape, token_logprobs
+from runtime.logits_shaping import shape, token_logprobs, top_logprobs
 from runtime.sampling import SamplingParams, draw
 from runtime.step_costs import StepCosts, Stopwatch
 
@@ -38,6 +38,8 @@ class Sequence:
     drafted: int = 0                                    # draft tokens proposed for it (verified or not)
     max_draft: int | None = None                        # its own K (None: the group's)
     logprobs: list = field(default_factory=list)        # per emitted token, when params.logprobs
+    alternatives: list = field(default_factory=list)    # per emitted token, when params.top_logprobs
+    pending_alternatives: list | None = None            # the next emit's (set where its logprobs are)
     finish_reason: str = ""                             # "stop" (end id or stop word) or "length"
     ended_at_end_id: bool = False                       # the last output is an end id (its text is not sent)
     admitted_ns: int = 0                                # wall clock when a batch took it (serving)
@@ -61,6 +63,9 @@ class Sequence:
                 break
         if logprobs:
             self.logprobs.extend(logprobs[:len(kept)])
+        if self.pending_alternatives is not None:
+            self.alternatives.extend(self.pending_alternatives[:len(kept)])
+            self.pending_alternatives = None
         return kept
 
     def _ends_with(self, word) -> bool:
@@ -90,10 +95,15 @@ class Sequence:
 
 
 def _logprobs(logits, tokens, seqs) -> list:
-    """Per sequence: log-probabilities of its tokens (None for those that did not ask)."""
+    """Per sequence: log-probabilities of its tokens (None for those that did not ask); a sequence
+    that asked for alternatives gets them as its next emit's ``pending_alternatives``."""
     if not any(s.params.logprobs for s in seqs):
         return [None] * len(seqs)
-    return [lp or None for lp in token_logprobs(logits, tokens, [s.params for s in seqs])]
+    params = [s.params for s in seqs]
+    if any(p.top_logprobs for p in params):
+        for s, top in zip(seqs, top_logprobs(logits, params)):
+            s.pending_alternatives = top
+    return [lp or None for lp in token_logprobs(logits, tokens, params)]
 
 
 def _rows(state: dict, index) -> dict:

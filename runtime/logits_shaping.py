@@ -97,16 +97,37 @@ def shape_tree(logits: torch.Tensor, seqs, tokens: torch.Tensor, parents: torch.
     return logits
 
 
+def _log_distribution(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """[T, V] shaped logits -> the log of the distribution a row's tokens are drawn from (temperature,
+    top-k, top-p for sampled rows; the softmax for greedy ones)."""
+    row = row.float()
+    probs = probabilities(row, p.temperature, p.top_p, p.top_k) if p.temperature else torch.softmax(row, -1)
+    return torch.log(probs)
+
+
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]) -> list[list[float]]:
     """logits [B, T, V] (shaped), tokens [B, T] -> each row's log-probabilities of its tokens under
-    the distribution they were chosen from (temperature, top-k, top-p for sampled rows; the softmax
-    for greedy ones). Rows that did not ask get an empty list."""
+    the distribution they were chosen from. Rows that did not ask get an empty list."""
     out = []
     for b, p in enumerate(params):
         if not p.logprobs:
             out.append([])
             continue
-        row = logits[b].float()
-        probs = probabilities(row, p.temperature, p.top_p, p.top_k) if p.temperature else torch.softmax(row, -1)
-        out.append(torch.log(probs.gather(-1, tokens[b].long()[:, None].to(probs.device))[:, 0]).tolist())
+        logp = _log_distribution(logits[b], p)
+        out.append(logp.gather(-1, tokens[b].long()[:, None].to(logp.device))[:, 0].tolist())
+    return out
+
+
+def top_logprobs(logits: torch.Tensor, params: list[SamplingParams]) -> list[list[list[tuple[int, float]]] | None]:
+    """logits [B, T, V] (shaped) -> per row that asked (``top_logprobs`` > 0), each position's most
+    probable tokens under that same distribution, as (id, log-probability), most probable first (those
+    it gives probability 0, past a top-k or top-p cut, left out); None for the other rows."""
+    out = []
+    for b, p in enumerate(params):
+        if not (p.logprobs and p.top_logprobs):
+            out.append(None)
+            continue
+        top = _log_distribution(logits[b], p).topk(min(p.top_logprobs, logits.shape[-1]), dim=-1)
+        out.append([[(t, v) for t, v in zip(ids, values) if v > float("-inf")]
+                    for ids, values in zip(top.indices.tolist(), top.values.tolist())])
     return out

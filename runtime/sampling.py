@@ -40,6 +40,7 @@ class SamplingParams:
     min_length: int = 0                 # end ids are banned until this many tokens were generated
     logprobs: bool = False              # record each generated token's log-probability
     bad_sequences: tuple[tuple[int, ...], ...] = ()   # a sequence's last token is banned after the rest
+    top_logprobs: int = 0               # with logprobs: also each position's most probable tokens
 
     def __post_init__(self):
         # as vLLM: a temperature below GREEDY_BELOW is greedy, the limit it tends to (logits / 1e-38

@@ -34,7 +34,11 @@ class Request:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: bool = False
+    top_logprobs: int = 0           # with logprobs: each token's most probable alternatives, up to MAX_TOP_LOGPROBS
     max_draft: int | None = None    # this request's K (None: the engine's)
+
+
+MAX_TOP_LOGPROBS = 20   # vLLM's default max_logprobs
 
 
 class SchedulerError(ValueError):
@@ -84,6 +88,8 @@ class Scheduler:
             raise SchedulerError(f"top_p: expected a value in (0, 1], got {r.top_p}")
         if r.top_k < 0:
             raise SchedulerError(f"top_k: expected >= 0 (0: no cut), got {r.top_k}")
+        if not 0 <= r.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise SchedulerError(f"top_logprobs: expected 0..{MAX_TOP_LOGPROBS}, got {r.top_logprobs}")
         if r.min_length < 0:
             raise SchedulerError(f"min_length: expected >= 0, got {r.min_length}")
         if not r.repetition_penalty > 0:
@@ -151,7 +157,8 @@ class Scheduler:
             generator = seeded_generator(r.seed)
             params = SamplingParams(r.temperature, r.top_p, generator, tuple(w[0] for w in r.bad_words if len(w) == 1),
                                     r.top_k, r.repetition_penalty, r.presence_penalty, r.frequency_penalty,
-                                    r.min_length, r.logprobs, tuple(tuple(w) for w in r.bad_words if len(w) > 1))
+                                    r.min_length, r.logprobs, tuple(tuple(w) for w in r.bad_words if len(w) > 1),
+                                    r.top_logprobs)
             seq = Sequence(list(r.prompt_ids), r.max_new_tokens, params, frozenset(r.end_ids),
                            tuple(tuple(w) for w in r.stop_words), request_id=request_id, on_tokens=cb,
                            max_draft=r.max_draft, admitted_ns=time.time_ns())
@@ -174,6 +181,8 @@ class Scheduler:
             info = {"speculation": seq.speculation_stats(k), "admitted_ns": seq.admitted_ns}
             if seq.params.logprobs:
                 info["logprobs"] = seq.logprobs[len(seq.logprobs) - len(new):] if new else []
+            if seq.params.top_logprobs:
+                info["top_logprobs"] = seq.alternatives[len(seq.alternatives) - len(new):] if new else []
             if seq.finished:
                 info["mean_accepted_tokens"] = seq.mean_accepted_tokens
                 info["finish_reason"] = seq.finish_reason

@@ -117,7 +117,7 @@ def stream_text(tokenizer, ids, prefix_len: int, finished: bool) -> str:
 def coalesce_events(items):
     """The speculative model's queued token events (entry, new ids, finished, info), one per request:
     events that queued while the dispatcher was sending are joined in order (tokens, and the
-    log-probabilities that go with them; the later event's other info wins), so a busy server sends
+    log-probabilities and alternatives that go with them; the later event's other info wins), so a busy server sends
     fewer, larger responses instead of falling behind. String entries (control events) pass as
     they are; an event after a request's finished or failed one starts a new item."""
     out, open_ = [], {}
@@ -134,8 +134,9 @@ def coalesce_events(items):
             continue
         _, tokens, _, merged = out[index]
         joined = {**merged, **info}
-        if "logprobs" in merged or "logprobs" in info:
-            joined["logprobs"] = list(merged.get("logprobs") or []) + list(info.get("logprobs") or [])
+        for per_token in ("logprobs", "top_logprobs"):
+            if per_token in merged or per_token in info:
+                joined[per_token] = list(merged.get(per_token) or []) + list(info.get(per_token) or [])
         out[index] = (entry, tokens + list(new), finished, joined)
         if finished or "error" in info:
             del open_[id(entry)]

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+MAX_TOP_LOGPROBS = 20   # runtime.scheduler.MAX_TOP_LOGPROBS (tested equal): kept free of the runtime here
+
 
 class BadInput(ValueError):
     """One line naming the field and what was expected."""
@@ -28,6 +30,7 @@ class Options:
     return_acceptance: bool = False          # the acceptance counts in every streamed response
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
+    top_log_probs: int = 0                   # alternatives per token (output_top_ids / output_top_log_probs)
 
 
 # (field, what it does, the neutral values accepted)
@@ -150,9 +153,13 @@ def parse(inputs: dict, parameters: dict, *, vocab: int, default_end, max_draft_
         end_ids=default_end if end_id is None else frozenset() if end_id < 0 else frozenset([end_id]),
         speculative=speculative,
         logprobs=_flag(inputs, "return_log_probs"),
+        top_logprobs=_number(inputs, "top_log_probs", 0, integer=True, low=0, high=MAX_TOP_LOGPROBS,
+                             what=f"0..{MAX_TOP_LOGPROBS} alternatives per token"),
         max_draft=_number(inputs, "num_draft_tokens", None, integer=True, low=0, high=max_draft_len,
                           what=f"0..{max_draft_len} (the engine's max_draft_len)"),
     )
+    if fields["top_logprobs"] and not fields["logprobs"]:
+        raise BadInput("top_log_probs: needs return_log_probs true")
     # TensorRT-LLM's rule (its defaults: temperature 1, top_k 0, top_p 0): a request samples only
     # with top_k > 1 or top_p > 0; with neither it is greedy at any temperature
     if fields["top_k"] <= 1 and fields["top_p"] == 0:
@@ -163,5 +170,6 @@ def parse(inputs: dict, parameters: dict, *, vocab: int, default_end, max_draft_
                       return_log_probs=fields["logprobs"], return_perf_metrics=_flag(inputs, "return_perf_metrics"),
                       return_acceptance=_flag(inputs, "return_acceptance"),
                       return_num_input_tokens=_flag(inputs, "return_num_input_tokens"),
-                      return_num_output_tokens=_flag(inputs, "return_num_output_tokens"))
+                      return_num_output_tokens=_flag(inputs, "return_num_output_tokens"),
+                      top_log_probs=fields["top_logprobs"])
     return fields, options

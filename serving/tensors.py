@@ -75,6 +75,8 @@ REQUEST_INPUTS = (
     Tensor("guided_decoding_guide", "STRING", ragged=True),
     Tensor("num_draft_tokens", "INT32"),
     Tensor("return_acceptance", "BOOL"),
+    # nemospec's: with return_log_probs, each token's this many most probable tokens (0..20)
+    Tensor("top_log_probs", "INT32"),
     # the backend's names before May 2025 (``seed``, ``min_tokens`` since): clients of either work
     Tensor("random_seed", "UINT64"),
     Tensor("min_length", "INT32"),
@@ -104,6 +106,9 @@ PASS_OUTPUTS = (
     # ids this response carries (as the backend counts them)
     Tensor("num_input_tokens", "INT32", optional=False),
     Tensor("num_output_tokens", "INT32", optional=False),
+    # with top_log_probs N: each output token's N most probable tokens [1, tokens, N] and their log probs
+    Tensor("output_top_ids", "INT32", (-1, -1), optional=False),
+    Tensor("output_top_log_probs", "FP32", (-1, -1), optional=False),
     # nemospec's own: the request's verify steps by drafts kept (vLLM's acceptance_histogram), tokens
     # gained per verify, and why it ended ("length", "stop", "" while streaming)
     Tensor("acceptance_histogram", "INT32", (-1,), optional=False),

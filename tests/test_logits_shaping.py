@@ -236,3 +236,27 @@ def test_a_temperature_too_small_to_divide_by_is_greedy():
         assert tokens.tolist() == [1, 0] and q is None
     kept = SamplingParams(temperature=GREEDY_BELOW)
     assert kept.temperature == GREEDY_BELOW and torch.isfinite(probabilities(logits[0], kept.temperature, 1.0)).all()
+
+
+def test_top_logprobs_are_the_most_probable_tokens_of_the_drawing_distribution():
+    """Greedy rows: the log-softmax's top N, the chosen (argmax) token first with the log-probability
+    token_logprobs gives it; sampled rows: the distribution they draw from (top-k cut, temperature),
+    so no alternative lies outside the top-k (nor has log-probability -inf, which JSON cannot hold);
+    rows that did not ask get None."""
+    from runtime.logits_shaping import token_logprobs, top_logprobs
+    from runtime.sampling import SamplingParams, probabilities
+    logits = torch.randn(3, 4, 50, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(logprobs=True, top_logprobs=3),
+              SamplingParams(0.7, 1.0, None, top_k=2, logprobs=True, top_logprobs=5),
+              SamplingParams(logprobs=True)]
+    tops = top_logprobs(logits, params)
+    want = torch.log_softmax(logits[0], -1).topk(3)
+    assert [[t for t, _ in row] for row in tops[0]] == want.indices.tolist()
+    assert torch.allclose(torch.tensor([[v for _, v in row] for row in tops[0]]), want.values)
+    chosen = logits[0].argmax(-1)
+    assert [row[0][1] for row in tops[0]] == token_logprobs(logits, torch.stack([chosen] * 3), params)[0]
+    allowed = logits[1].topk(2).indices.tolist()
+    sampled = torch.log(probabilities(logits[1], 0.7, 1.0, 2))
+    for r, row in enumerate(tops[1]):
+        assert {t for t, _ in row} == set(allowed[r]) and all(abs(v - float(sampled[r, t])) < 1e-6 for t, v in row)
+    assert tops[2] is None

@@ -199,6 +199,18 @@ def test_logprobs_are_the_targets_for_the_emitted_tokens(client, stack, engine_d
     content = chat.choices[0].logprobs.content
     assert "".join(c.token for c in content) == chat.choices[0].message.content and len(content) == 8
     assert all(c.logprob <= 0 and c.top_logprobs == [] for c in content)
+    # alternatives: the oracle's most probable tokens, the greedy choice first with its own log-probability
+    top = client.completions.create(model=_model(stack), prompt=prompt, max_tokens=16, temperature=0, logprobs=3)
+    oracle_top = torch.log_softmax(decode, -1).topk(3, dim=-1).values
+    for i, alternatives in enumerate(top.choices[0].logprobs.top_logprobs):   # keyed by text: two tokens may share one
+        values = torch.tensor(sorted(alternatives.values(), reverse=True), dtype=torch.float64)
+        assert 1 <= len(values) <= 3 and abs(float(values[0] - oracle_top[i, 0])) <= bound, (i, alternatives)
+        assert all(float((oracle_top[i] - v).abs().min()) <= bound for v in values), (i, alternatives, oracle_top[i])
+    chat = client.chat.completions.create(model=_model(stack), messages=[{"role": "user", "content": "write a loop"}],
+                                          max_tokens=8, temperature=0, logprobs=True, top_logprobs=2)
+    for c in chat.choices[0].logprobs.content:
+        assert len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob
+        assert (c.top_logprobs[0].token, c.top_logprobs[0].logprob) == (c.token, c.logprob)
 
 
 def test_chat_uses_the_template(client, stack, engine_dir):  # noqa: F811
@@ -217,7 +229,7 @@ def test_chat_uses_the_template(client, stack, engine_dir):  # noqa: F811
 
 
 @pytest.mark.parametrize("kwargs,param", [
-    (dict(n=2), "n"), (dict(logprobs=2), "logprobs"), (dict(temperature=5.0), "temperature"),
+    (dict(n=2), "n"), (dict(logprobs=21), "logprobs"), (dict(temperature=5.0), "temperature"),
     (dict(max_tokens=100000), "max_seq_len"), (dict(stop=["a", "b", "c", "d", "e"]), "stop"),
     (dict(extra_body={"top_p": "high"}), "top_p"), (dict(extra_body={"tools": [{"type": "function"}]}), "tools"),
     (dict(prompt="x" * ((64 << 10) + 1)), "--max_prompt_bytes"),

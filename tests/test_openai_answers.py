@@ -17,10 +17,11 @@ TOKENIZER = Tokenizer.from_file(str(embedded.target_dir() / "tokenizer.json"))
 class ScriptedDelta(Delta):
     """A response with its token ids and their log-probabilities (a real one reads them from its
     Triton result)."""
-    def __init__(self, ids, finish_reason="", logprobs=None):
+    def __init__(self, ids, finish_reason="", logprobs=None, alternatives=None):
         super().__init__(TOKENIZER.decode(ids), len(ids), finish_reason)
         self.__dict__["ids"] = list(ids)
         self.__dict__["logprobs"] = list(logprobs if logprobs is not None else [-0.5] * len(ids))
+        self.__dict__["alternatives"] = list(alternatives or [])
 
 
 class ScriptedBackend:
@@ -121,7 +122,7 @@ def _events(body: bytes) -> list:
 def test_logprobs_are_the_chosen_tokens_up_to_the_stop():
     """completions ``logprobs: 0`` and chat ``logprobs: true``: each returned token with the
     log-probability the server sent for it, in order, ending at the token that completes the stop
-    string; streamed, each chunk carries its tokens'. Alternatives (top_logprobs > 0) are refused."""
+    string; streamed, each chunk carries its tokens'."""
     first, step = _ids("def f(x):\n"), _ids("    return x\n\nprint(f(2))")
     cut = next(n for n in range(1, len(step) + 1) if "\n\n" in TOKENIZER.decode(step[:n]))
     lps = [-0.25 * (i + 1) for i in range(len(first) + len(step))]
@@ -144,12 +145,34 @@ def test_logprobs_are_the_chosen_tokens_up_to_the_stop():
     content = json.loads(raw)["choices"][0]["logprobs"]["content"]
     assert status == 200 and [c["token"] for c in content] == pieces and [c["logprob"] for c in content] == kept_lps
     assert all(c["top_logprobs"] == [] and bytes(c["bytes"]).decode() == c["token"] for c in content)
-    for refused, path in (({**body, "logprobs": 2}, "/v1/completions"),
-                          ({**chat, "top_logprobs": 3}, "/v1/chat/completions")):
-        status, raw = _post(create_app(info, ScriptedBackend(responses)), refused, path)
-        assert status == 400 and "no alternatives" in json.loads(raw)["error"]["message"], raw
     status, raw = _post(_app(responses), {**body, "logprobs": None})
     assert status == 200 and json.loads(raw)["choices"][0]["logprobs"] is None
+
+
+def test_top_logprobs_are_the_alternatives_the_server_sent():
+    """chat ``top_logprobs`` N (with ``logprobs: true``) and completions ``logprobs`` N: each token's
+    alternatives as the server sent them, most probable first (completions: beside the chosen token,
+    as vLLM's); N past 20 or chat's without ``logprobs: true`` is a 400 naming the field."""
+    ids = _ids("def f(x):")
+    alternatives = [[(t, -0.1), ((t + 1) % 100, -2.5)] for t in ids]
+    responses = [ScriptedDelta(ids, "length", alternatives=alternatives)]
+    info = ModelInfo("m", TOKENIZER, 256, 4, ChatTemplate("{{ messages[0]['content'] }}"), 0)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 64, "logprobs": True, "top_logprobs": 2}
+    status, raw = _post(create_app(info, ScriptedBackend(responses)), chat, "/v1/chat/completions")
+    content = json.loads(raw)["choices"][0]["logprobs"]["content"]
+    assert status == 200 and len(content) == len(ids)
+    for c, top in zip(content, alternatives):
+        assert [(a["token"], a["logprob"]) for a in c["top_logprobs"]] == [(TOKENIZER.decode([t]), v) for t, v in top]
+        assert all(bytes(a["bytes"]) == TOKENIZER.decode([t]).encode() for a, (t, _) in zip(c["top_logprobs"], top))
+    status, raw = _post(_app(responses), {"prompt": "p", "max_tokens": 64, "logprobs": 2})
+    got = json.loads(raw)["choices"][0]["logprobs"]
+    assert status == 200 and got["top_logprobs"] == [
+        {TOKENIZER.decode([t]): -0.5, TOKENIZER.decode([(t + 1) % 100]): -2.5} for t in ids]
+    for refused, path, field in (({"prompt": "p", "logprobs": 21}, "/v1/completions", "logprobs"),
+                                 ({**chat, "top_logprobs": 21}, "/v1/chat/completions", "top_logprobs"),
+                                 ({**chat, "logprobs": False}, "/v1/chat/completions", "top_logprobs")):
+        status, raw = _post(create_app(info, ScriptedBackend(responses)), refused, path)
+        assert status == 400 and json.loads(raw)["error"]["param"] == field, raw
 
 
 def test_stop_strings_wait_for_min_tokens():

@@ -66,3 +66,16 @@ def test_a_direct_request_without_its_ids_names_them():
         parse({"max_tokens": np.array([[4]], dtype=np.int32)}, {}, vocab=VOCAB, default_end=frozenset(), max_draft_len=4)
     with pytest.raises(BadInput, match="max_tokens: required"):
         parse({"input_ids": np.array([[4]], dtype=np.int32)}, {}, vocab=VOCAB, default_end=frozenset(), max_draft_len=4)
+
+
+def test_top_log_probs_need_return_log_probs_and_stay_within_the_schedulers_limit():
+    from runtime.scheduler import MAX_TOP_LOGPROBS
+    from serving.openai import protocol
+    from serving import request_fields
+    assert request_fields.MAX_TOP_LOGPROBS == protocol.MAX_TOP_LOGPROBS == MAX_TOP_LOGPROBS
+    fields, options = _parse(return_log_probs=True, top_log_probs=np.array([[3]], np.int32))
+    assert fields["top_logprobs"] == options.top_log_probs == 3
+    with pytest.raises(BadInput, match="top_log_probs: needs return_log_probs"):
+        _parse(top_log_probs=np.array([[3]], np.int32))
+    with pytest.raises(BadInput, match=f"top_log_probs: expected 0..{MAX_TOP_LOGPROBS}"):
+        _parse(return_log_probs=True, top_log_probs=np.array([[MAX_TOP_LOGPROBS + 1]], np.int32))

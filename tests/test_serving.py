@@ -226,21 +226,23 @@ def test_streamed_chunks_never_split_a_utf8_character(tokenizer):
 
 def test_coalesced_events_keep_every_token_and_log_probability():
     """Token events that queued while the dispatcher was sending become one per request, their ids
-    and log-probabilities joined in order (a merge that let the later event's logprobs replace the
+    and log-probabilities (and their alternatives) joined in order (a merge that let the later event's logprobs replace the
     earlier's returned 15 log-probabilities for 16 tokens under load); control events pass through,
     and an event after a request finished starts a new item."""
     a, b = object(), object()
-    items = [(a, [1], False, {"logprobs": [-0.1], "speculation": {"steps": 1}}),
+    items = [(a, [1], False, {"logprobs": [-0.1], "top_logprobs": [[(1, -0.1)]], "speculation": {"steps": 1}}),
              (b, [7], False, {}),
              ("cancel", 9, False, {}),
-             (a, [2, 3], False, {"logprobs": [-0.2, -0.3], "speculation": {"steps": 2}}),
+             (a, [2, 3], False, {"logprobs": [-0.2, -0.3], "top_logprobs": [[(2, -0.2)], [(3, -0.3)]],
+                                 "speculation": {"steps": 2}}),
              (a, [4], True, {"logprobs": [-0.4], "finish_reason": "length"}),
              (a, [5], False, {"logprobs": [-0.5]}),
              (b, [8], True, {"finish_reason": "stop"})]
     out = protocol.coalesce_events(items)
     assert [(e if isinstance(e, str) else "ab"[e is b], n, f) for e, n, f, _ in out] == [
         ("a", [1, 2, 3, 4], True), ("b", [7, 8], True), ("cancel", 9, False), ("a", [5], False)]
-    assert out[0][3] == {"logprobs": [-0.1, -0.2, -0.3, -0.4], "speculation": {"steps": 2}, "finish_reason": "length"}
+    assert out[0][3] == {"logprobs": [-0.1, -0.2, -0.3, -0.4], "top_logprobs": [[(1, -0.1)], [(2, -0.2)], [(3, -0.3)]],
+                         "speculation": {"steps": 2}, "finish_reason": "length"}
     assert "logprobs" not in out[1][3] and out[1][3]["finish_reason"] == "stop"
 
 

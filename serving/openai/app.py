@@ -256,7 +256,7 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
 
     async def _whole(stream, g, base, chat: bool, prompt_tokens: int) -> dict:
         """A non-streamed answer: every response of ``stream`` read, stop strings applied."""
-        text, tokens, reason, last, ids, logprobs = [], 0, "", None, [], []
+        text, tokens, reason, last, ids, logprobs, alternatives = [], 0, "", None, [], [], []
         stops, recent = StopMatcher(g.stop), deque(maxlen=CONTEXT_TOKENS)
         try:
             async for d in stream:
@@ -266,6 +266,7 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
                 if g.logprobs:
                     ids.extend((d.ids or [])[:n])
                     logprobs.extend(d.logprobs[:n])
+                    alternatives.extend(d.alternatives[:n])
                 if stops.matched:
                     reason = "stop"
                     backend.stopped(d)
@@ -276,17 +277,17 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
             raise _ended()
         text.append(stops.flush() if not stops.matched else "")
         out, stats = "".join(text), last.stats if last is not None else {}
-        chosen = _logprobs(chat, ids, logprobs) if g.logprobs else None
+        chosen = _logprobs(chat, ids, logprobs, alternatives) if g.logprobs else None
         choice = ({"index": 0, "message": {"role": "assistant", "content": out}, "logprobs": chosen,
                    "finish_reason": reason or "stop"} if chat else
                   {"index": 0, "text": out, "logprobs": chosen, "finish_reason": reason or "stop"})
         return {**base, "choices": [choice], "usage": usage(prompt_tokens, tokens),
                 "metrics": speculative_metrics(stats, info.draft_len) if stats else {}}
 
-    def _logprobs(chat: bool, ids, logprobs, offsets: TextOffsets | None = None):
+    def _logprobs(chat: bool, ids, logprobs, alternatives, offsets: TextOffsets | None = None):
         if chat:
-            return chat_logprobs(info.tokenizer, ids, logprobs)
-        return completion_logprobs(info.tokenizer, ids, logprobs, offsets)
+            return chat_logprobs(info.tokenizer, ids, logprobs, alternatives)
+        return completion_logprobs(info.tokenizer, ids, logprobs, alternatives, offsets)
 
     def _read(d, stops: StopMatcher, g, tokens: int, recent: deque):
         """Response ``d`` after ``tokens`` generated: (its text that can be sent, its tokens counted):
@@ -346,7 +347,7 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
                     reason = "stop"
                     backend.stopped(d)
                 if g.logprobs and n:    # the tokens' log-probabilities ride with the text they make
-                    chosen = _logprobs(chat, (d.ids or [])[:n], d.logprobs[:n], offsets)
+                    chosen = _logprobs(chat, (d.ids or [])[:n], d.logprobs[:n], d.alternatives[:n], offsets)
                     yield event(choice(text, logprobs=chosen))
                 elif text:
                     yield event(choice(text)) if g.continuous_usage else head + json.dumps(text) + tail

@@ -19,7 +19,8 @@ from serving.openai.protocol import Generation
 
 log = logging.getLogger(__name__)
 OUTPUTS = ("text_output", "output_ids", "finish_reason", "total_draft_tokens", "total_accepted_draft_tokens",
-           "acceptance_histogram", "mean_accepted_tokens", "output_log_probs", "request_key")
+           "acceptance_histogram", "mean_accepted_tokens", "output_log_probs", "output_top_ids",
+           "output_top_log_probs", "request_key")
 
 
 @dataclass
@@ -45,6 +46,17 @@ class Delta:
         """This response's tokens' log-probabilities (sent with ``return_log_probs``, else empty)."""
         values = None if self.result is None else self.result.as_numpy("output_log_probs")
         return [] if values is None else [float(v) for v in values.reshape(-1)]
+
+    @cached_property
+    def alternatives(self) -> list[list[tuple[int, float]]]:
+        """This response's tokens' most probable tokens, (id, log-probability) each (sent with
+        ``top_log_probs``, else empty)."""
+        if self.result is None or self.result.as_numpy("output_top_ids") is None:
+            return []
+        ids, values = self.result.as_numpy("output_top_ids"), self.result.as_numpy("output_top_log_probs")
+        ids, values = ids.reshape(-1, ids.shape[-1]), values.reshape(-1, values.shape[-1])
+        return [[(int(t), float(v)) for t, v in zip(row_ids, row_values) if t >= 0]
+                for row_ids, row_values in zip(ids, values)]
 
     @cached_property
     def stats(self) -> dict:
@@ -107,6 +119,8 @@ def ensemble_inputs(g: Generation, max_tokens: int):
         inputs.append(one("min_length", g.min_tokens, np.int32, "INT32"))
     if g.logprobs:
         inputs.append(one("return_log_probs", True, np.bool_, "BOOL"))
+    if g.top_logprobs:
+        inputs.append(one("top_log_probs", g.top_logprobs, np.int32, "INT32"))
     if not g.add_special_tokens:
         inputs.append(one("add_special_tokens", False, np.bool_, "BOOL"))
     if g.stop:   # a stop string ends the stream before the last response: every one carries the counts

@@ -1,6 +1,7 @@
 """OpenAI's log-probability objects for the tokens a request generated. The server returns each
-emitted token's log-probability under the distribution it was drawn from (``return_log_probs``), not
-alternatives: completions take ``logprobs: 0`` and chat ``logprobs: true`` with no ``top_logprobs``.
+emitted token's log-probability under the distribution it was drawn from (``return_log_probs``) and,
+when asked (chat's ``top_logprobs``, completions' ``logprobs`` N), that many most probable tokens of
+the same distribution (``top_log_probs``).
 
 A token of a byte-level BPE can be part of a character (one byte of a 2-byte UTF-8 sequence): its
 ``bytes`` are that byte, not the replacement character its lone decode shows, so a client can join
@@ -80,16 +81,30 @@ def _pieces(tokenizer, ids) -> list[str]:
     return [tokenizer.decode([t]) for t in ids]
 
 
-def completion_logprobs(tokenizer, ids, logprobs, offsets: TextOffsets | None = None) -> dict:
-    """The legacy completions shape; ``offsets`` carries ``text_offset`` over a stream's chunks."""
+def completion_logprobs(tokenizer, ids, logprobs, alternatives=(), offsets: TextOffsets | None = None) -> dict:
+    """The legacy completions shape; ``offsets`` carries ``text_offset`` over a stream's chunks. Each
+    ``top_logprobs`` entry holds the chosen token and its alternatives, as vLLM's do; keyed by text,
+    it keeps one value per text (the chosen token's, else the most probable: two byte-level tokens
+    can both decode to the replacement character)."""
     offsets = offsets or TextOffsets(tokenizer)
     tokens = _pieces(tokenizer, ids)
+    tops = list(alternatives) or [()] * len(ids)
+
+    def entry(piece, lp, top):
+        out = {piece: lp}
+        for t, v in top:
+            out.setdefault(tokenizer.decode([t]), v)
+        return out
     return {"tokens": tokens, "token_logprobs": list(logprobs),
-            "top_logprobs": [{piece: lp} for piece, lp in zip(tokens, logprobs)],
+            "top_logprobs": [entry(piece, lp, top) for piece, lp, top in zip(tokens, logprobs, tops)],
             "text_offset": [offsets.take(offsets.bytes_of(t)) for t in ids]}
 
 
-def chat_logprobs(tokenizer, ids, logprobs) -> dict:
-    """The chat shape: one entry per token, no alternatives."""
-    return {"content": [{"token": piece, "logprob": lp, "bytes": list(token_bytes(tokenizer, t)),
-                         "top_logprobs": []} for t, piece, lp in zip(ids, _pieces(tokenizer, ids), logprobs)]}
+def chat_logprobs(tokenizer, ids, logprobs, alternatives=()) -> dict:
+    """The chat shape: one entry per token, with its ``top_logprobs`` alternatives (most probable first)."""
+    tops = list(alternatives) or [()] * len(ids)
+
+    def entry(token_id, piece, lp):
+        return {"token": piece, "logprob": lp, "bytes": list(token_bytes(tokenizer, token_id))}
+    return {"content": [{**entry(t, piece, lp), "top_logprobs": [entry(a, tokenizer.decode([a]), v) for a, v in top]}
+                        for t, piece, lp, top in zip(ids, _pieces(tokenizer, ids), logprobs, tops)]}

@@ -5,9 +5,10 @@ Fields: ``prompt`` (a string or a one-item list), ``messages``, ``max_tokens`` /
 ``ignore_eos`` (vLLM's), the penalties, ``top_k`` and ``min_tokens`` (vLLM's names), chat's
 ``add_generation_prompt`` and ``chat_template_kwargs`` (vLLM's), and nemospec's ``speculative``
 (false: this request target-only). Unknown fields, which change nothing (``user``, ``metadata``,
-...), are ignored; those the server cannot honour (n > 1, top logprobs, tools, echo, vLLM's min_p,
+...), are ignored; those the server cannot honour (n > 1, tools, echo, vLLM's min_p,
 guided decoding, ...: ``fields.REFUSED``) are 400s naming the field unless at their neutral value.
-``logprobs`` (completions: 0; chat: true) returns each chosen token's log-probability. Per-request speculative-decoding metrics use vLLM's shape:
+``logprobs`` (completions: N; chat: true, with ``top_logprobs`` N) returns each chosen token's
+log-probability and its N most probable alternatives (up to 20). Per-request speculative-decoding metrics use vLLM's shape:
 ``metrics.speculative_decoding`` with mean_acceptance_length, draft_acceptance_rate,
 acceptance_histogram, num_spec_steps, num_accepted_draft_tokens, num_draft_tokens, num_spec_tokens.
 """
@@ -21,6 +22,7 @@ from serving.openai.fields import refuse_unhonoured
 from serving.protocol import stream_text
 
 MAX_STOPS = 4                 # OpenAI's limit on stop sequences
+MAX_TOP_LOGPROBS = 20   # vLLM's default max_logprobs (runtime.scheduler's, tested equal)
 INT32_MAX = (1 << 31) - 1     # the ensemble's INT32 inputs (max_tokens, top_k, min_length): a larger value wraps
 
 
@@ -43,6 +45,7 @@ class Generation:
     include_usage: bool = False
     continuous_usage: bool = False    # vLLM's stream_options.continuous_usage_stats: usage in every chunk
     logprobs: bool = False            # each chosen token's log-probability in the response
+    top_logprobs: int = 0             # and its this many most probable alternatives
     add_special_tokens: bool = True   # vLLM's: chat defaults to false (the template writes its own)
     limit_field: str = "max_tokens"   # the field max_tokens came from (chat: max_completion_tokens), for errors
 
@@ -78,16 +81,24 @@ def _unsupported(body, chat: bool):
     logprobs = body.get("logprobs")
     if chat and not (logprobs is None or isinstance(logprobs, bool)):   # 1 == True: it passed, then was dropped
         raise bad("logprobs", f"expected true or false, got {logprobs!r}")
-    if not chat and logprobs is not None and logprobs is not False and (logprobs is True or logprobs != 0):
-        raise bad("logprobs", "only 0: each chosen token's log-probability (the server returns no alternatives)")
-    if body.get("top_logprobs"):
-        raise bad("top_logprobs", "only 0: the server returns each chosen token's log-probability, no alternatives")
+    if not chat and logprobs is not False:   # completions: the alternatives per token, as vLLM (max_logprobs 20)
+        _number(body, "logprobs", None, 0, MAX_TOP_LOGPROBS, integer=True)
+    if chat and _number(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS, integer=True) and logprobs is not True:
+        raise bad("top_logprobs", "needs logprobs: true")
     refuse_unhonoured(body, chat)
 
 
 def _wants_logprobs(value, chat: bool) -> bool:
-    """chat: ``logprobs: true``; completions: ``logprobs: 0`` (validated: nothing else but null/false)."""
+    """chat: ``logprobs: true``; completions: ``logprobs: N`` (validated: an integer, null or false)."""
     return value is True if chat else value is not None and not isinstance(value, bool)
+
+
+def _top_logprobs(body, chat: bool) -> int:
+    """Alternatives per token: chat's ``top_logprobs``; completions' ``logprobs`` N."""
+    if chat:
+        return int(body.get("top_logprobs") or 0) if body.get("logprobs") is True else 0
+    value = body.get("logprobs")
+    return 0 if value is None or isinstance(value, bool) else int(value)
 
 
 def generation(body, prompt: str, chat: bool) -> Generation:
@@ -128,7 +139,8 @@ def generation(body, prompt: str, chat: bool) -> Generation:
         speculative=_flag(body, "speculative", True), stream=stream,
         include_usage=_flag(options, "include_usage", where="stream_options.include_usage"),
         continuous_usage=_flag(options, "continuous_usage_stats", where="stream_options.continuous_usage_stats"),
-        logprobs=_wants_logprobs(body.get("logprobs"), chat), limit_field=name,
+        logprobs=_wants_logprobs(body.get("logprobs"), chat), top_logprobs=_top_logprobs(body, chat),
+        limit_field=name,
         add_special_tokens=_flag(body, "add_special_tokens", not chat))
 
 

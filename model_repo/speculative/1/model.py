@@ -47,6 +47,7 @@ class _Live:
         self.scheduled_ns = self.first_token_ns = self.last_token_ns = self.sent_ns = 0
         self.itl_ns = self.itl_tokens = 0   # inter-token time and tokens not yet observed
         self.logprobs = []
+        self.alternatives = []     # each emitted token's most probable tokens (top_log_probs)
         self.speculation = {"steps": 0, "draft_tokens": 0, "accepted_draft_tokens": 0, "histogram": []}
         self.id = None
         self.emitted = []          # ids already sent (streaming) or collected (not streaming)
@@ -299,7 +300,7 @@ class TritonPythonModel:
             entry.last_token_ns = now
         self.events.put((entry, list(new), bool(finished), dict(info)))
 
-    def _tensors(self, entry, new, context, prefix_len, finished, mean, logprobs, reason):
+    def _tensors(self, entry, new, context, prefix_len, finished, mean, logprobs, reason, alternatives=()):
         """A response's output tensors. Every response carries what the text needs (request_key,
         output_ids, context_ids, prefix_len, finished); the rest as the TensorRT-LLM backend sends it:
         log probs with ``return_log_probs``, token counts with ``return_num_input_tokens`` /
@@ -317,6 +318,13 @@ class TritonPythonModel:
         if options.return_log_probs:   # never a 0 that reads as probability 1
             out += [pb_utils.Tensor("cum_log_probs", np.array([[sum(entry.logprobs)]], dtype=np.float32)),
                     pb_utils.Tensor("output_log_probs", np.asarray(logprobs, dtype=np.float32).reshape(1, 1, -1))]
+        if options.top_log_probs:   # [1, tokens, N], id -1 / -inf where a token had fewer alternatives
+            ids = np.full((1, len(alternatives), options.top_log_probs), -1, dtype=np.int32)
+            values = np.full(ids.shape, -np.inf, dtype=np.float32)
+            for t, top in enumerate(alternatives):
+                for j, (token, value) in enumerate(top or ()):
+                    ids[0, t, j], values[0, t, j] = token, value
+            out += [pb_utils.Tensor("output_top_ids", ids), pb_utils.Tensor("output_top_log_probs", values)]
         if options.return_num_input_tokens:
             out.append(one("num_input_tokens", len(entry.prompt), np.int32))
         if options.return_num_output_tokens:
@@ -406,6 +414,8 @@ class TritonPythonModel:
         mean = (spec["accepted_draft_tokens"] + spec["steps"]) / spec["steps"] if spec.get("steps") else 0.0
         logprobs = info.get("logprobs") or []
         entry.logprobs.extend(logprobs)
+        alternatives = info.get("top_logprobs") or []
+        entry.alternatives.extend(alternatives)
         reason = info.get("finish_reason", "") if finished else ""
         # an end id ends the ids but not the text, as the TensorRT-LLM backend (which returns neither)
         # and vLLM (ids with it, text without) answer: a non-special end id's text would leak otherwise
@@ -417,7 +427,7 @@ class TritonPythonModel:
                     context, prefix_len = self.stream_window(entry.emitted, new)
                     context = context[:len(context) - untext]
                     response = pb_utils.InferenceResponse(self._tensors(entry, new, context, prefix_len, finished, mean,
-                                                                        logprobs, reason))
+                                                                        logprobs, reason, alternatives))
                     entry.emitted.extend(new)
                     entry.sender.send(response, flags=FINAL if finished else 0)
             else:
@@ -425,7 +435,8 @@ class TritonPythonModel:
                 if finished:
                     ids = entry.emitted if entry.options.exclude_input_in_output else entry.prompt + entry.emitted
                     response = pb_utils.InferenceResponse(
-                        self._tensors(entry, ids, ids[:len(ids) - untext], 0, True, mean, entry.logprobs, reason))
+                        self._tensors(entry, ids, ids[:len(ids) - untext], 0, True, mean, entry.logprobs, reason,
+                                      entry.alternatives))
                     entry.sender.send(response, flags=FINAL)
         except Exception:  # the client went away: free its sequence
             self._cancel(entry)
