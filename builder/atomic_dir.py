@@ -36,16 +36,21 @@ def atomic_dir(final, replaceable=None, inputs: dict | None = None):
     succeeds (replacing an existing ``final`` that ``replaceable`` accepts), deletes it when the block
     raises or the process is terminated. ``inputs`` ({flag: path}): what the command reads, refused
     when it lies under ``final``."""
-    final = Path(final)
+    given = final = Path(final)
     if final.is_symlink() and final.resolve().is_dir():
         # a link to a directory (engines kept on another disk) is written through: its target is replaced
         # and the link left pointing at the new directory, not renamed aside and left behind
+        final = final.resolve()
+    elif not final.name or final.name in (".", ".."):   # "." or "..": the directory they name, by its name
         final = final.resolve()
     _check_inputs_outside(final, inputs or {})
     _check_replaceable(final, replaceable)
     made = _make_parents(final)
     tmp = final.with_name(f".{final.name}.tmp-{time.time_ns()}")
-    tmp.mkdir()
+    try:
+        tmp.mkdir()
+    except OSError as e:
+        raise NemospecError(f"--output_dir {given}: cannot write beside it ({e.strerror})") from None
     try:
         yield tmp
         old = None
@@ -71,5 +76,9 @@ def _make_parents(final: Path) -> Path | None:
     if not parent.is_dir():
         raise NemospecError(f"--output_dir {final}: {parent} is a file; expected a directory")
     for directory in reversed(missing):
-        directory.mkdir()
+        try:
+            directory.mkdir()
+        except OSError as e:   # the parents made before it go too
+            shutil.rmtree(missing[-1], ignore_errors=True)
+            raise NemospecError(f"--output_dir {final}: cannot make {directory} ({e.strerror})") from None
     return missing[-1] if missing else None

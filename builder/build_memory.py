@@ -103,8 +103,8 @@ def check(est: MemoryEstimate, limit_bytes: int, options, num_layers: int) -> No
     if est.peak_bytes <= limit_bytes:
         return
     hints = []
-    if not est.strip_plan:
-        stripped = BASE_BYTES + STRIPPED_PLAN_BYTES + GRAPH_BYTES_PER_LAYER * num_layers
+    stripped = BASE_BYTES + STRIPPED_PLAN_BYTES + GRAPH_BYTES_PER_LAYER * num_layers
+    if not est.strip_plan and stripped < est.peak_bytes:   # (a small model's stripped build needs more, not less)
         hints.append(f"--strip_plan (weights bound or refit at load from the directory's one safetensors copy: "
                      f"~{stripped / GIB:.1f} GiB)")
     per_layer = max(1, (est.peak_bytes - BASE_BYTES) // max(1, num_layers))

@@ -35,7 +35,7 @@ class LoadedDraft:
     meta: dict                    # recorded in the engine directory's config.json
 
 
-def _need_draft_dir(mode, draft_dir):
+def need_draft_dir(mode, draft_dir):
     if draft_dir is None:
         raise BuildError(f"--draft_dir: speculative mode {mode} needs a draft checkpoint directory")
     return Path(draft_dir)
@@ -115,7 +115,7 @@ def load_draft(mode, target_cfg: NemotronHConfig, target_weights: dict, draft_di
         _own_storages(mode, target_weights, None, own_storage)
         return LoadedDraft(MTPDraft(target_cfg, target_weights, dtype), None, {"final_hidden": True},
                            {"mode": mode})
-    directory = _need_draft_dir(mode, draft_dir)
+    directory = need_draft_dir(mode, draft_dir)
     log(f"reading {mode} draft {directory}")
     _check_kind(directory, mode)
     if mode == "draft_target":

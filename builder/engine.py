@@ -104,8 +104,8 @@ class BuildOptions:
                 raise BuildError(f"--{flag}: expected at most --max_tree_nodes ({self.max_tree_nodes}), "
                                  f"got {getattr(self, flag)}")
         for flag, value in (("--max_host_memory_gb", self.max_host_memory_gb), ("--num_layers", self.num_layers)):
-            if value < 0:
-                raise BuildError(f"{flag}: expected >= 0 (0: the default), got {value}")
+            if not 0 <= value < float("inf"):   # (NaN fails it too)
+                raise BuildError(f"{flag}: expected a finite number >= 0 (0: the default), got {value}")
         if self.dtype not in ("auto",) + tuple(TORCH_DTYPES):
             raise BuildError(f"--dtype: expected auto, float32, float16 or bfloat16, got {self.dtype}")
         if self.draft_weight_dtype not in ("auto", "float32", "bfloat16"):
@@ -381,6 +381,7 @@ def build(checkpoint_dir, output_dir, options: BuildOptions, log=print, draft_di
     view of its bytes (NVFP4: packed, with ``strip_plan``) (and, with ``strip_plan``, refit from them at load: ``refit_map.json``).
     """
     from builder import build_memory, drafts
+    from builder import token_map as token_maps
     from builder.backends import trt_build
     from builder.backends.trt_import import FLAVOUR, VERSION
     from builder.refit import Provenance, write_refit_map
@@ -412,6 +413,11 @@ def build(checkpoint_dir, output_dir, options: BuildOptions, log=print, draft_di
         raise BuildError("--speculative_token_map: cuts a draft's LM head; it needs --speculative_decoding_mode")
     if draft_dir is not None and not mode:
         raise BuildError(f"--draft_dir {draft_dir}: a draft needs --speculative_decoding_mode (its kind)")
+    # argument errors before gigabytes of weights are written (the draft itself loads after them)
+    if mode and mode != "mtp":
+        drafts.need_draft_dir(mode, draft_dir)
+    if token_map is not None and mode:
+        token_maps.read_token_map(token_map, config.vocab_size)
     # --strip_plan: refittable constants where TensorRT can build them, else weights as engine inputs
     method = ("refit" if strip_plan_supported()[0] else "inputs") if options.strip_plan else None
     draft_files = sorted(Path(draft_dir).glob("*.safetensors")) if mode and draft_dir else []

@@ -39,7 +39,7 @@ def quantize_checkpoint(checkpoint_dir: str | os.PathLike, output_dir: str | os.
     ``quantization_config``), ``hf_quant_config.json`` and the tokenizer files under a temporary name,
     renamed into place at the end. Returns a summary dict. Raises :class:`CheckpointError`.
     """
-    from safetensors.torch import save_file
+    from builder.safetensors_io import write_safetensors
 
     src, dst = Path(checkpoint_dir), Path(output_dir)
     if read_quant_config(src) is not None:
@@ -61,7 +61,10 @@ def quantize_checkpoint(checkpoint_dir: str | os.PathLike, output_dir: str | os.
     raw_config["quantization_config"] = qc.quantization_config()
     from builder.atomic_dir import atomic_dir
     with atomic_dir(dst, replaceable=_earlier_output, inputs={"--checkpoint_dir": src}) as tmp:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        # our writer, not safetensors' save_file: that one writes mode 0600 (a server running as
+        # another user could not read the checkpoint) and copies every tensor into one buffer first
+        write_safetensors(tmp / "model.safetensors", {n: (t.dtype, t.shape) for n, t in tensors.items()},
+                          tensors.__getitem__)
         (tmp / CONFIG_FILE).write_text(json.dumps(raw_config, indent=2) + "\n")
         (tmp / HF_QUANT_CONFIG).write_text(json.dumps(qc.hf_quant_config(), indent=4) + "\n")
         copied = [f for f in _TOKENIZER_FILES if (src / f).is_file()]

@@ -39,6 +39,8 @@ def read_token_map(path, vocab_size: int) -> torch.Tensor:
             ids = torch.load(path, map_location="cpu", weights_only=True)
         elif path.suffix == ".json":
             ids = json.loads(path.read_text())
+            if isinstance(ids, list) and any(isinstance(t, bool) for t in ids):   # (true would read as id 1)
+                raise ValueError("true or false is no token id")
         else:
             ids = [int(t) for t in path.read_text().split()]
         ids = torch.as_tensor(ids)

@@ -6,11 +6,13 @@ if __name__ == "__main__":   # a model process: mimalloc first (runtime.allocato
     from nemospec import preload_for
     preload_for(sys.argv[1:])
 
+import errno
 import json
 import signal
 import threading
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 from rich.console import Console
 
@@ -24,6 +26,7 @@ from runtime.tree.draft import TREE_FLAGS, add_tree_args, tree_from
 from runtime.step_costs import cost_line
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)   # one error, one line: never broken at 80 columns
+WRITE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EFBIG)   # a disk that refuses the build
 CHECKPOINT_CHUNK = 512   # prefill chunk of a checkpoint run: an engine's default --max_input_len
 
 
@@ -204,8 +207,14 @@ def cmd_build(args):
         def log(message):
             status.update(message)
             err.print(message)
-        report = build(args.checkpoint_dir, args.output_dir, options, log, draft_dir=args.draft_dir,
-                       draft_quantization=args.quantization, token_map=args.speculative_token_map)
+        try:
+            report = build(args.checkpoint_dir, args.output_dir, options, log, draft_dir=args.draft_dir,
+                           draft_quantization=args.quantization, token_map=args.speculative_token_map)
+        except OSError as e:   # a full or read-only disk while writing (the half-written directory is gone)
+            if e.errno not in WRITE_ERRORS:
+                raise
+            raise NemospecError(f"--output_dir {args.output_dir}: {e.strerror}"
+                                + (f" writing {Path(e.filename).name}" if e.filename else "")) from None
     from rich.table import Table
     table = Table(title=f"built {args.output_dir}")
     table.add_column("engine")
@@ -285,6 +294,9 @@ def cmd_generate(args):
         from builder.tokenizer_file import load_tokenizer
         tokenizer = load_tokenizer(loaded.tokenizer_path)
     prompts = _prompts(args, tokenizer)
+    if args.engine_dir and len(prompts) > loaded.max_batch_size:   # its TensorRT profiles end there
+        raise NemospecError(f"--prompt/--input_ids: {len(prompts)} prompts exceed the engine directory's max_batch_size "
+                            f"{loaded.max_batch_size} (rebuild with a larger --max_batch_size, or send fewer)")
     if not 0 <= args.temperature < float("inf"):   # NaN fails both
         raise NemospecError(f"--temperature: expected a finite number >= 0, got {args.temperature}")
     if args.seed is not None and not 0 <= args.seed < 2 ** 64:

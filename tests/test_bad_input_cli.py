@@ -274,6 +274,8 @@ def test_an_output_dir_that_is_not_an_earlier_build_is_never_replaced(engine, tm
     (["generate", "--embedded", "small", "--checkpoint_dir", "CKPT", "--input_ids", "1", "--max_new_tokens", "1"],
      "--embedded small"),
     (["bench", "--embedded", "wide", "--checkpoint_dir", "CKPT"], "--embedded wide"),
+    (["build", "--max_host_memory_gb", "nan"], "--max_host_memory_gb"),
+    (["build", "--max_host_memory_gb", "inf"], "--max_host_memory_gb"),
 ])
 def test_flags_that_make_no_sense_are_refused_by_name(tmp_path, capsys, argv, named):
     from builder import embedded
@@ -383,3 +385,36 @@ def test_a_nan_block_scale_of_an_nvfp4_weight_is_named():
     flipped = NVFP4Weight(packed, scale.to(torch.float8_e4m3fn), scale_2, (8, 32))
     with pytest.raises(CheckpointError, match=r"'w \(weight_scale\)' holds negative scales"):
         check_finite_weights("ckpt", {"w": flipped})
+
+
+def test_draft_argument_errors_come_before_any_weight_is_written(tmp_path, capsys):
+    """A missing --draft_dir or --speculative_token_map was named only after the target's weights were
+    written (minutes at full size)."""
+    from builder import embedded
+    target = tmp_path / "target"     # a checkpoint of the user's own: no embedded draft fills in
+    shutil.copytree(embedded.target_dir(), target)
+    for extra, named in (([], "--draft_dir"),
+                         (["--draft_dir", embedded.draft_dir("eagle3"), "--speculative_token_map", tmp_path / "none.json"],
+                          "--speculative_token_map")):
+        code, _, err = _run(capsys, "build", "--checkpoint_dir", target, "--speculative_decoding_mode", "eagle3", *extra,
+                            "--output_dir", tmp_path / "o")
+        assert code == 2 and named in _one_error_line(err) and "writing weights" not in err, err
+        assert not (tmp_path / "o").exists()
+
+
+def test_output_dirs_named_by_dot_or_that_cannot_be_written(engine, tmp_path, capsys, monkeypatch):
+    """``--output_dir .`` was a traceback (a path with an empty name); a directory that cannot be made
+    is one line naming it."""
+    again = tmp_path / "again"
+    shutil.copytree(engine, again)
+    monkeypatch.chdir(again)
+    assert _run(capsys, "build", "--output_dir", ".")[0] == 0 and (again / "config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["again"]
+    code, _, err = _run(capsys, "build", "--output_dir", "/proc/nemospec-cannot-write/eng")
+    assert code == 2 and "--output_dir /proc/nemospec-cannot-write/eng" in _one_error_line(err)
+
+
+def test_a_batch_past_the_engines_max_batch_size_is_refused(engine, capsys):
+    ids = [a for _ in range(9) for a in ("--input_ids", "1,2")]
+    code, _, err = _run(capsys, "generate", "--engine_dir", engine, *ids, "--max_new_tokens", 2)
+    assert code == 2 and "9 prompts exceed the engine directory's max_batch_size 8" in _one_error_line(err)

@@ -197,6 +197,8 @@ def quantized(checkpoints, tmp_path_factory):
             out = root / kind
             assert cli.main(["quantize", "--checkpoint_dir", str(checkpoints[kind]), "--output_dir", str(out),
                              "--format", "nvfp4_w4a16"]) == 0
+            # readable by a server running as another user (safetensors' save_file wrote 0600)
+            assert (out / "model.safetensors").stat().st_mode & 0o044 == (out / "config.json").stat().st_mode & 0o044
             self[kind] = out
             return out
 

@@ -127,6 +127,7 @@ def test_token_map_formats(tmp_path):
     ("[[1, 2]]", "expected a non-empty 1-D list"),
     ("[1.5, 2]", "expected a non-empty 1-D list"),
     ("{\"a\": 1}", "not a list of token ids"),
+    ("[true, 2]", "true or false is no token id"),
 ])
 def test_bad_token_maps_are_refused_naming_the_file(content, message, tmp_path):
     path = tmp_path / "bad.json"
