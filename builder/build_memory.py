@@ -72,7 +72,7 @@ class MemoryEstimate:
 def runtime_state_bytes(config, options) -> int:
     """KV cache (K and V, build dtype) of every attention layer + Mamba conv (build dtype) and SSM
     (fp32) state of every Mamba layer, for max_batch_size sequences of max_seq_len tokens."""
-    item = 4 if options.dtype == "float32" else 2
+    item = 4 if options.resolve_dtype(config.dtype) == "float32" else 2   # (auto: the checkpoint's)
     b, s = options.max_batch_size, options.max_seq_len
     kv = len(config.layer_indices("attention")) * 2 * b * s * config.num_key_value_heads * config.head_dim * item
     mamba = len(config.layer_indices("mamba"))

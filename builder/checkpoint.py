@@ -406,6 +406,10 @@ def load_checkpoint(checkpoint_dir: str | os.PathLike) -> tuple[NemotronHConfig,
         for name in names:
             entry = entries[name]
             loaded[name] = mapped[entry.stored] if entry.expert is None else mapped[entry.stored][entry.expert]
+    if not getattr(config, "_dtype_given", True):
+        # config.json names no dtype: the weights' own, as transformers' torch_dtype="auto" falls back
+        # to (a bf16 checkpoint was built and run in float32, twice its bytes)
+        object.__setattr__(config, "dtype", _DTYPE_NAMES[entries[order[0]].dtype])
     return config, {name: loaded[name] for name in order}
 
 

@@ -521,6 +521,7 @@ def parse_hf_config(raw: Mapping[str, Any], source: str = CONFIG_FILE) -> Nemotr
         values["dtype"] = _parse_dtype(raw[dtype_key], dtype_key) if dtype_key else "float32"
         config = NemotronHConfig(**values)
         object.__setattr__(config, "_defaulted", tuple(n for n in _SIZE_FIELDS if n not in values))
+        object.__setattr__(config, "_dtype_given", dtype_key is not None)   # else the tensors' (load_checkpoint)
         return config
     finally:
         _SOURCE.reset(token)

@@ -425,7 +425,9 @@ def build(checkpoint_dir, output_dir, options: BuildOptions, log=print, draft_di
     limit = int(options.max_host_memory_gb * build_memory.GIB) if options.max_host_memory_gb else \
         build_memory.available_bytes()
     log(f"estimated peak host memory {est.peak_bytes / build_memory.GIB:.1f} GiB (limit "
-        f"{limit / build_memory.GIB:.1f} GiB; weights {est.weight_bytes / build_memory.GIB:.2f} GiB)")
+        f"{limit / build_memory.GIB:.1f} GiB; weights {est.weight_bytes / build_memory.GIB:.2f} GiB); serving it "
+        f"holds {est.state_bytes / build_memory.GIB:.2f} GiB of KV and Mamba state at --max_batch_size "
+        f"{options.max_batch_size} x --max_seq_len {options.max_seq_len}")
     build_memory.check(est, limit, options, config.num_layers)
 
     contracts, report_engines, refit = {}, {}, {}

@@ -442,3 +442,24 @@ def test_checkpoint_hash(dense, sharded, tmp_path):
     shutil.copy(dense / "config.json", changed / "config.json")
     assert checkpoint_hash(changed) != checkpoint_hash(same)
     assert checkpoint_hash(sharded) != h
+
+
+def test_a_config_without_a_dtype_takes_the_weights_own(tmp_path):
+    """transformers' torch_dtype="auto" falls back to the weights' dtype where config.json names none;
+    nemospec took float32 and built a bf16 checkpoint at twice its bytes."""
+    import json
+    import shutil
+
+    from builder import embedded
+    from builder.checkpoint import load_checkpoint
+    src = embedded.ROOT / "draft_target"   # bf16 tensors
+    shutil.copytree(src, tmp_path / "c")
+    raw = json.loads((tmp_path / "c" / "config.json").read_text())
+    assert raw.pop("dtype") == "bfloat16"
+    raw.pop("torch_dtype", None)
+    (tmp_path / "c" / "config.json").write_text(json.dumps(raw))
+    config, weights = load_checkpoint(tmp_path / "c")
+    assert config.dtype == "bfloat16" and next(iter(weights.values())).dtype == torch.bfloat16
+    raw["dtype"] = "float32"   # a named dtype still wins
+    (tmp_path / "c" / "config.json").write_text(json.dumps(raw))
+    assert load_checkpoint(tmp_path / "c")[0].dtype == "float32"

@@ -171,6 +171,10 @@ def test_trial_build_of_the_first_layers(checkpoints, tmp_path):
     est = report["memory_estimate"]
     assert est["target_bytes"] == report["weight_bytes"]["target"] > 0
     assert est["peak_bytes"] > est["weight_bytes"]
+    # the serving state it names is what the runner allocates (--dtype auto counted 2 bytes for fp32)
+    from runtime.loading import open_engine_dir
+    state = open_engine_dir(tmp_path / "e", "torch").runner.new_state(1, 16)
+    assert est["state_bytes"] == sum(v.numel() * v.element_size() for v in state.values()) > 0
 
 
 @pytest.mark.skipif(not tensorrt_available(),
