@@ -418,7 +418,10 @@ def cmd_generate(args):
     cost = {"target_only": result.extra["cost"].summary()}
     if speculate:
         a = result.extra["acceptance"]
-        err.print(f"mean accepted tokens per verify forward {a['mean_accepted_tokens']:.2f} (K={k}), "
+        by_k = {int(n): c for n, c in a.get("steps_by_draft_len", {}).items() if c}
+        # the K the steps verified (a schedule, an adaptive K or a confidence stop moves it off the one asked for)
+        used = f"K={k}" if set(by_k) <= {k} else "steps by K " + ", ".join(f"{n}: {c}" for n, c in sorted(by_k.items()))
+        err.print(f"mean accepted tokens per verify forward {a['mean_accepted_tokens']:.2f} ({used}), "
                   f"histogram {a['histogram']}")
         if tree is not None:
             t = a["tree"]
