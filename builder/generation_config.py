@@ -42,4 +42,8 @@ def with_generation_eos(config, directory):
     own = config.eos_token_id
     own = () if own is None else own if isinstance(own, tuple) else (own,)
     merged = tuple(dict.fromkeys(extra + own))
-    return dataclasses.replace(config, eos_token_id=merged[0] if len(merged) == 1 else merged)
+    out = dataclasses.replace(config, eos_token_id=merged[0] if len(merged) == 1 else merged)
+    for name in ("_defaulted", "_dtype_given"):   # what parsing noted beside the fields
+        if hasattr(config, name):
+            object.__setattr__(out, name, getattr(config, name))
+    return out

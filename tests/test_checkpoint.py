@@ -460,6 +460,8 @@ def test_a_config_without_a_dtype_takes_the_weights_own(tmp_path):
     (tmp_path / "c" / "config.json").write_text(json.dumps(raw))
     config, weights = load_checkpoint(tmp_path / "c")
     assert config.dtype == "bfloat16" and next(iter(weights.values())).dtype == torch.bfloat16
+    (tmp_path / "c" / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 3]}))
+    assert load_checkpoint(tmp_path / "c")[0].dtype == "bfloat16"   # its eos set merged in, the note kept
     raw["dtype"] = "float32"   # a named dtype still wins
     (tmp_path / "c" / "config.json").write_text(json.dumps(raw))
     assert load_checkpoint(tmp_path / "c")[0].dtype == "float32"
