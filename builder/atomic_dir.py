@@ -30,6 +30,13 @@ def _check_inputs_outside(final: Path, inputs: dict) -> None:
             raise NemospecError(f"--output_dir {final}: holds the {flag} {path}; choose another directory")
 
 
+def check_output_dir(final, replaceable=None, inputs: dict | None = None) -> None:
+    """What :func:`atomic_dir` refuses, asked before long work (a quantization) rather than after it."""
+    final = Path(final)
+    _check_inputs_outside(final, inputs or {})
+    _check_replaceable(final.resolve() if final.is_symlink() and final.resolve().is_dir() else final, replaceable)
+
+
 @contextmanager
 def atomic_dir(final, replaceable=None, inputs: dict | None = None):
     """Yields a fresh temporary directory next to ``final``; renames it into place when the block

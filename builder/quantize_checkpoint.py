@@ -46,6 +46,8 @@ def quantize_checkpoint(checkpoint_dir: str | os.PathLike, output_dir: str | os.
         raise CheckpointError(f"{src}: already a quantized checkpoint (it has a quantization config)")
     if src.resolve() == dst.resolve():
         raise CheckpointError(f"--output_dir {dst}: must differ from --checkpoint_dir")
+    from builder.atomic_dir import atomic_dir, check_output_dir
+    check_output_dir(dst, replaceable=_earlier_output, inputs={"--checkpoint_dir": src})   # before minutes of work
     _config, weights = load_checkpoint(src)
     check_finite_weights(src, weights)
     chosen, excluded = choose_quantized({n: tuple(w.shape) for n, w in weights.items()}, exclude_modules, log)
@@ -59,7 +61,6 @@ def quantize_checkpoint(checkpoint_dir: str | os.PathLike, output_dir: str | os.
 
     raw_config = _read_json(src / CONFIG_FILE)
     raw_config["quantization_config"] = qc.quantization_config()
-    from builder.atomic_dir import atomic_dir
     with atomic_dir(dst, replaceable=_earlier_output, inputs={"--checkpoint_dir": src}) as tmp:
         # our writer, not safetensors' save_file: that one writes mode 0600 (a server running as
         # another user could not read the checkpoint) and copies every tensor into one buffer first

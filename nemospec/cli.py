@@ -165,6 +165,7 @@ def _parser():
                                                             "(a --speculative_token_map file)"))
     from nemospec.bench import add_bench_args
     add_bench_args(sub.add_parser("bench", help="perf report: acceptance, tokens/s, peers, serving, build"))
+    parser.commands = sub.choices    # command -> its parser, which names an unknown flag as its own
     return parser
 
 
@@ -490,7 +491,10 @@ def _terminate_as_exit(signum, frame):
 
 
 def main(argv=None):
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:   # "nemospec build: error: ... (see nemospec build --help)", not the top-level parser's
+        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command in ("build", "quantize", "token_map") and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _terminate_as_exit)
     try:

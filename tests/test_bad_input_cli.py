@@ -315,6 +315,21 @@ def test_argument_errors_are_one_line(capsys):
         cli.main(["build", "--output_dir", "o", "--speculative_decoding_mode", "medusa"])
     _, err = capsys.readouterr()
     assert exit_.value.code == 2 and "--speculative_decoding_mode" in _one_error_line(err)
+    with pytest.raises(SystemExit) as exit_:   # a trtllm-build flag: named by the command it was given to
+        cli.main(["build", "--output_dir", "o", "--max_num_tokens", "8192"])
+    _, err = capsys.readouterr()
+    line = _one_error_line(err)
+    assert exit_.value.code == 2 and line.startswith("nemospec build: error: unrecognized arguments: --max_num_tokens")
+
+
+def test_quantize_refuses_its_output_dir_before_quantizing(tmp_path, capsys, monkeypatch):
+    from builder import embedded, quantize_checkpoint
+    monkeypatch.setattr(quantize_checkpoint, "quantize_tensors", lambda *a: pytest.fail("quantized first"))
+    other = tmp_path / "mine"
+    other.mkdir()
+    (other / "notes.txt").write_text("keep")
+    code, _, err = _run(capsys, "quantize", "--checkpoint_dir", embedded.target_dir(), "--output_dir", other)
+    assert code == 2 and "holds other files" in _one_error_line(err) and (other / "notes.txt").read_text() == "keep"
 
 
 def test_generate_flags_the_engine_cannot_honour(engine, tmp_path, capsys):
