@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import errno
 import os
+import random
 import re
 import shutil
 import signal
@@ -39,6 +40,21 @@ ABORT_SECONDS = 2.5      # the last part of a stop: requests still in flight are
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now. Triton binds its ports only after its models load, so a port
+    from the kernel's ephemeral range can meanwhile become another socket's outgoing port:
+    ``$NEMOSPEC_PORT_RANGE`` (``LO-HI``, below that range) picks from a range of the caller's own
+    instead (the test suite gives each xdist worker one)."""
+    span = os.environ.get("NEMOSPEC_PORT_RANGE", "")
+    if span:
+        low, high = (int(v) for v in span.split("-"))
+        for _ in range(256):
+            port = random.randint(low, high)
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                    return port
+                except OSError:
+                    continue
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
