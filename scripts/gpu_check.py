@@ -13,8 +13,10 @@ the project's modules import), then, within --budget_s (default 8 minutes), runs
 4. where TensorRT is importable: `nemospec build` of the embedded model (plain and --strip_plan) and
    generation with --backend tensorrt against the torch backend;
 5. the embedded model widened 16x (hidden 3072, builder.embedded.widen) on the compiled path with CUDA
-   graphs: target-only against eagle3, dflash and mtp end to end, exact (section ``wide_model``), and
-   eagle3 with the adaptive K up to 8 (``wide_model_adaptive``).
+   graphs: target-only against eagle3, dflash and mtp end to end, exact (section ``wide_model``);
+   batches of 1, 8, 16 and 32 sequences (``wide_model_batches``); trees beside their chain and
+   ``--max_tree_nodes auto``'s choice (``wide_model_trees``); eagle3 with the adaptive K up to 8
+   (``wide_model_adaptive``). The model sections are in scripts/gpu_models.py.
 
 One JSON report (--output). ``--dry_run`` probes only. Run from the checkout root:
 
@@ -39,6 +41,9 @@ ROOT = Path(__file__).resolve().parents[1]
 FULL_WIDTH_CONFIGS = ("nemotron-h-8b-base-8k", "nemotron-3-nano-30b-a3b-bf16")
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 from gpu_kernels import triton_kernels  # noqa: E402
+from gpu_models import (embedded_model, embedded_model_compiled, embedded_model_no_cuda_graphs,  # noqa: E402
+                        embedded_model_trees, wide_model, wide_model_adaptive, wide_model_batches,
+                        wide_model_kernels_in_graphs, wide_model_trees)
 PROJECT_MODULES = ("builder.checkpoint", "builder.engine", "builder.safetensors_io", "runtime.loading",
                    "runtime.generation", "runtime.speculative", "plugins.hidden_capture", "plugins.fp4_markov_head")
 
@@ -89,182 +94,6 @@ def _cuda_time(fn, runs: int = 20) -> float:
     return start.elapsed_time(stop) / 1e3 / runs
 
 
-def embedded_model(deadline: float, device: str = "cuda", new: int = 64, backend: str = "torch",
-                   modes: tuple | None = None, tree_nodes: int = 0, factor: int = 1, k: int = 0,
-                   policy=None) -> dict:
-    """Target-only against each speculative mode of the embedded model (one prompt's pair at a time,
-    so both see the same machine), on ``device`` through the eager TorchRunner or ``backend="compiled"``;
-    ``factor`` > 1: the embedded model widened that many times (builder.embedded.widen); ``k`` (default
-    the bench report's) and ``policy`` (a runtime.draft_policy.DraftPolicy) for the speculative runs."""
-    from builder import embedded
-    from tokenizers import Tokenizer
-    report = json.loads((ROOT / "docs" / "bench" / "report.json").read_text())
-    k = k or report["num_draft_tokens"]
-    modes = modes or MODES
-    tok = Tokenizer.from_file(str(embedded.target_dir() / "tokenizer.json"))
-    prompts = [tok.encode(t).ids for t in PROMPTS]
-    out = {"k": k, "device": device, "backend": backend, "new_tokens": new, "prompts": len(prompts), "modes": {}}
-    if factor > 1:
-        out["embedded_factor"] = factor
-    if policy is not None and policy.adaptive:
-        out["draft_len_adaptive"] = True
-    for mode in modes:
-        if time.time() > deadline:
-            out["modes"][mode] = {"skipped": "budget spent"}
-            continue
-        try:
-            tree = None
-            if tree_nodes:
-                from runtime.tree.draft import TreeShape, default_topk
-                tree = TreeShape(tree_nodes, default_topk(mode), k)
-            row = _measure_mode(mode, k, prompts, device, new, backend, deadline, tree, factor, policy)
-        except Exception as e:
-            row = {"error": f"{type(e).__name__}: {e}"[:400], "trace": traceback.format_exc()[-1500:]}
-        out["modes"][mode] = row
-        print(f"embedded {backend} {mode}: {json.dumps({k: v for k, v in row.items() if k != 'runs'})}", flush=True)
-    return out
-
-
-def _measure_mode(mode, k, prompts, device, new, backend, deadline, tree=None, factor: int = 1, policy=None) -> dict:
-    from builder.embedded.sources import resolve_sources
-    from runtime.compiled.steps import COMPILE_LOG
-    from runtime.generation import generate
-    from runtime.loading import open_checkpoint
-    from runtime.speculative import speculative_generate
-    t0 = time.perf_counter()
-    target, draft = resolve_sources(None, mode, embedded="wide" if factor > 1 else "small",
-                                    embedded_factor=factor if factor > 1 else None)
-    loaded = open_checkpoint(target, device=device, mode=mode, draft_dir=draft, max_draft_len=k, backend=backend)
-    generate(loaded.runner, prompts[:1], 8)
-    speculative_generate(loaded.runner, loaded.proposer(), prompts[:1], 8, k, policy=policy)
-    row = {"load_and_warm_s": round(time.perf_counter() - t0, 1), "runs": []}
-    late, during = len(COMPILE_LOG), []
-    for ids in prompts:
-        if time.time() > deadline:
-            row["stopped"] = "budget"
-            break
-        if backend == "compiled":   # its graphs for this prompt's shapes compiled before the clock runs
-            late = _warm_prompt(loaded, ids, new, k, policy)
-        t0 = time.perf_counter()
-        plain = generate(loaded.runner, [ids], new)
-        _sync(device)
-        t1 = time.perf_counter()
-        spec = speculative_generate(loaded.runner, loaded.proposer(), [ids], new, k, policy=policy)
-        _sync(device)
-        t2 = time.perf_counter()
-        run = {}
-        if tree is not None:   # tree speculation of the same prompt, after the chain
-            grown = speculative_generate(loaded.runner, loaded.proposer(), [ids], new, k, tree=tree)
-            _sync(device)
-            t3 = time.perf_counter()
-            run = {"tree_tokens_per_second": round(grown.num_tokens / (t3 - t2), 1),
-                   "tree_exact": grown.output_ids == plain.output_ids,
-                   "tree_mean_accepted": grown.extra["acceptance"].get("mean_accepted_tokens")}
-        during += COMPILE_LOG[late:]
-        late = len(COMPILE_LOG)
-        row["runs"].append({**run, "target_only_tokens_per_second": round(plain.num_tokens / (t1 - t0), 1),
-                            "speculative_tokens_per_second": round(spec.num_tokens / (t2 - t1), 1),
-                            "exact": spec.output_ids == plain.output_ids,
-                            "mean_accepted": spec.extra["acceptance"].get("mean_accepted_tokens"),
-                            "steps_by_draft_len": spec.extra["acceptance"].get("steps_by_draft_len"),
-                            "cost": _summary(spec), "target_only_cost": _summary(plain)})
-    if during:
-        row["compiled_during_timing"] = during
-    runs = row["runs"]
-    if runs:
-        row["exact"] = all(r["exact"] and r.get("tree_exact", True) for r in runs)
-        keys = ("target_only_tokens_per_second", "speculative_tokens_per_second", "mean_accepted")
-        keys += ("tree_tokens_per_second", "tree_mean_accepted") if tree is not None else ()
-        for key in keys:
-            row[key] = round(sum(r[key] for r in runs) / len(runs), 3 if "accepted" in key else 1)
-        row["speedup"] = round(row["speculative_tokens_per_second"] / row["target_only_tokens_per_second"], 3)
-        if tree is not None:
-            row["tree"] = {"max_nodes": tree.max_nodes, "topk": tree.topk, "depth": tree.depth}
-            row["tree_speedup"] = round(row["tree_tokens_per_second"] / row["target_only_tokens_per_second"], 3)
-            row["tree_over_chain"] = round(row["tree_tokens_per_second"] / row["speculative_tokens_per_second"], 3)
-    return row
-
-
-def _warm_prompt(loaded, ids, new, k, policy=None) -> int:
-    """The compiled path's warm-up for this prompt (runtime.compiled.runner.warm_up: its steps, every draft
-    chain bucket and the plain draft step's; with an adaptive policy every candidate K's); returns the
-    compile log's length after it."""
-    from runtime.compiled.runner import warm_up
-    from runtime.compiled.steps import COMPILE_LOG
-    warm_up(loaded, [ids], k, policy=policy)
-    return len(COMPILE_LOG)
-
-
-def _summary(result):
-    """A generation's per-step costs (host-timed: on a GPU a part's time lands where the queue drains)."""
-    cost = (getattr(result, "extra", None) or {}).get("cost")
-    return cost.summary() if hasattr(cost, "summary") else cost
-
-
-def embedded_model_compiled(deadline: float, device: str = "cuda", new: int = 64) -> dict:
-    """The compiled path (runtime.compiled: whole steps through torch.compile) on ``device``, eagle3
-    only: its compile is the slowest section, so it runs last."""
-    os.environ.setdefault("NEMOSPEC_COMPILE_CACHE", tempfile.mkdtemp(prefix="nemospec-compile-"))
-    return embedded_model(deadline, device, new, backend="compiled", modes=("eagle3",))
-
-
-def wide_model(deadline: float, device: str = "cuda", new: int = 64, modes: tuple = ("eagle3", "dflash", "mtp")) -> dict:
-    """The embedded model widened 16x (hidden 3072, ~0.76 B decode parameters: a real-sized model
-    with the trained drafts' acceptance), compiled with CUDA graphs, target-only against eagle3,
-    dflash and mtp end to end, exact. On ``--device cpu`` (the script's shakedown) widened 2x, eager."""
-    os.environ.setdefault("NEMOSPEC_COMPILE_CACHE", tempfile.mkdtemp(prefix="nemospec-compile-"))
-    cuda = device != "cpu"
-    return embedded_model(deadline, device, new, backend="compiled" if cuda else "torch",
-                          modes=modes, factor=16 if cuda else 2)
-
-
-def wide_model_kernels_in_graphs(deadline: float, device: str = "cuda", new: int = 64) -> dict:
-    """``wide_model`` with the Triton kernels inside the compiled steps (NEMOSPEC_KERNELS_IN_GRAPHS=1:
-    builder/backends/gpu/graph_ops.py) instead of inductor's lowering of the torch ops: beside the
-    ``wide_model`` rows it says which default the compiled CUDA path should have (eagle3 only: its
-    compiles are what the budget has left). ``kernel_calls``: how often each kernel's op ran inside
-    the graphs."""
-    from builder.backends import gpu
-    from builder.backends.gpu import graph_ops
-    saved = gpu.IN_GRAPHS
-    gpu.IN_GRAPHS = True
-    graph_ops.CALLS.clear()
-    try:
-        out = wide_model(deadline, device, new, modes=("eagle3",))
-    finally:
-        gpu.IN_GRAPHS = saved
-    out["kernel_calls"] = dict(graph_ops.CALLS)
-    return out
-
-
-def wide_model_adaptive(deadline: float, device: str = "cuda", new: int = 64) -> dict:
-    """``wide_model``'s eagle3 with ``--draft_len_adaptive on`` up to K = 8 (each sequence's K from its
-    acceptance and the measured step costs, runtime.adaptive_draft_len), beside the fixed-K rows: where a
-    verify of 9 rows costs about what one row does, longer chains should pay more than on a CPU (Zen 4:
-    2.18x against 2.07x for K = 4). Warming every candidate K compiles about twice ``wide_model``'s graphs."""
-    from runtime.draft_policy import DraftPolicy
-    os.environ.setdefault("NEMOSPEC_COMPILE_CACHE", tempfile.mkdtemp(prefix="nemospec-compile-"))
-    cuda = device != "cpu"
-    return embedded_model(deadline, device, new, backend="compiled" if cuda else "torch", modes=("eagle3",),
-                          factor=16 if cuda else 2, k=8, policy=DraftPolicy(8, adaptive=True))
-
-
-def embedded_model_trees(deadline: float, device: str = "cuda", new: int = 64) -> dict:
-    """Tree speculation (16 drafted nodes, issue 14) beside the chain and target-only, eager, for the
-    chain drafts and the block drafts: where a step is bound by launches rather than rows, a tree's
-    verify costs what a chain's does."""
-    return embedded_model(deadline, device, new, modes=("eagle3", "dflash", "mtp"), tree_nodes=16)
-
-
-def embedded_model_no_cuda_graphs(deadline: float, device: str = "cuda", new: int = 64) -> dict:
-    """The compiled path with CUDA graphs off (NEMOSPEC_CUDA_GRAPHS=0; they are on by default on CUDA,
-    runtime.compiled.steps.device_options), eagle3: what the graphs save the host's kernel launches."""
-    os.environ["NEMOSPEC_CUDA_GRAPHS"] = "0"
-    try:
-        return embedded_model_compiled(deadline, device, new)
-    finally:
-        os.environ.pop("NEMOSPEC_CUDA_GRAPHS")
-
 
 def full_width(deadline: float, device: str = "cuda", configs: tuple = FULL_WIDTH_CONFIGS, graphs: bool = False) -> dict:
     """benchmarks/scale.py's step costs at the shipped widths on ``device`` (one random layer of each kind,
@@ -289,11 +118,6 @@ def full_width(deadline: float, device: str = "cuda", configs: tuple = FULL_WIDT
                                     "trace": traceback.format_exc()[-1500:]})
     return out
 
-
-def _sync(device) -> None:
-    import torch
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
 
 
 def copy_bandwidth() -> float:
@@ -392,9 +216,6 @@ def tensorrt_engines(deadline: float) -> dict:
     return out
 
 
-MODES = ("eagle3", "dflash", "mtp", "eagle", "dspark", "peagle", "draft_target")
-PROMPTS = ("def __init__(self, name, value=None):\n        self.", "import os\nimport sys\n\n\ndef main(",
-           "    for i in range(len(items)):\n        if ", "class Error(Exception):\n    \"\"\"")
 # cheapest first; the compiled path's compile is the longest and runs last
 SECTIONS = {"plugin_kernels": plugin_kernels,
             "triton_kernels": functools.partial(triton_kernels, copy_bandwidth=copy_bandwidth),
@@ -402,12 +223,15 @@ SECTIONS = {"plugin_kernels": plugin_kernels,
             "tensorrt": tensorrt_engines,
             "full_width_graphs": functools.partial(full_width, configs=FULL_WIDTH_CONFIGS[:1], graphs=True),
             "wide_model": wide_model,
+            "wide_model_batches": wide_model_batches,
+            "wide_model_trees": wide_model_trees,
             "wide_model_kernels_in_graphs": wide_model_kernels_in_graphs,
             "wide_model_adaptive": wide_model_adaptive,
             "embedded_model_trees": embedded_model_trees,
             "embedded_model_compiled": embedded_model_compiled,
             "embedded_model_no_cuda_graphs": embedded_model_no_cuda_graphs}
 DEVICE_SECTIONS = ("triton_kernels", "embedded_model", "full_width", "full_width_graphs", "wide_model",
+                   "wide_model_batches", "wide_model_trees",
                    "wide_model_kernels_in_graphs", "wide_model_adaptive", "embedded_model_trees",
                    "embedded_model_compiled", "embedded_model_no_cuda_graphs")
 

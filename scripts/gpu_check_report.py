@@ -18,16 +18,24 @@ def markdown(report: dict) -> str:
                        ("wide_model", "Embedded model widened (16x on a GPU: hidden 3072), compiled, CUDA graphs"),
                        ("wide_model_kernels_in_graphs",
                         "The same, with the Triton kernels inside the compiled steps (NEMOSPEC_KERNELS_IN_GRAPHS=1)"),
+                       ("wide_model_trees", "The same widened model, trees beside the chain"),
                        ("wide_model_adaptive", "The same widened model, eagle3 with --draft_len_adaptive on (K up to 8)"),
                        ("embedded_model_trees", "Embedded model, eager, tree speculation beside the chain"),
                        ("embedded_model_compiled", "Embedded model, compiled (runtime.compiled: inductor)"),
                        ("embedded_model_no_cuda_graphs", "Embedded model, compiled, CUDA graphs off")):
         lines += _embedded(report.get(key), title)
+        if key == "wide_model":
+            lines += _batches(report.get("wide_model_batches"))
     lines += _full_width(report.get("full_width"), "steps", "projection",
                          "Full width, eager (one random layer per kind, bf16; op by op, launch-bound)")
     lines += _full_width(report.get("full_width_graphs"), "graph_steps", "graph_projection",
                          "Full width, each step replayed as one CUDA graph (the GPU's own time)")
     return "\n".join(lines) + "\n"
+
+
+def _note_row(first, note: str, columns: int) -> str:
+    """A table row of ``columns`` cells that says why a row has no figures (an error, a skip)."""
+    return f"| {first} | {note[:80]} |" + " |" * (columns - 2)
 
 
 def _plugins(p) -> list[str]:
@@ -57,7 +65,7 @@ def _triton(section) -> list[str]:
            "| of copy bandwidth | fallback |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in section["rows"]:
         if "error" in r:
-            out.append(f"| {r['op']} | {r['error'][:80]} | | | | | | | |")
+            out.append(_note_row(r["op"], r["error"], 9))
         elif r.get("fallback"):
             out.append(f"| {r['op']} | {r['shape']} | | {r['torch_us']:.1f} | | | | | {r['fallback_reason'][:80]} |")
         else:
@@ -80,7 +88,7 @@ def _embedded(section, title) -> list[str]:
            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for mode, row in section["modes"].items():
         if "speedup" not in row:
-            out.append(f"| {mode} | {row.get('error', row.get('skipped', '?'))[:80]} | | | | | | |")
+            out.append(_note_row(mode, row.get("error", row.get("skipped", "?")), 8))
             continue
         runs = [r for r in row["runs"] if r.get("cost") and r.get("target_only_cost")]
         mean = lambda f: sum(f(r) for r in runs) / len(runs) if runs else float("nan")  # noqa: E731
@@ -107,6 +115,40 @@ def _embedded(section, title) -> list[str]:
             out.append(f"| {mode} | {t['max_nodes']}, {t['topk']}, {t['depth']} | {r['mean_accepted']:.2f} / "
                        f"{r['tree_mean_accepted']:.2f} | {r['tree_tokens_per_second']:.0f} | {r['tree_speedup']:.2f}x | "
                        f"{r['tree_over_chain']:.2f}x |")
+    sizing = section.get("sizing")
+    if sizing:
+        if "error" in sizing:
+            out += ["", f"--max_tree_nodes auto: {sizing['error'][:120]}"]
+        else:
+            kept = "the chain" if sizing["max_tree_nodes"] is None else f"{sizing['max_tree_nodes']} nodes"
+            table = ", ".join(f"{c} {v:.2f}x" for c, v in sizing["predicted"].items())
+            out += ["", f"--max_tree_nodes auto ({sizing['mode']}, up to {sizing['cap']} nodes) keeps {kept}; "
+                        f"predicted speedups: {table}."]
+    return out
+
+
+def _batches(section) -> list[str]:
+    """wide_model_batches: target-only against speculation with many sequences at once."""
+    if not section or "rows" not in section:
+        return []
+    out = ["", f"## The widened model, batches of sequences ({section['mode']})", "",
+           f"Widened {section['embedded_factor']}x, {section['backend']} backend, {section['new_tokens']} new tokens "
+           "per sequence; the bench's prompts cycled into each batch."
+           + (f" {section['error'][:120]}" if "error" in section else "")
+           + (" Stopped at the budget." if section.get("stopped") else ""), "",
+           "| batch | target-only tok/s | K | speculative tok/s | speedup | accepted / verify | exact |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
+    for row in section["rows"]:
+        if "error" in row:
+            out.append(_note_row(row["batch"], row["error"], 7))
+            continue
+        for k, r in row["by_k"].items():
+            accepted = r["mean_accepted"]
+            out.append(f"| {row['batch']} | {row['target_only_tokens_per_second']:.0f} | {k} | "
+                       f"{r['speculative_tokens_per_second']:.0f} | {r['speedup']:.2f}x | "
+                       f"{'' if accepted is None else f'{accepted:.2f}'} | {r['exact']} |")
+        if row.get("compiled_during_timing"):
+            out.append(f"| {row['batch']}: compiled inside the timings | {'; '.join(row['compiled_during_timing'])} | | | | | |")
     return out
 
 
@@ -120,7 +162,7 @@ def _full_width(section, steps_key, projection_key, title) -> list[str]:
            "| --- | --- | --- | --- | --- | --- |"]
     for row in section["rows"]:
         if "error" in row:
-            out.append(f"| {row['config']} | {row['error'][:80]} | | | | |")
+            out.append(_note_row(row["config"], row["error"], 6))
             continue
         layers = []
         for kind, entry in row["kinds"].items():

@@ -10,10 +10,21 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # pytest-xdist's workers share the machine's cores (make test runs one per core): a thread each
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _workers)))
-# each worker's servers on ports of its own, below the kernel's ephemeral range (from 32768): two
-# workers' servers, or an outgoing connection, took a port a server was about to bind
-_worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
-os.environ.setdefault("NEMOSPEC_PORT_RANGE", f"{20000 + 2000 * (_worker % 6)}-{20000 + 2000 * (_worker % 6) + 1999}")
+
+
+def port_range(worker: str | None) -> str:
+    """The ports a worker's servers pick from, below the kernel's ephemeral range (from 32768): two
+    workers' servers, or an outgoing connection, took a port a server was about to bind."""
+    k = int((worker or "gw0").removeprefix("gw") or 0) % 6
+    return f"{20000 + 2000 * k}-{20000 + 2000 * k + 1999}"
+
+
+# assigned, not defaulted: xdist's workers inherit the controller's environment, which had set gw0's
+# range for both (a supervisor test's restarted server then met the other worker's on its ports)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["NEMOSPEC_PORT_RANGE"] = port_range(os.environ["PYTEST_XDIST_WORKER"])
+else:
+    os.environ.setdefault("NEMOSPEC_PORT_RANGE", port_range(None))
 
 
 @pytest.fixture(scope="session")

@@ -103,6 +103,7 @@ def test_kernels_in_graphs_section_runs_the_wide_model_with_the_kernels_in_its_s
     after), the kernels' custom-op calls in the section, and a line on the page."""
     sys.path.insert(0, str(ROOT / "scripts"))
     import gpu_check
+    import gpu_models
     from gpu_check_report import markdown
     from builder.backends import gpu
     from builder.backends.gpu import graph_ops
@@ -113,7 +114,7 @@ def test_kernels_in_graphs_section_runs_the_wide_model_with_the_kernels_in_its_s
         seen.append((gpu.IN_GRAPHS, modes))
         graph_ops.CALLS["ssm_scan"] += 3
         return {"modes": {}, "prompts": 1, "new_tokens": new, "k": 4}
-    monkeypatch.setattr(gpu_check, "wide_model", fake_wide_model)
+    monkeypatch.setattr(gpu_models, "wide_model", fake_wide_model)
     monkeypatch.setattr(gpu, "IN_GRAPHS", False)
     section = gpu_check.SECTIONS["wide_model_kernels_in_graphs"](0.0, "cuda", 8)
     assert seen == [(True, ("eagle3",))] and gpu.IN_GRAPHS is False and section["kernel_calls"] == {"ssm_scan": 3}
@@ -125,6 +126,7 @@ def test_adaptive_section_runs_eagle3_on_the_wide_model_up_to_k_8(monkeypatch):
     K = 8 through the same measurement as the fixed-K rows, and the page counts its steps by K."""
     sys.path.insert(0, str(ROOT / "scripts"))
     import gpu_check
+    import gpu_models
     from gpu_check_report import markdown
     seen = {}
 
@@ -135,7 +137,7 @@ def test_adaptive_section_runs_eagle3_on_the_wide_model_up_to_k_8(monkeypatch):
         return {"modes": {"eagle3": {"speedup": 2.0, "exact": True, "target_only_tokens_per_second": 100.0,
                                      "speculative_tokens_per_second": 200.0, "runs": [run, run]}},
                 "prompts": 1, "new_tokens": new, "k": kwargs["k"], "draft_len_adaptive": True}
-    monkeypatch.setattr(gpu_check, "embedded_model", fake_embedded_model)
+    monkeypatch.setattr(gpu_models, "embedded_model", fake_embedded_model)
     section = gpu_check.SECTIONS["wide_model_adaptive"](0.0, "cuda", 8)
     assert seen["k"] == 8 and seen["factor"] == 16 and seen["modes"] == ("eagle3",) and seen["policy"].adaptive
     assert seen["backend"] == "compiled"
@@ -155,3 +157,39 @@ def test_triton_kernels_section_runs_every_kernel_within_its_bound(tmp_path):
         assert "error" not in row and row["fallback"] is False, row
         assert row["within_bound"] is True and row["kernel_us"] > 0 and row["torch_us"] > 0, row
     assert "| op | shape | kernel us |" in (tmp_path / "report.md").read_text()
+
+
+def test_batches_section_speculates_exactly_at_each_batch_size():
+    """wide_model_batches (16 streams, the goal a 2-core CPU cannot reach, measured on a device) as the
+    CPU shakedown runs it, widened 2x, eager: each batch of the cycled prompts speculates at the bench's
+    K and at K = 1 exactly as target-only decodes, and the page has a row per batch and K."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import time
+    import gpu_models
+    from gpu_check_report import markdown
+    section = gpu_models.wide_model_batches(time.time() + 300, "cpu", 4, batches=(1, 5))
+    assert section["embedded_factor"] == 2 and [r["batch"] for r in section["rows"]] == [1, 5]
+    for row in section["rows"]:
+        assert set(row["by_k"]) == {str(section["k"]), "1"}, row
+        for k, r in row["by_k"].items():
+            assert r["exact"] is True and r["speculative_tokens_per_second"] > 0 and r["mean_accepted"] >= 1.0, (k, r)
+    page = markdown({"wide_model": {"modes": {}, "prompts": 4, "new_tokens": 4, "k": 4}, "wide_model_batches": section})
+    assert "| batch | target-only tok/s | K |" in page and page.count("| 5 | ") == 2
+
+
+def test_wide_trees_section_measures_trees_and_the_auto_size(monkeypatch):
+    """wide_model_trees: eagle3 and dflash grow their trees exactly on the widened model, and
+    ``--max_tree_nodes auto``'s calibration reports its choice on the page (CPU shakedown, 4-node cap)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import time
+    import gpu_models
+    from gpu_check_report import markdown
+    monkeypatch.setattr(gpu_models, "PROMPTS", gpu_models.PROMPTS[:1])
+    section = gpu_models.wide_model_trees(time.time() + 300, "cpu", 4, nodes=4, topk=2, cap=4)
+    assert set(section["modes"]) == {"eagle3", "dflash"}
+    for mode, row in section["modes"].items():
+        assert row["exact"] is True and row["tree"] == {"max_nodes": 4, "topk": 2, "depth": 4}, (mode, row)
+    sizing = section["sizing"]
+    assert set(sizing["predicted"]) == {"chain", "4"} and sizing["max_tree_nodes"] in (None, 4)
+    page = markdown({"wide_model_trees": section})
+    assert "--max_tree_nodes auto (eagle3, up to 4 nodes) keeps " in page and "| eagle3 | 4, 2, 4 |" in page

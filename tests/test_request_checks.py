@@ -151,3 +151,17 @@ def test_guard_forwards_caps_and_streams(guard):
     upstream.server_close()
     status, body = _post(g, "/v2/x", b"{}")
     assert status == 502 and "tritonserver: connection lost" in json.loads(body)["error"]
+
+
+def test_test_servers_pick_ports_from_their_workers_own_range():
+    """xdist's workers inherit the controller's environment, so conftest assigns each worker's range
+    (a default left both workers on gw0's, where a supervisor test's restarted server met the other
+    worker's); free_port picks inside it."""
+    import os
+    from conftest import port_range
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
+        assert os.environ["NEMOSPEC_PORT_RANGE"] == port_range(worker)
+    assert len({port_range(f"gw{k}") for k in range(6)}) == 6
+    low, high = map(int, os.environ["NEMOSPEC_PORT_RANGE"].split("-"))
+    assert all(low <= free_port() <= high for _ in range(8))
