@@ -277,7 +277,9 @@ def readme_table(report: dict) -> str:
     if s and "error" not in s:
         lines += ["", f"Through Triton (one gRPC stream, mode {s['mode']}): {s['tokens_per_second']:.1f} tokens/s "
                       f"speculative against {s['target_only_tokens_per_second']:.1f} target-only on the same server, "
-                      f"**{s['speedup']:.2f}x**; served / offline {s['served_over_offline']:.2f}."]
+                      f"**{s['speedup']:.2f}x**; the served speculative stream ran at {s['served_over_offline']:.2f} of "
+                      f"the offline loop's tokens/s"
+                      + (f" (the server at {s['torch_threads']} torch thread(s))." if "torch_threads" in s else ".")]
     elif s:
         lines += ["", f"Through Triton (mode {s['mode']}): not measured ({s['error']})."]
     return "\n".join(lines)

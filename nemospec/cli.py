@@ -86,7 +86,8 @@ def _add_build_args(p):
                    help="build a draft and a verify engine beside the target (trtllm-build's "
                         "draft_tokens_external is draft_target)")
     p.add_argument("--quantization", default=None, choices=["nvfp4_w4a16"],
-                   help="quantize the draft's linear layers (ModelOpt NVFP4 W4A16) while building")
+                   help="quantize a block draft's (dflash, dspark, peagle) linear layers (ModelOpt NVFP4 W4A16) "
+                        "while building")
     p.add_argument("--draft_dir", default=None,
                    help="draft checkpoint (every mode but mtp); default with the embedded model: its trained draft")
     add_token_map_arg(p)
