@@ -9,13 +9,17 @@ forwards everything else to Triton's HTTP port on loopback, streaming responses 
 (``generate_stream``'s server-sent events arrive as Triton sends them). The ensemble's generate
 requests get their JSON fields checked first (``serving.generate_fields``: Triton wraps INT32
 silently and names no field for a wrong JSON type). A connection lost to Triton
-(it died) answers 502, or ends a response already under way.
+(it died) answers 502, or ends a response already under way. A body sent with ``Content-Encoding:
+gzip`` or ``deflate`` (tritonclient's ``request_compression_algorithm``) is decompressed here, within
+the same cap, checked and forwarded plain: the cap on its compressed size alone let a small body
+inflate past the size that crashes Triton.
 """
 from __future__ import annotations
 
 import http.client
 import json
 import threading
+import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from serving.generate_fields import GENERATE_PATH, check_generate_body
@@ -43,6 +47,33 @@ def _read_chunked(rfile, limit: int) -> bytes:
             raise TooLarge(len(body) + size)
         body += rfile.read(size)
         rfile.readline()
+
+
+class BadEncoding(Exception):
+    pass
+
+
+WBITS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS}
+
+
+def _decoded(body: bytes, encoding: str, limit: int) -> bytes:
+    """``body`` decompressed per its Content-Encoding (none or identity: as it is), at most ``limit``
+    bytes (TooLarge past it); BadEncoding for an encoding Triton does not take or data that is not it."""
+    encoding = encoding.strip().lower()
+    if encoding in ("", "identity"):
+        return body
+    if encoding not in WBITS:
+        raise BadEncoding(f"Content-Encoding {encoding!r}: expected gzip, deflate or identity")
+    inflate = zlib.decompressobj(WBITS[encoding])
+    try:
+        out = inflate.decompress(body, limit + 1)
+    except zlib.error as e:
+        raise BadEncoding(f"request body: not {encoding} data ({e})") from None
+    if len(out) > limit or inflate.unconsumed_tail:
+        raise TooLarge(limit)
+    if not inflate.eof:
+        raise BadEncoding(f"request body: truncated {encoding} data")
+    return out
 
 
 # Triton's readiness endpoints: the server's, and any model's (the ensemble's is what clients probe)
@@ -87,6 +118,13 @@ def make_handler(upstream: tuple[str, int], max_body_bytes: int, alive=None):
                                    close=True)
             except ValueError:
                 return self._error(400, "request body: malformed Content-Length or chunk size", close=True)
+            try:   # read whole: nothing is left to drain
+                body = _decoded(body, self.headers.get("Content-Encoding", ""), max_body_bytes)
+            except BadEncoding as e:
+                return self._error(415 if "Content-Encoding" in str(e) else 400, str(e))
+            except TooLarge:
+                return self._error(413, f"request body: more than {max_body_bytes} bytes once decompressed exceed "
+                                        f"--max_body_bytes {max_body_bytes}")
             generate = GENERATE_PATH.match(self.path) if self.command == "POST" else None
             if generate:
                 error = check_generate_body(body, streaming=bool(generate.group(3)), model=generate.group(1))
@@ -98,7 +136,7 @@ def make_handler(upstream: tuple[str, int], max_body_bytes: int, alive=None):
                 reason = alive() if alive is not None else None
                 if reason:   # Triton 2.51 answers 200 with a model's stub dead: the probe is told now
                     return self._error(503, f"not ready: {reason}")
-            headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP}
+            headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP | {"content-encoding"}}
             headers["Content-Length"] = str(len(body))
             upstream_conn = http.client.HTTPConnection(*upstream, timeout=None)
             started = False
