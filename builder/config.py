@@ -507,6 +507,12 @@ def parse_hf_config(raw: Mapping[str, Any], source: str = CONFIG_FILE) -> Nemotr
             values["layer_types"] = _parse_kind_list(raw[block_list_key], block_list_key)
         elif raw.get("hybrid_override_pattern") is not None:
             values["layer_types"] = _parse_pattern(raw["hybrid_override_pattern"], "hybrid_override_pattern")
+        layers = raw.get("num_hidden_layers")
+        pattern_key = block_list_key or ("hybrid_override_pattern" if "layer_types" in values else None)
+        if pattern_key and isinstance(layers, int) and not isinstance(layers, bool) and layers != len(values["layer_types"]):
+            # transformers warns and follows the pattern: a config whose two counts disagree was cut by hand
+            raise _fail(f"field 'num_hidden_layers': {layers}, but '{pattern_key}' has {len(values['layer_types'])} "
+                        "layers (one per layer: they must agree)")
 
         default_mtp = NemotronHConfig.mtp_layer_types
         mtp = default_mtp

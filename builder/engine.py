@@ -440,6 +440,8 @@ def build(checkpoint_dir, output_dir, options: BuildOptions, log=print, draft_di
         weights, mapped = write_target_weights(tmp, weights, dtype, packed)
         draft = drafts.load_draft(mode, config, weights, draft_dir, dtype, log, draft_quantization,
                                   token_map) if mode else None
+        if draft and (note := drafts.past_trained_block(draft.module, mode, options.max_draft_len)):
+            log(note)
         files = [("weights/target.safetensors", mapped)]
         if draft and draft.weights is not None:
             _write_weights(tmp / "weights" / "draft.safetensors", draft.weights)

@@ -489,3 +489,18 @@ def test_greedy_loop_with_nemotron_h_features(checkpoints, name):
         seq += [anchor] + drafts[:m].tolist()
         anchor, context_rows = verified[m], (n, n + m + 1)  # features of the anchor and accepted drafts
     assert (seq + [anchor])[:len(greedy)] == greedy
+
+
+def test_a_draft_length_past_the_trained_block_is_said_at_build():
+    """The embedded DFlash draft was trained to propose 4 tokens a block; K = 6 drafts past them (its
+    5th and 6th proposals are rarely kept), so build says so; K = 4, and a chain draft at any K, pass."""
+    from builder import drafts, embedded
+    from builder.checkpoint import load_checkpoint
+    config, weights = load_checkpoint(embedded.target_dir())
+    dflash = drafts.load_draft("dflash", config, weights, embedded.draft_dir("dflash"), torch.float32, log=lambda m: None)
+    assert dflash.module.num_speculative_tokens == 4
+    assert drafts.past_trained_block(dflash.module, "dflash", 4) is None
+    note = drafts.past_trained_block(dflash.module, "dflash", 6)
+    assert note.startswith("warning: the dflash draft was trained to propose 4 tokens a block; --max_draft_len 6")
+    eagle3 = drafts.load_draft("eagle3", config, weights, embedded.draft_dir("eagle3"), torch.float32, log=lambda m: None)
+    assert drafts.past_trained_block(eagle3.module, "eagle3", 8) is None

@@ -347,6 +347,9 @@ def write_config(tmp_path: Path, raw) -> Path:
     (hf_raw(torch_dtype="int8"), ["torch_dtype", "int8"]),
     (hf_raw(time_step_limit=[0.0]), ["time_step_limit"]),
     (hf_raw(tie_word_embeddings="yes"), ["tie_word_embeddings", "yes"]),
+    (hf_raw(hybrid_override_pattern="M*-", num_hidden_layers=4),   # transformers warns, follows the pattern
+     ["num_hidden_layers", "4", "'hybrid_override_pattern' has 3 layers"]),
+    (hf_raw(layers_block_type=["mamba", "moe"], num_hidden_layers=3), ["num_hidden_layers", "'layers_block_type' has 2"]),
 ])
 def test_config_errors(tmp_path, raw, parts):
     with pytest.raises(CheckpointError) as err:

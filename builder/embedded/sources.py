@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import sys
 from pathlib import Path
 
 from builder.embedded import DRAFTS, MANIFEST, NVFP4_DRAFTS, TARGET, draft_dir, target_dir
@@ -22,8 +23,8 @@ def wide_root(factor: int = DEFAULT_WIDE_FACTOR, log=None) -> Path:
     digest = hashlib.sha256(MANIFEST.read_bytes()).hexdigest()[:12] if MANIFEST.is_file() else "missing"
     cache = Path(os.environ.get("NEMOSPEC_EMBEDDED_CACHE") or Path.home() / ".cache" / "nemospec" / "embedded")
     root = cache / f"wide-{factor}-{digest}"
-    if not (root / MANIFEST.name).is_file():
-        widen(root, factor, log=log or (lambda line: None))
+    if not (root / MANIFEST.name).is_file():   # seconds, once: said on stderr, which a --json reader skips
+        widen(root, factor, log=log or (lambda line: print(line, file=sys.stderr, flush=True)))
     return root
 
 
