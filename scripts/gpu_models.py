@@ -27,7 +27,6 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
-
 def embedded_model(deadline: float, device: str = "cuda", new: int = 64, backend: str = "torch",
                    modes: tuple | None = None, tree_nodes: int = 0, factor: int = 1, k: int = 0,
                    policy=None, tree_topk: int = 0) -> dict:
@@ -35,13 +34,10 @@ def embedded_model(deadline: float, device: str = "cuda", new: int = 64, backend
     so both see the same machine), on ``device`` through the eager TorchRunner or ``backend="compiled"``;
     ``factor`` > 1: the embedded model widened that many times (builder.embedded.widen); ``k`` (default
     the bench report's) and ``policy`` (a runtime.draft_policy.DraftPolicy) for the speculative runs."""
-    from builder import embedded
-    from tokenizers import Tokenizer
     report = json.loads((ROOT / "docs" / "bench" / "report.json").read_text())
     k = k or report["num_draft_tokens"]
     modes = modes or MODES
-    tok = Tokenizer.from_file(str(embedded.target_dir() / "tokenizer.json"))
-    prompts = [tok.encode(t).ids for t in PROMPTS]
+    prompts = _prompt_ids()
     out = {"k": k, "device": device, "backend": backend, "new_tokens": new, "prompts": len(prompts), "modes": {}}
     if factor > 1:
         out["embedded_factor"] = factor
