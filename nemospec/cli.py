@@ -136,8 +136,9 @@ def _parser():
     g.add_argument("--backend", default="auto", choices=["auto", "torch", "compiled", "tensorrt", "interpreter"],
                    help="auto: TensorRT on a GPU, else compiled (torch for fewer than 2048 generated tokens, where "
                         "loading compiled steps costs more than it saves); torch: the eager reference; compiled: "
-                        "short steps through torch.compile, cached on disk; interpreter: the engine's network on "
-                        "the CPU (slow, a check)")
+                        "short steps through torch.compile, cached on disk; interpreter: the engine's network, "
+                        "recorded again from the directory's weights, evaluated layer by layer on the CPU (slow, a "
+                        "check that the built network computes what the eager model does)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="with --checkpoint_dir: the eager dtype")
     g.add_argument("--matmul_precision", default=None, choices=["highest", "medium"],
