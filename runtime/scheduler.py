@@ -103,8 +103,12 @@ class Scheduler:
         self.validate(request)
         with self._lock:
             # the queue is admitted between steps: the requests in it that free batch slots will take
-            # at the next step are not waiting, nor are cancelled ones (dropped at admission)
-            free = max(0, self.max_batch_size - self._active() - self._admitting)
+            # at the next step are not waiting, nor are cancelled ones (dropped at admission); a
+            # cancelled sequence still in the batch leaves at the step's sweep, so its slot counts as
+            # free (a client that stops a stream at its stop string sent the next request at once,
+            # and it was refused as busy at --max_queue 0)
+            running = sum(1 for g in self._groups() for s in g.seqs if s.request_id not in self._cancelled)
+            free = max(0, self.max_batch_size - running - self._admitting)
             waiting = sum(1 for q in self._queue if q[0] not in self._cancelled) - free
             if waiting >= self.max_queue:
                 raise SchedulerError(f"server busy: {waiting} requests queued beyond the batch (max_queue "

@@ -413,3 +413,19 @@ def test_triton_failures_map_to_statuses_a_client_acts_on():
     assert from_triton("failed to connect to all addresses").status == 503
     assert from_triton("top_k: expected 0..100 (0: no cut), got -1").status == 400
     assert from_triton("speculative: generation failed: RuntimeError: x").status == 500
+
+
+def test_a_stream_cut_by_a_dead_tritonserver_is_a_503_that_says_so():
+    """The supervisor restarts a killed tritonserver; the frontend's gRPC stream then fails with an
+    AioRpcError, whose str is a multi-line dump with a debug string: the 503 says what happened in one
+    line, with the status and details."""
+    import grpc
+    from serving.openai.errors import from_triton, grpc_text
+    error = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                 details="Stream removed (Socket closed)", debug_error_string="UNKNOWN:Error received")
+    assert "debug_error_string" in str(error)
+    assert grpc_text(error) == "UNAVAILABLE: Stream removed (Socket closed)"
+    cut = from_triton(grpc_text(error))
+    assert cut.status == 503 and "\n" not in cut.message and "debug" not in cut.message
+    assert "connection to Triton closed mid-request" in cut.message and "retry shortly" in cut.message
+    assert grpc_text(ValueError("plain")) == "plain"

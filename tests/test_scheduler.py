@@ -169,6 +169,26 @@ def test_full_queue_is_refused_then_recovers(loaded):
     scheduler.submit(Request([5], 4), Collector())
 
 
+def test_a_cancelled_sequence_still_in_the_batch_holds_no_place(loaded):
+    """A client that cancels at its stop string and sends the next request at once, at batch 1 and
+    --max_queue 0: the cancelled sequence leaves at the step's sweep, so the newcomer waits for that
+    step instead of being refused as busy; a second newcomer is refused."""
+    scheduler = Scheduler(loaded, max_batch_size=1, max_queue=0)
+    first, second = Collector(), Collector()
+    request_id = scheduler.submit(Request([5, 9, 17], 40), first)
+    while not first.tokens:
+        scheduler.step()
+    with pytest.raises(SchedulerError, match="busy"):
+        scheduler.submit(Request([7], 4), Collector())
+    scheduler.cancel(request_id)
+    scheduler.submit(Request([7], 4), second)
+    with pytest.raises(SchedulerError, match="busy"):
+        scheduler.submit(Request([7], 4), Collector())
+    _drain(scheduler)
+    assert second.finished and len(second.tokens) == 4 and not first.finished
+    assert scheduler.metrics["requests_cancelled"] == 1
+
+
 def test_requests_arriving_while_others_prefill_keep_the_queue_bound(loaded, monkeypatch):
     """Requests taken off the queue are neither queued nor active while they prefill: a burst that
     arrived then saw their slots free, and the queue went past --max_queue (67 of 64 under load)."""

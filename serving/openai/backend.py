@@ -13,7 +13,7 @@ from functools import cached_property
 
 import numpy as np
 
-from serving.openai.errors import APIError, from_triton
+from serving.openai.errors import APIError, from_triton, grpc_text
 GREEDY_BELOW = 1e-5   # runtime.sampling.GREEDY_BELOW (tested equal): under it a request is greedy
 from serving.openai.protocol import Generation
 
@@ -203,6 +203,6 @@ class TritonBackend:
         except Exception as e:
             if type(e).__name__ in ("CancelledError", "GeneratorExit"):
                 raise
-            raise from_triton(str(e)) from None
+            raise from_triton(grpc_text(e)) from None
         finally:
             call.cancel()

@@ -36,6 +36,15 @@ def bad(param: str, message: str) -> APIError:
     return APIError(400, f"{param}: {message}", param)
 
 
+def grpc_text(error: Exception) -> str:
+    """A gRPC call's failure as its status and details (``str`` of an AioRpcError is a multi-line dump
+    with a debug string)."""
+    try:
+        return f"{error.code().name}: {error.details()}"
+    except Exception:   # not a gRPC error
+        return str(error)
+
+
 def from_triton(message: str) -> APIError:
     """A failed ensemble request: a full queue is 429, a server that cannot serve 503, a refused
     field 400 (the message names it), anything else 500."""
@@ -45,6 +54,9 @@ def from_triton(message: str) -> APIError:
     if any(s in text for s in ("Stub process", "is not healthy")):   # a model process died or hangs
         return APIError(503, f"the server cannot serve now: a model process stopped, and the supervisor restarts "
                              f"it; retry shortly (Triton: {text.strip()})")
+    if any(s in text for s in ("Stream removed", "Socket closed", "Connection reset")):   # tritonserver died
+        return APIError(503, f"the server cannot serve now: the connection to Triton closed mid-request, and the "
+                             f"supervisor restarts a server whose process died; retry shortly (Triton: {text.strip()})")
     if any(s in text for s in ("not ready", "unavailable", "UNAVAILABLE", "shutting down", "failed to connect")):
         return APIError(503, text)
     if "generation failed" in text or "Exception" in text:
