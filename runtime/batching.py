@@ -94,12 +94,15 @@ class Sequence:
                 "histogram": [self.gained.get(j + 1, 0) for j in range(top)]}
 
 
-def _logprobs(logits, tokens, seqs) -> list:
+def _logprobs(logits, tokens, seqs, raw=None) -> list:
     """Per sequence: log-probabilities of its tokens (None for those that did not ask); a sequence
-    that asked for alternatives gets them as its next emit's ``pending_alternatives``."""
+    that asked for alternatives gets them as its next emit's ``pending_alternatives``. ``raw``: the
+    same rows before shaping, which a sequence asking for ``raw_logprobs`` reads instead."""
     if not any(s.params.logprobs for s in seqs):
         return [None] * len(seqs)
     params = [s.params for s in seqs]
+    if raw is not None and any(p.raw_logprobs for p in params):
+        logits = torch.stack([r if p.raw_logprobs else x for x, r, p in zip(logits, raw, params)])
     if any(p.top_logprobs for p in params):
         for s, top in zip(seqs, top_logprobs(logits, params)):
             s.pending_alternatives = top
@@ -134,9 +137,9 @@ class PlainGroup:
         logits, state, forwards, features = prefill(self.target, [s.prompt for s in seqs], state,
                                                     self.prefill_chunk, self.features)
         self.forwards += forwards
-        logits = shape(logits[:, None], seqs)[:, 0]
+        raw, logits = logits[:, None], shape(logits[:, None], seqs)[:, 0]
         first, _ = draw(logits, [s.params for s in seqs])
-        logprobs = _logprobs(logits[:, None], first[:, None], seqs)
+        logprobs = _logprobs(logits[:, None], first[:, None], seqs, raw)
         emitted = []
         for s, t, lp in zip(seqs, first.tolist(), logprobs):
             s.position, s.last = len(s.prompt), t
@@ -170,9 +173,10 @@ class PlainGroup:
         decode = watch.lap()
         self.forwards += 1
         self.steps += 1
-        logits = shape(logits[:, :1], self.seqs)
+        raw = logits[:, :1]
+        logits = shape(raw, self.seqs)
         tokens, _ = draw(logits[:, 0], [s.params for s in self.seqs])
-        logprobs = _logprobs(logits, tokens[:, None], self.seqs)
+        logprobs = _logprobs(logits, tokens[:, None], self.seqs, raw)
         draft = 0.0
         if on_features is not None:
             watch.lap()
@@ -310,11 +314,11 @@ class SpeculativeGroup(PlainGroup):
         if limit is None and hasattr(self.target, "verify_greedy") and all(p.plain_greedy for p in params):
             # plain greedy rows: verify, accept and roll back in one call (accept time is in verify)
             m, nxt, logits, self.state, features = self.target.verify_greedy(ids, pos, lengths, rows, self.state)
-            verify, accept = watch.lap(), 0.0
+            verify, accept, raw = watch.lap(), 0.0, None   # unshaped: the raw rows themselves
         else:
-            logits, new_state, features = self.target.forward(ids, pos, lengths, rows, self.state, verify=True)
+            raw, new_state, features = self.target.forward(ids, pos, lengths, rows, self.state, verify=True)
             verify = watch.lap()
-            logits = shape(logits, self.seqs, drafts)
+            logits = shape(raw, self.seqs, drafts)
             m, nxt = acceptance.accept(drafts.to(logits.device), q, logits, params, limit)
             self.state = self.target.rollback(self.state, new_state, m.to(dev))
             accept = watch.lap()
@@ -328,7 +332,8 @@ class SpeculativeGroup(PlainGroup):
         want_logprobs = any(p.logprobs for p in params)
         for b, (s, d, kept, t, made) in enumerate(zip(self.seqs, drafted, m.tolist(), nxt.tolist(), proposed)):
             gained = d[:kept] + [t]                                      # one host copy of each tensor
-            lp = _logprobs(logits[b:b + 1, :kept + 1], torch.tensor([gained]), [s])[0] if want_logprobs else None
+            lp = _logprobs(logits[b:b + 1, :kept + 1], torch.tensor([gained]), [s],
+                           None if raw is None else raw[b:b + 1, :kept + 1])[0] if want_logprobs else None
             if made:   # a row that proposed nothing (its own K is 0) decoded: not a speculative step
                 s.gained[len(gained)] += 1
                 self.histogram[len(gained)] += 1

@@ -99,8 +99,11 @@ def shape_tree(logits: torch.Tensor, seqs, tokens: torch.Tensor, parents: torch.
 
 def _log_distribution(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """[T, V] shaped logits -> the log of the distribution a row's tokens are drawn from (temperature,
-    top-k, top-p for sampled rows; the softmax for greedy ones)."""
+    top-k, top-p for sampled rows; the softmax for greedy ones); with ``raw_logprobs`` the rows are the
+    model's own logits and this is their log-softmax."""
     row = row.float()
+    if p.raw_logprobs:
+        return torch.log_softmax(row, -1)
     probs = probabilities(row, p.temperature, p.top_p, p.top_k) if p.temperature else torch.softmax(row, -1)
     return torch.log(probs)
 

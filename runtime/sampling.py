@@ -26,6 +26,11 @@ def seeded_generator(seed: int | None) -> torch.Generator | None:
     return torch.Generator().manual_seed(low)
 
 
+# vLLM's --logprobs-mode names: the distribution a token was drawn from (after penalties, temperature,
+# top-k and top-p; TensorRT-LLM's values, the default), or the model's own log-softmax (vLLM's default)
+LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
+
+
 @dataclass
 class SamplingParams:
     """How one sequence chooses tokens. Rows may share a generator (offline batches draw in order)."""
@@ -41,6 +46,8 @@ class SamplingParams:
     logprobs: bool = False              # record each generated token's log-probability
     bad_sequences: tuple[tuple[int, ...], ...] = ()   # a sequence's last token is banned after the rest
     top_logprobs: int = 0               # with logprobs: also each position's most probable tokens
+    raw_logprobs: bool = False          # log-probabilities of the model's own distribution (the log-softmax of
+                                        # its logits: vLLM's raw_logprobs), not of the one a token is drawn from
 
     def __post_init__(self):
         # as vLLM: a temperature below GREEDY_BELOW is greedy, the limit it tends to (logits / 1e-38

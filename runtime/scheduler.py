@@ -14,7 +14,7 @@ from collections import Counter, deque
 from dataclasses import dataclass
 
 from runtime.batching import PlainGroup, Sequence, SpeculativeGroup
-from runtime.sampling import SamplingParams, seeded_generator
+from runtime.sampling import LOGPROBS_MODES, SamplingParams, seeded_generator
 
 
 @dataclass
@@ -46,10 +46,14 @@ class SchedulerError(ValueError):
 
 
 class Scheduler:
-    def __init__(self, loaded, max_batch_size: int | None = None, max_queue: int = 64):
+    def __init__(self, loaded, max_batch_size: int | None = None, max_queue: int = 64,
+                 logprobs_mode: str = "processed_logprobs"):
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise SchedulerError(f"--logprobs_mode: expected one of {', '.join(LOGPROBS_MODES)}, got {logprobs_mode!r}")
         self.loaded = loaded
         self.max_batch_size = max_batch_size or loaded.max_batch_size
         self.max_queue = max_queue
+        self.raw_logprobs = logprobs_mode == "raw_logprobs"
         capacity, chunk = loaded.max_seq_len, loaded.max_input_len
         self.plain = PlainGroup(loaded.runner, capacity, chunk)
         self.spec = (SpeculativeGroup(loaded.runner, loaded.proposer, loaded.max_draft_len, capacity, chunk,
@@ -162,7 +166,7 @@ class Scheduler:
             params = SamplingParams(r.temperature, r.top_p, generator, tuple(w[0] for w in r.bad_words if len(w) == 1),
                                     r.top_k, r.repetition_penalty, r.presence_penalty, r.frequency_penalty,
                                     r.min_length, r.logprobs, tuple(tuple(w) for w in r.bad_words if len(w) > 1),
-                                    r.top_logprobs)
+                                    r.top_logprobs, self.raw_logprobs)
             seq = Sequence(list(r.prompt_ids), r.max_new_tokens, params, frozenset(r.end_ids),
                            tuple(tuple(w) for w in r.stop_words), request_id=request_id, on_tokens=cb,
                            max_draft=r.max_draft, admitted_ns=time.time_ns())

@@ -12,6 +12,7 @@ import sys
 from builder.errors import NemospecError
 from builder.integrity import verify_engine_dir
 from runtime.draft_policy import POLICY_FLAGS, add_policy_args
+from runtime.sampling import LOGPROBS_MODES
 from serving.launch import API_KEY_HEADER, GRPC_API_KEY_HEADER, _client_host, start_server
 from serving.limits import LIMITS, add_limit_args, limits_from
 from serving.repository import BACKENDS, WARM_UPS
@@ -44,6 +45,10 @@ def add_serve_args(p) -> None:
                         "runs its steps eagerly: exact, slower")
     p.add_argument("--max_batch_size", type=int, default=None, help="sequences per step (default: the engine's)")
     p.add_argument("--max_queue", type=int, default=64, help="requests waiting beyond the batch; more are refused")
+    p.add_argument("--logprobs_mode", default="processed_logprobs", choices=list(LOGPROBS_MODES),
+                   help="the log-probabilities requests get (vLLM's --logprobs-mode): processed_logprobs, those "
+                        "of the distribution a token was drawn from (after penalties, temperature, top-k, top-p; "
+                        "TensorRT-LLM's); raw_logprobs, the model's own log-softmax (vLLM's default)")
     p.add_argument("--openai_port", type=int, default=9000,
                    help="port of the OpenAI-compatible frontend (/v1/completions, /v1/chat/completions; 0: a free "
                         "port); with --api_key it requires 'Authorization: Bearer KEY'")
@@ -99,7 +104,7 @@ def cmd_serve(args, out=print) -> int:
                             metrics_port=args.metrics_port, model_repo_dir=args.model_repo_dir, api_key=args.api_key,
                             backend=backend, torch_threads=args.torch_threads, warm_up=args.warm_up,
                             max_batch_size=args.max_batch_size,
-                            max_queue=args.max_queue,
+                            max_queue=args.max_queue, logprobs_mode=args.logprobs_mode,
                             draft_policy={f: getattr(args, f, None) for f in POLICY_FLAGS},
                             shutdown_timeout=args.shutdown_timeout, limits=limits, ready_timeout=ready_timeout)
 

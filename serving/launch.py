@@ -259,7 +259,7 @@ TRITON_PORT_TRIES = 3   # launches of Triton when the loopback port picked for i
 def start_server(engine_dir, *, host: str = "127.0.0.1", http_port: int = 8000, grpc_port: int = 8001,
                  metrics_port: int = 8002, model_repo_dir=None, api_key: str | None = None, backend: str = "auto",
                  torch_threads: int = 0, warm_up: str = "all", max_batch_size: int | None = None, max_queue: int = 64,
-                 ready_timeout: float = 600.0,
+                 logprobs_mode: str = "processed_logprobs", ready_timeout: float = 600.0,
                  extra_args=(), draft_policy: dict | None = None, shutdown_timeout: float = 6.0,
                  limits: dict | None = None) -> ServerHandle:
     """Fills the model repository, starts tritonserver and waits until it is ready.
@@ -289,7 +289,7 @@ def start_server(engine_dir, *, host: str = "127.0.0.1", http_port: int = 8000, 
         repo_dir = fill_model_repo(engine_dir, Path(model_repo_dir).resolve() if model_repo_dir else run_dir / "models",
                                    backend=backend, torch_threads=torch_threads, warm_up=warm_up,
                                    max_batch_size=max_batch_size,
-                                   max_queue=max_queue,
+                                   max_queue=max_queue, logprobs_mode=logprobs_mode,
                                    cancel_dir=run_dir / "cancel", draft_policy=draft_policy, limits=limits)
         backend_dir = assemble_backends(server, run_dir)
         deadline = time.monotonic() + ready_timeout

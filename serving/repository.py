@@ -12,6 +12,7 @@ from types import SimpleNamespace
 from builder.errors import NemospecError
 from runtime.draft_policy import POLICY_FLAGS, policy_from
 from runtime.engine_meta import read_engine_meta as checked_engine_meta
+from runtime.sampling import LOGPROBS_MODES
 from serving.tensors import template_fields
 from serving.limits import encode_limits
 
@@ -55,7 +56,7 @@ def default_torch_threads() -> int:
 def fill_model_repo(engine_dir, repo_dir, *, backend: str = "auto", torch_threads: int = 0, warm_up: str = "all",
                     max_batch_size: int | None = None,
                     max_queue: int = 64, cancel_dir=None, draft_policy: dict | None = None,
-                    limits: dict | None = None) -> Path:
+                    limits: dict | None = None, logprobs_mode: str = "processed_logprobs") -> Path:
     """Writes the four models of ``model_repo/`` for ``engine_dir`` into ``repo_dir`` (replacing them).
 
     ``cancel_dir`` is where the speculative model listens for cancellations the postprocessing model
@@ -85,6 +86,8 @@ def fill_model_repo(engine_dir, repo_dir, *, backend: str = "auto", torch_thread
         raise NemospecError(f"--warm_up: expected one of {', '.join(WARM_UPS)}, got {warm_up}")
     if max_queue < 0:
         raise NemospecError(f"--max_queue: expected >= 0, got {max_queue}")
+    if logprobs_mode not in LOGPROBS_MODES:
+        raise NemospecError(f"--logprobs_mode: expected one of {', '.join(LOGPROBS_MODES)}, got {logprobs_mode}")
     if torch_threads < 0:
         raise NemospecError(f"--torch_threads: expected >= 0 (0: a quarter of the cores), got {torch_threads}")
     cancel_dir = Path(cancel_dir) if cancel_dir else Path(tempfile.gettempdir()) / f"nemospec-cancel-{os.getuid()}"
@@ -96,6 +99,7 @@ def fill_model_repo(engine_dir, repo_dir, *, backend: str = "auto", torch_thread
                   warm_up=warm_up,
                   nemospec_root=str(ROOT), cancel_dir=str(cancel_dir.resolve()),
                   max_batch_size=str(max_batch_size or engine_batch), max_queue=str(max_queue),
+                  logprobs_mode=logprobs_mode,
                   draft_policy=encode_policy(overrides), limits=encode_limits(limits or {}), **template_fields())
     repo_dir = Path(repo_dir)
     repo_dir.mkdir(parents=True, exist_ok=True)

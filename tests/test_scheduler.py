@@ -333,3 +333,56 @@ def test_bad_words_of_one_and_two_tokens_are_never_generated(loaded):
     history = PROMPTS[0] + both
     assert both != one and free[1] not in both
     assert not any(tuple(history[i:i + 2]) == pair for i in range(len(PROMPTS[0]) - 1, len(history) - 1))
+
+
+class LogprobCollector(Collector):
+    def __init__(self):
+        super().__init__()
+        self.logprobs, self.top = [], []
+
+    def __call__(self, new, finished, info):
+        super().__call__(new, finished, info)
+        self.logprobs += info.get("logprobs", [])
+        self.top += info.get("top_logprobs", [])
+
+
+@pytest.mark.parametrize("speculative", [True, False])
+def test_raw_logprobs_are_the_models_own_log_softmax(loaded, speculative):
+    """--logprobs_mode raw_logprobs (vLLM's default): a sampled request under temperature, top-k and a
+    presence penalty gets the target's own log-softmax of each token, teacher forced (within the
+    spread of the logits between decode and verify passes), and its alternatives are that
+    distribution's top 3; the default processed_logprobs gives the drawn-from distribution's."""
+    import torch
+    from speculative_fixtures import teacher_forced_logits
+    from tolerances import lm_head_bound, logit_order_bound
+    prompt = [5, 9, 17, 33]
+    request = dict(temperature=0.6, top_k=3, presence_penalty=0.8, seed=7, logprobs=True, top_logprobs=3,
+                   speculative=speculative)
+    got = {}
+    for mode in ("raw_logprobs", "processed_logprobs"):
+        scheduler, c = Scheduler(loaded, logprobs_mode=mode), LogprobCollector()
+        scheduler.submit(Request(prompt, 12, **request), c)
+        _drain(scheduler)
+        got[mode] = c
+    raw, processed = got["raw_logprobs"], got["processed_logprobs"]
+    assert raw.tokens == processed.tokens and len(raw.logprobs) == len(raw.tokens) == 12
+    runner = loaded.runner
+    decode = teacher_forced_logits(runner, [prompt], [raw.tokens])[0].double()
+    spread = float((teacher_forced_logits(runner, [prompt], [raw.tokens], 4, verify=True)[0].double() - decode).abs().max())
+    bound = 2 * float(logit_order_bound(lm_head_bound(runner.module.norm_f, runner.module.lm_head), spread).max())
+    oracle = torch.log_softmax(decode, -1)
+    want = oracle.gather(-1, torch.tensor(raw.tokens)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(raw.logprobs, dtype=torch.float64), want, rtol=0, atol=bound), (raw.logprobs, want)
+    for position, alternatives in enumerate(raw.top):
+        ids, ranked = [t for t, _ in alternatives], oracle[position].topk(4)
+        assert len(ids) == 3
+        if ranked.values[2] - ranked.values[3] > 2 * bound:   # no near-tie at the cut
+            assert set(ids) == set(ranked.indices[:3].tolist()), position
+    # the drawn-from distribution: top-k 3 leaves every other token out, temperature sharpens it
+    assert all(len(a) <= 3 for a in processed.top)
+    assert max(abs(a - b) for a, b in zip(raw.logprobs, processed.logprobs)) > 10 * bound
+
+
+def test_an_unknown_logprobs_mode_is_refused(loaded):
+    with pytest.raises(SchedulerError, match="--logprobs_mode: expected one of processed_logprobs, raw_logprobs"):
+        Scheduler(loaded, logprobs_mode="raw")

@@ -328,6 +328,11 @@ def test_fill_model_repo(engine_dir, tmp_path):
     assert 'key: "warm_up" value: { string_value: "single" }' in (single / "speculative" / "config.pbtxt").read_text()
     with pytest.raises(Exception, match="--warm_up: expected one of all, greedy, single"):
         repository.fill_model_repo(engine_dir, tmp_path / "r7", warm_up="some")
+    assert 'key: "logprobs_mode" value: { string_value: "processed_logprobs" }' in spec
+    raw = repository.fill_model_repo(engine_dir, tmp_path / "r8", logprobs_mode="raw_logprobs", cancel_dir=tmp_path / "c")
+    assert 'key: "logprobs_mode" value: { string_value: "raw_logprobs" }' in (raw / "speculative" / "config.pbtxt").read_text()
+    with pytest.raises(Exception, match="--logprobs_mode: expected one of processed_logprobs, raw_logprobs"):
+        repository.fill_model_repo(engine_dir, tmp_path / "r9", logprobs_mode="raw")
     (tmp_path / "no_tok").mkdir()
     meta = json.loads((engine_dir / "config.json").read_text())
     meta["tokenizer"] = None

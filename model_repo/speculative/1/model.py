@@ -112,7 +112,8 @@ class TritonPythonModel:
                                    **SERVING_WARM_UPS[_param(config, "warm_up", "all")])
         if warm:
             pb_utils.Logger.log_info(f"nemospec speculative: compiled steps warmed up in {warm:.1f} s")
-        self.scheduler = Scheduler(self.loaded, max_batch_size=max_batch, max_queue=int(_param(config, "max_queue", "64")))
+        self.scheduler = Scheduler(self.loaded, max_batch_size=max_batch, max_queue=int(_param(config, "max_queue", "64")),
+                                   logprobs_mode=_param(config, "logprobs_mode", "processed_logprobs"))
         self.vocab = self.loaded.config.vocab_size
         self.max_draft_len = int(self.loaded.max_draft_len or 0)
         eos = self.loaded.config.eos_token_id
