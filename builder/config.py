@@ -17,7 +17,6 @@ Notes on transformers 5.24 behaviour the model code must mirror (the config only
 """
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import json
 import math
@@ -26,6 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from builder.config_values import (
+    ACTIVATIONS, BLOCK_TYPE_NAMES, DTYPES, PATTERN_LETTERS, SOURCE as _SOURCE, check_float, check_int, fail,
+    parse_activation, parse_bool, parse_dtype, parse_eos, parse_float, parse_int, parse_kind_list,
+    parse_optional_int, parse_pattern, parse_time_step_limit, show, to_json)
 from builder.errors import CheckpointError
 from builder.generation_config import with_generation_eos
 
@@ -37,38 +40,12 @@ __all__ = [
     "PATTERN_LETTERS",
     "BLOCK_TYPE_NAMES",
     "DTYPES",
+    "ACTIVATIONS",
 ]
 
 LAYER_KINDS = ("mamba", "attention", "mlp", "moe")
-PATTERN_LETTERS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
 _KIND_TO_LETTER = {v: k for k, v in PATTERN_LETTERS.items()}
-BLOCK_TYPE_NAMES = {
-    "mamba": "mamba",
-    "linear_attention": "mamba",
-    "attention": "attention",
-    "full_attention": "attention",
-    "mlp": "mlp",
-    "moe": "moe",
-}
-DTYPES = ("float32", "float16", "bfloat16")
-_DTYPE_ALIASES = {
-    "float32": "float32", "fp32": "float32", "float": "float32",
-    "float16": "float16", "fp16": "float16", "half": "float16",
-    "bfloat16": "bfloat16", "bf16": "bfloat16",
-}
-_INF_STRINGS = {"inf": math.inf, "+inf": math.inf, "infinity": math.inf, "+infinity": math.inf,
-                "-inf": -math.inf, "-infinity": -math.inf}
-_FLOAT_TAG = "__float__"
-_FLOAT_TAG_VALUES = {"Infinity": math.inf, "-Infinity": -math.inf}
-
-# Where validation errors say they come from (a config.json path while load_config runs).
-_SOURCE: contextvars.ContextVar[str] = contextvars.ContextVar("nemospec_config_source", default="NemotronHConfig")
-
 CONFIG_FILE = "config.json"
-
-
-def _fail(message: str) -> CheckpointError:
-    return CheckpointError(f"{_SOURCE.get()}: {message}")
 
 
 @dataclass(frozen=True)
@@ -174,7 +151,7 @@ class NemotronHConfig:
         """JSON-safe dict of every field (tuples as lists, inf as {"__float__": "Infinity"})."""
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
-            out[f.name] = _to_json(getattr(self, f.name))
+            out[f.name] = to_json(getattr(self, f.name))
         return out
 
     @classmethod
@@ -183,14 +160,14 @@ class NemotronHConfig:
         token = _SOURCE.set(source)
         try:
             if not isinstance(data, Mapping):
-                raise _fail(f"expected a JSON object, got {type(data).__name__}")
+                raise fail(f"expected a JSON object, got {type(data).__name__}")
             names = [f.name for f in dataclasses.fields(cls)]
             missing = [n for n in names if n not in data]
             if missing:
-                raise _fail(f"missing field(s) {', '.join(repr(m) for m in missing)}")
+                raise fail(f"missing field(s) {', '.join(repr(m) for m in missing)}")
             extra = sorted(set(data) - set(names))
             if extra:
-                raise _fail(f"unknown field(s) {', '.join(repr(e) for e in extra)}")
+                raise fail(f"unknown field(s) {', '.join(repr(e) for e in extra)}")
             return cls(**{n: _parse_field(n, data[n]) for n in names})
         finally:
             _SOURCE.reset(token)
@@ -198,48 +175,48 @@ class NemotronHConfig:
     # --- validation ------------------------------------------------------------------------------
     def _validate(self) -> None:
         for name in _INT_FIELDS:
-            _check_int(name, getattr(self, name))
+            check_int(name, getattr(self, name))
         for name in _FLOAT_FIELDS:
-            _check_float(name, getattr(self, name))
+            check_float(name, getattr(self, name))
         for name in _BOOL_FIELDS:
             if not isinstance(getattr(self, name), bool):
-                raise _fail(f"field '{name}': expected true or false, got {getattr(self, name)!r}")
+                raise fail(f"field '{name}': expected true or false, got {getattr(self, name)!r}")
         for name in _STR_FIELDS:
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
-                raise _fail(f"field '{name}': expected a non-empty string, got {getattr(self, name)!r}")
+                raise fail(f"field '{name}': expected a non-empty string, got {getattr(self, name)!r}")
         for name in ("bos_token_id", "pad_token_id", "moe_latent_size"):
             value = getattr(self, name)
             if value is not None:
-                _check_int(name, value)
+                check_int(name, value)
         eos = self.eos_token_id
         if eos is not None:
             ids = eos if isinstance(eos, tuple) else (eos,)
             for v in ids:
-                _check_int("eos_token_id", v)
+                check_int("eos_token_id", v)
             # none inside the vocabulary: never generated, so generation never stops (one of a set
             # outside it is inert, as transformers treats it)
             if isinstance(self.vocab_size, int) and self.vocab_size > 0 and ids and \
                     not any(0 <= v < self.vocab_size for v in ids):
-                raise _fail(f"field 'eos_token_id': {ids[0]} is outside the vocabulary [0, {self.vocab_size})")
+                raise fail(f"field 'eos_token_id': {ids[0]} is outside the vocabulary [0, {self.vocab_size})")
         if self.dtype not in DTYPES:
-            raise _fail(f"field 'dtype': expected one of {', '.join(DTYPES)}, got {self.dtype!r}")
+            raise fail(f"field 'dtype': expected one of {', '.join(DTYPES)}, got {self.dtype!r}")
         for name in ("layer_types", "mtp_layer_types"):
             kinds = getattr(self, name)
             if not isinstance(kinds, tuple):
-                raise _fail(f"field '{name}': expected a list of layer kinds, got {kinds!r}")
+                raise fail(f"field '{name}': expected a list of layer kinds, got {kinds!r}")
             for i, kind in enumerate(kinds):
                 if kind not in LAYER_KINDS:
-                    raise _fail(f"field '{name}': unknown layer kind {kind!r} at position {i}; "
+                    raise fail(f"field '{name}': unknown layer kind {kind!r} at position {i}; "
                                 f"expected one of {', '.join(LAYER_KINDS)}")
         if not self.layer_types:
-            raise _fail("field 'layer_types': expected at least one layer, got none")
+            raise fail("field 'layer_types': expected at least one layer, got none")
         tsl = self.time_step_limit
         if not (isinstance(tsl, tuple) and len(tsl) == 2):
-            raise _fail(f"field 'time_step_limit': expected two numbers [min, max], got {tsl!r}")
+            raise fail(f"field 'time_step_limit': expected two numbers [min, max], got {tsl!r}")
         for v in tsl:
-            _check_float("time_step_limit", v)
+            check_float("time_step_limit", v)
         if math.isnan(tsl[0]) or math.isnan(tsl[1]) or tsl[0] > tsl[1]:
-            raise _fail(f"field 'time_step_limit': expected [min, max] with min <= max, got {list(tsl)}")
+            raise fail(f"field 'time_step_limit': expected [min, max] with min <= max, got {list(tsl)}")
 
         used = set(self.layer_types)
         if self.num_nextn_predict_layers > 0:
@@ -259,34 +236,34 @@ class NemotronHConfig:
                 positive.append("moe_latent_size")
         for name in positive:
             if getattr(self, name) <= 0:
-                raise _fail(f"field '{name}': expected a positive integer, got {getattr(self, name)}")
+                raise fail(f"field '{name}': expected a positive integer, got {getattr(self, name)}")
         for name in ("n_shared_experts", "num_nextn_predict_layers"):
             if getattr(self, name) < 0:
-                raise _fail(f"field '{name}': expected an integer >= 0, got {getattr(self, name)}")
+                raise fail(f"field '{name}': expected an integer >= 0, got {getattr(self, name)}")
         if not self.layer_norm_epsilon > 0:
-            raise _fail(f"field 'layer_norm_epsilon': expected a positive number, got {self.layer_norm_epsilon}")
+            raise fail(f"field 'layer_norm_epsilon': expected a positive number, got {self.layer_norm_epsilon}")
 
         if "attention" in used and self.num_attention_heads % self.num_key_value_heads:
-            raise _fail(f"field 'num_attention_heads': expected a multiple of num_key_value_heads="
+            raise fail(f"field 'num_attention_heads': expected a multiple of num_key_value_heads="
                         f"{self.num_key_value_heads}, got {self.num_attention_heads}")
         if "mamba" in used and self.mamba_num_heads % self.n_groups:
-            raise _fail(f"field 'mamba_num_heads': expected a multiple of n_groups={self.n_groups}, "
+            raise fail(f"field 'mamba_num_heads': expected a multiple of n_groups={self.n_groups}, "
                         f"got {self.mamba_num_heads}")
         if "moe" in used:
             e = self.n_routed_experts
             if e % self.n_group:
-                raise _fail(f"field 'n_routed_experts': expected a multiple of n_group={self.n_group}, got {e}")
+                raise fail(f"field 'n_routed_experts': expected a multiple of n_group={self.n_group}, got {e}")
             if e // self.n_group < 2:
-                raise _fail(f"field 'n_group': expected at most n_routed_experts/2={e // 2} groups "
+                raise fail(f"field 'n_group': expected at most n_routed_experts/2={e // 2} groups "
                             f"(routing takes the top 2 scores of each group), got {self.n_group}")
             if self.topk_group > self.n_group:
-                raise _fail(f"field 'topk_group': expected at most n_group={self.n_group}, got {self.topk_group}")
+                raise fail(f"field 'topk_group': expected at most n_group={self.n_group}, got {self.topk_group}")
             reachable = self.topk_group * (e // self.n_group)
             if self.num_experts_per_tok > reachable:
-                raise _fail(f"field 'num_experts_per_tok': expected at most topk_group*n_routed_experts/n_group="
+                raise fail(f"field 'num_experts_per_tok': expected at most topk_group*n_routed_experts/n_group="
                             f"{reachable}, got {self.num_experts_per_tok}")
             if not self.routed_scaling_factor > 0:
-                raise _fail(f"field 'routed_scaling_factor': expected a positive number, "
+                raise fail(f"field 'routed_scaling_factor': expected a positive number, "
                             f"got {self.routed_scaling_factor}")
 
 
@@ -312,150 +289,18 @@ _STR_FIELDS = ("mlp_hidden_act", "mamba_hidden_act", "dtype")
 _OPTIONAL_INT_FIELDS = ("moe_latent_size", "bos_token_id", "pad_token_id")
 
 
-def _check_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _fail(f"field '{name}': expected an integer, got {value!r}")
-
-
-def _check_float(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _fail(f"field '{name}': expected a number, got {value!r}")
-
-
-# --- JSON value parsing ------------------------------------------------------------------------------
-def _to_json(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        if math.isnan(value):
-            return {_FLOAT_TAG: "NaN"}
-        return {_FLOAT_TAG: "Infinity" if value > 0 else "-Infinity"}
-    if isinstance(value, (tuple, list)):
-        return [_to_json(v) for v in value]
-    return value
-
-
-def _parse_int(value: Any, name: str) -> int:
-    if isinstance(value, bool):
-        raise _fail(f"field '{name}': expected an integer, got {json.dumps(value)}")
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    raise _fail(f"field '{name}': expected an integer, got {_show(value)}")
-
-
-def _parse_optional_int(value: Any, name: str) -> int | None:
-    return None if value is None else _parse_int(value, name)
-
-
-def _parse_float(value: Any, name: str) -> float:
-    if isinstance(value, bool):
-        raise _fail(f"field '{name}': expected a number, got {json.dumps(value)}")
-    if isinstance(value, (int, float)):
-        return float(value)
-    if isinstance(value, dict) and set(value) == {_FLOAT_TAG} and value[_FLOAT_TAG] in _FLOAT_TAG_VALUES:
-        return _FLOAT_TAG_VALUES[value[_FLOAT_TAG]]
-    if isinstance(value, str) and value.strip().lower() in _INF_STRINGS:
-        return _INF_STRINGS[value.strip().lower()]
-    raise _fail(f"field '{name}': expected a number, got {_show(value)}")
-
-
-def _parse_bool(value: Any, name: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    raise _fail(f"field '{name}': expected true or false, got {_show(value)}")
-
-
-def _parse_str(value: Any, name: str) -> str:
-    if isinstance(value, str) and value:
-        return value
-    raise _fail(f"field '{name}': expected a non-empty string, got {_show(value)}")
-
-
-#: the activations both lowerings implement (builder.backends.torch_backend and trt_dense; tested equal)
-ACTIVATIONS = ("relu2", "relu", "silu", "gelu", "softplus", "sigmoid")
-
-
-def _parse_activation(value: Any, name: str) -> str:
-    value = _parse_str(value, name)
-    if value not in ACTIVATIONS:
-        raise _fail(f"field '{name}': {value!r} is not supported (expected one of {', '.join(ACTIVATIONS)})")
-    return value
-
-
-def _parse_eos(value: Any, name: str) -> int | tuple[int, ...] | None:
-    if value is None:
-        return None
-    if isinstance(value, (list, tuple)):
-        if not value:
-            raise _fail(f"field '{name}': expected an integer or a non-empty list of integers, got []")
-        return tuple(_parse_int(v, name) for v in value)
-    return _parse_int(value, name)
-
-
-def _parse_time_step_limit(value: Any, name: str) -> tuple[float, float]:
-    if not isinstance(value, (list, tuple)) or len(value) != 2:
-        raise _fail(f"field '{name}': expected two numbers [min, max], got {_show(value)}")
-    return (_parse_float(value[0], name), _parse_float(value[1], name))
-
-
-def _parse_dtype(value: Any, name: str) -> str:
-    if value is None:
-        return "float32"
-    if isinstance(value, str):
-        key = value.strip().lower()
-        if key.startswith("torch."):
-            key = key[len("torch."):]
-        if key in _DTYPE_ALIASES:
-            return _DTYPE_ALIASES[key]
-    raise _fail(f"field '{name}': expected one of {', '.join(DTYPES)}, got {_show(value)}")
-
-
-def _parse_kind_list(value: Any, name: str) -> tuple[str, ...]:
-    """A list of block type names (ours or transformers' spellings) -> our kind names."""
-    if not isinstance(value, (list, tuple)):
-        raise _fail(f"field '{name}': expected a list of block type names, got {_show(value)}")
-    kinds = []
-    for i, item in enumerate(value):
-        if not isinstance(item, str) or item not in BLOCK_TYPE_NAMES:
-            raise _fail(f"field '{name}': unknown block type {_show(item)} at position {i}; expected one of "
-                        f"{', '.join(BLOCK_TYPE_NAMES)}")
-        kinds.append(BLOCK_TYPE_NAMES[item])
-    return tuple(kinds)
-
-
-def _parse_pattern(value: Any, name: str) -> tuple[str, ...]:
-    """A hybrid override pattern string ('M', '*', '-', 'E' letters) -> our kind names."""
-    if not isinstance(value, str):
-        raise _fail(f"field '{name}': expected a pattern string of M * - E letters, got {_show(value)}")
-    kinds = []
-    for i, letter in enumerate(value):
-        if letter not in PATTERN_LETTERS:
-            raise _fail(f"field '{name}': unknown layer letter {letter!r} at position {i} (0-based) of "
-                        f"{value!r}; expected M (mamba), * (attention), - (mlp) or E (moe)")
-        kinds.append(PATTERN_LETTERS[letter])
-    return tuple(kinds)
-
-
-def _show(value: Any) -> str:
-    try:
-        text = json.dumps(value)
-    except (TypeError, ValueError):
-        text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
 _FIELD_PARSERS = {
-    **{n: _parse_int for n in _INT_FIELDS},
-    **{n: _parse_float for n in _FLOAT_FIELDS},
-    **{n: _parse_bool for n in _BOOL_FIELDS},
-    **{n: _parse_optional_int for n in _OPTIONAL_INT_FIELDS},
-    "mlp_hidden_act": _parse_activation,
-    "mamba_hidden_act": _parse_activation,
-    "eos_token_id": _parse_eos,
-    "time_step_limit": _parse_time_step_limit,
-    "dtype": _parse_dtype,
-    "layer_types": _parse_kind_list,
-    "mtp_layer_types": _parse_kind_list,
+    **{n: parse_int for n in _INT_FIELDS},
+    **{n: parse_float for n in _FLOAT_FIELDS},
+    **{n: parse_bool for n in _BOOL_FIELDS},
+    **{n: parse_optional_int for n in _OPTIONAL_INT_FIELDS},
+    "mlp_hidden_act": parse_activation,
+    "mamba_hidden_act": parse_activation,
+    "eos_token_id": parse_eos,
+    "time_step_limit": parse_time_step_limit,
+    "dtype": parse_dtype,
+    "layer_types": parse_kind_list,
+    "mtp_layer_types": parse_kind_list,
 }
 
 
@@ -480,11 +325,11 @@ def parse_hf_config(raw: Mapping[str, Any], source: str = CONFIG_FILE) -> Nemotr
     token = _SOURCE.set(source)
     try:
         if not isinstance(raw, Mapping):
-            raise _fail(f"expected a JSON object at the top level, got {type(raw).__name__}")
+            raise fail(f"expected a JSON object at the top level, got {type(raw).__name__}")
         model_type = raw.get("model_type")
         if model_type != "nemotron_h":
-            got = "no model_type" if "model_type" not in raw else f"{_show(model_type)}"
-            raise _fail(f"field 'model_type': expected \"nemotron_h\", got {got}")
+            got = "no model_type" if "model_type" not in raw else f"{show(model_type)}"
+            raise fail(f"field 'model_type': expected \"nemotron_h\", got {got}")
 
         values: dict[str, Any] = {}
         simple = [f.name for f in dataclasses.fields(NemotronHConfig)
@@ -504,27 +349,27 @@ def parse_hf_config(raw: Mapping[str, Any], source: str = CONFIG_FILE) -> Nemotr
         # Layer pattern: an explicit list wins over the pattern string (as in transformers).
         block_list_key = next((k for k in ("layers_block_type", "layer_types") if raw.get(k) is not None), None)
         if block_list_key is not None:
-            values["layer_types"] = _parse_kind_list(raw[block_list_key], block_list_key)
+            values["layer_types"] = parse_kind_list(raw[block_list_key], block_list_key)
         elif raw.get("hybrid_override_pattern") is not None:
-            values["layer_types"] = _parse_pattern(raw["hybrid_override_pattern"], "hybrid_override_pattern")
+            values["layer_types"] = parse_pattern(raw["hybrid_override_pattern"], "hybrid_override_pattern")
         layers = raw.get("num_hidden_layers")
         pattern_key = block_list_key or ("hybrid_override_pattern" if "layer_types" in values else None)
         if pattern_key and isinstance(layers, int) and not isinstance(layers, bool) and layers != len(values["layer_types"]):
             # transformers warns and follows the pattern: a config whose two counts disagree was cut by hand
-            raise _fail(f"field 'num_hidden_layers': {layers}, but '{pattern_key}' has {len(values['layer_types'])} "
+            raise fail(f"field 'num_hidden_layers': {layers}, but '{pattern_key}' has {len(values['layer_types'])} "
                         "layers (one per layer: they must agree)")
 
         default_mtp = NemotronHConfig.mtp_layer_types
         mtp = default_mtp
         mtp_key = next((k for k in ("mtp_layers_block_type", "mtp_layer_types") if raw.get(k) is not None), None)
         if mtp_key is not None:
-            mtp = _parse_kind_list(raw[mtp_key], mtp_key)
+            mtp = parse_kind_list(raw[mtp_key], mtp_key)
         if raw.get("mtp_hybrid_override_pattern") is not None and mtp == default_mtp:
-            mtp = _parse_pattern(raw["mtp_hybrid_override_pattern"], "mtp_hybrid_override_pattern")
+            mtp = parse_pattern(raw["mtp_hybrid_override_pattern"], "mtp_hybrid_override_pattern")
         values["mtp_layer_types"] = mtp
 
         dtype_key = next((k for k in ("dtype", "torch_dtype") if raw.get(k) is not None), None)
-        values["dtype"] = _parse_dtype(raw[dtype_key], dtype_key) if dtype_key else "float32"
+        values["dtype"] = parse_dtype(raw[dtype_key], dtype_key) if dtype_key else "float32"
         config = NemotronHConfig(**values)
         object.__setattr__(config, "_defaulted", tuple(n for n in _SIZE_FIELDS if n not in values))
         object.__setattr__(config, "_dtype_given", dtype_key is not None)   # else the tensors' (load_checkpoint)

@@ -211,3 +211,29 @@ def test_logprobs_of_tokens_that_split_a_character():
         chunks = ([json.loads(raw)["choices"][0]["logprobs"]] if not stream else
                   [c["logprobs"] for e in _events(raw) for c in e["choices"] if c["logprobs"]])
         assert status == 200 and [o for c in chunks for o in c["text_offset"]] == want, stream
+
+
+def test_min_tokens_arms_stop_strings_at_a_token_whatever_the_responses_hold():
+    """``min_tokens`` arms the stop strings from the token past it on, as vLLM decides per token: the
+    answer is the same whether the server sent one token a response, a speculative step's several, or
+    joined responses while the client was slow (streamed and whole answers once differed when a
+    response crossed min_tokens: a fuzz test's flaky failure)."""
+    ids = _ids("x = a + b + c + d")           # 'x', ' =', ' a', ' +', ' b', ...: each past the first has ' '
+    groupings = [[ids], [ids[:1], ids[1:]], [ids[:2], ids[2:5], ids[5:]], [[t] for t in ids]]
+    for min_tokens, text, used in ((0, "x", 2), (2, "x =", 3), (4, "x = a +", 5)):
+        answers = set()
+        for groups in groupings:
+            responses = [ScriptedDelta(g) for g in groups[:-1]] + [ScriptedDelta(groups[-1], "length")]
+            for stream in (False, True):
+                body = {"prompt": "p", "max_tokens": 64, "stop": " ", "min_tokens": min_tokens, "stream": stream,
+                        "stream_options": {"include_usage": True} if stream else None}
+                status, raw = _post(_app(responses), body)
+                assert status == 200, raw
+                if stream:
+                    events = _events(raw)
+                    answers.add(("".join(c["text"] for e in events for c in e["choices"]),
+                                 events[-1]["usage"]["completion_tokens"]))
+                else:
+                    out = json.loads(raw)
+                    answers.add((out["choices"][0]["text"], out["usage"]["completion_tokens"]))
+        assert answers == {(text, used)}, (min_tokens, answers)

@@ -395,3 +395,27 @@ def test_tree_topk_zero_is_the_draft_kinds_default():
     for flag in ("tree_topk", "tree_depth"):
         with pytest.raises(ValueError, match=f"--{flag}: expected at most --max_tree_nodes \\(4\\), got 5"):
             tree_from(4, {}, SimpleNamespace(**{"max_tree_nodes": 4, "tree_topk": None, "tree_depth": None, flag: 5}))
+
+
+def test_tree_steps_give_raw_logprobs_from_the_unshaped_rows(pair):
+    """A tree step's log-probabilities with ``raw_logprobs`` (serve --logprobs_mode raw_logprobs) are
+    the target's own log-softmax along the accepted path, teacher forced, even where a presence
+    penalty shapes the rows the tokens are chosen from; without it they are the shaped ones."""
+    from speculative_fixtures import teacher_forced_logits
+    from tolerances import lm_head_bound, logit_order_bound
+    target, proposer = pair
+    got = {}
+    for raw in (True, False):
+        params = SamplingParams(presence_penalty=0.5, logprobs=True, raw_logprobs=raw)
+        group = TreeSpeculativeGroup(target, lambda: proposer("eagle3"), TreeShape(8, 2, 4), 80)
+        got[raw] = run_group(group, PROMPTS[:2], 20, params)
+        assert group.tree_sizes
+    for prompt, s, shaped in zip(PROMPTS[:2], got[True], got[False]):
+        assert s.outputs == shaped.outputs and len(s.logprobs) == len(s.outputs) == 20
+        decode = teacher_forced_logits(target, [prompt], [s.outputs])[0].double()
+        spread = float((teacher_forced_logits(target, [prompt], [s.outputs], 5, verify=True)[0].double()
+                        - decode).abs().max())
+        bound = 2 * float(logit_order_bound(lm_head_bound(target.module.norm_f, target.module.lm_head), spread).max())
+        want = torch.log_softmax(decode, -1).gather(-1, torch.tensor(s.outputs)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(s.logprobs, dtype=torch.float64), want, rtol=0, atol=bound)
+        assert max(abs(a - b) for a, b in zip(s.logprobs, shaped.logprobs)) > 10 * bound

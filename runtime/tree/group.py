@@ -67,15 +67,15 @@ class TreeSpeculativeGroup(SpeculativeGroup):
             paths, lengths, bonus, logits, self.state, features = self.target.verify_tree_greedy(
                 ids, positions, self.state, parents.to(dev), base.long(), self.shape.depth)
             paths, lengths, bonus = paths.cpu(), lengths.cpu(), bonus.cpu()
-            verify, accept = watch.lap(), 0.0
+            verify, accept, raw = watch.lap(), 0.0, None   # unshaped: the raw rows themselves
         else:
             anc = tree_paths.ancestors(parents)
-            logits, verified, features = self.target.forward(
+            raw, verified, features = self.target.forward(
                 ids, positions, torch.full((n,), size, dtype=torch.int32, device=dev), rows.expand(n, -1), self.state,
                 verify=True, tree=(parents.to(dev), anc.to(dev)))
             verify = watch.lap()
             depth = tree.depth.cpu()
-            logits = shape_tree(logits, self.seqs, tokens, parents, depth)
+            logits = shape_tree(raw, self.seqs, tokens, parents, depth)
             paths, lengths, bonus = tree_paths.accept(DraftTree(tokens, parents, depth, tree.q), logits, params, anc)
             width = self.shape.depth + 1                                        # one path width per shape
             if paths.shape[1] < width:
@@ -100,7 +100,8 @@ class TreeSpeculativeGroup(SpeculativeGroup):
             lp = None
             if want_logprobs:
                 rows_b = paths[b, :m + 1]
-                lp = _logprobs(logits[b:b + 1, rows_b], torch.tensor([gained]), [s])[0]
+                lp = _logprobs(logits[b:b + 1, rows_b], torch.tensor([gained]), [s],
+                               None if raw is None else raw[b:b + 1, rows_b])[0]
             s.gained[len(gained)] += 1
             s.drafted += size - 1          # every drafted node was proposed and verified
             self.histogram[len(gained)] += 1

@@ -23,7 +23,7 @@ from serving.openai.protocol import (StopMatcher, chat_options, completion_promp
                                      speculative_metrics, usage)
 from serving.http_guard import DRAIN_BYTES
 from serving.limits import limits_from
-from serving.protocol import CONTEXT_TOKENS
+from serving.protocol import CONTEXT_TOKENS, stream_text
 
 READY_SECONDS = 0.5
 DISCONNECT_POLL_SECONDS = 0.25   # how often a non-streamed request looks for its client having gone
@@ -295,15 +295,30 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
         the match (a speculative response holds a whole step; vLLM counts up to the stop as well).
         ``recent``: the last responses, whose ids decode ``d``'s first tokens in context."""
         held = stops.held
-        text = stops.feed(d.text, _armed(g, tokens + d.tokens))
+        text, unarmed_chars = _feed(d, stops, g, tokens, recent)
         if not stops.matched or not d.ids:
             recent.append(d)
             return text, d.tokens
-        return text, _through_stop(d, held, stops, recent)
+        return text, _through_stop(d, held, stops, recent, unarmed_chars)
 
-    def _through_stop(d, held: str, stops: StopMatcher, recent) -> int:
+    def _feed(d, stops: StopMatcher, g, tokens: int, recent) -> tuple[str, int]:
+        """``d``'s text through the stop matcher, armed from the token past ``min_tokens`` on: a
+        response that crosses it has its first tokens' text fed unarmed and the rest armed, so the
+        answer does not depend on how tokens were grouped into responses (a speculative step's, or
+        those the server joined while the client was slow: streamed and whole answers differed).
+        Returns the text and how many characters of held + text were fed unarmed."""
+        unarmed = g.min_tokens - tokens
+        if g.min_tokens and stops.stops and d.ids and 0 < unarmed < d.tokens:
+            context = [t for r in recent for t in (r.ids or ())][-CONTEXT_TOKENS:]
+            head = stream_text(info.tokenizer, context + list(d.ids[:unarmed]), len(context), finished=False)
+            if d.text.startswith(head):
+                skip = len(stops.held) + len(head)
+                return stops.feed(head, armed=False) + stops.feed(d.text[len(head):], armed=True), skip
+        return stops.feed(d.text, _armed(g, tokens + d.tokens)), 0
+
+    def _through_stop(d, held: str, stops: StopMatcher, recent, skip: int = 0) -> int:
         context = [t for r in recent for t in (r.ids or ())][-CONTEXT_TOKENS:]
-        n = stops.tokens_through(info.tokenizer, held, context, d.ids)
+        n = stops.tokens_through(info.tokenizer, held, context, d.ids, skip)
         return d.tokens if n is None else n
 
     async def _first(stream):

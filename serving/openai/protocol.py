@@ -250,13 +250,14 @@ class StopMatcher:
         out, self.held = self.held, ""
         return out
 
-    def tokens_through(self, tokenizer, held: str, context: list[int], ids: list[int]) -> int | None:
+    def tokens_through(self, tokenizer, held: str, context: list[int], ids: list[int], skip: int = 0) -> int | None:
         """How many of ``ids`` (a response in which a stop string matched; ``held``: the text held
         back before it) complete the match, decoded after ``context`` (the tokens before, as the
         server streamed them: alone, a token that completes a character split across responses
-        decodes to U+FFFD); None if no prefix does."""
+        decodes to U+FFFD); None if no prefix does. ``skip``: the first characters of held + text
+        were read before min_tokens armed the stops, so a match must end past them."""
         for n in range(1, len(ids) + 1):
             seen = held + stream_text(tokenizer, context + ids[:n], len(context), finished=True)
-            if any(s in seen for s in self.stops):
+            if any(seen.find(s, max(0, skip - len(s) + 1)) >= 0 for s in self.stops):
                 return n
         return None
