@@ -50,7 +50,11 @@ def _read_chunked(rfile, limit: int) -> bytes:
 
 
 class BadEncoding(Exception):
-    pass
+    """A body the guard cannot decode: ``status`` 415 for an encoding it does not take, 400 for data
+    that is not what its header says."""
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
 
 
 WBITS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS}
@@ -63,16 +67,16 @@ def _decoded(body: bytes, encoding: str, limit: int) -> bytes:
     if encoding in ("", "identity"):
         return body
     if encoding not in WBITS:
-        raise BadEncoding(f"Content-Encoding {encoding!r}: expected gzip, deflate or identity")
+        raise BadEncoding(415, f"Content-Encoding {encoding!r}: expected gzip, deflate or identity")
     inflate = zlib.decompressobj(WBITS[encoding])
     try:
         out = inflate.decompress(body, limit + 1)
     except zlib.error as e:
-        raise BadEncoding(f"request body: not {encoding} data ({e})") from None
+        raise BadEncoding(400, f"request body: not {encoding} data ({e})") from None
     if len(out) > limit or inflate.unconsumed_tail:
         raise TooLarge(limit)
     if not inflate.eof:
-        raise BadEncoding(f"request body: truncated {encoding} data")
+        raise BadEncoding(400, f"request body: truncated {encoding} data")
     return out
 
 
@@ -121,7 +125,7 @@ def make_handler(upstream: tuple[str, int], max_body_bytes: int, alive=None):
             try:   # read whole: nothing is left to drain
                 body = _decoded(body, self.headers.get("Content-Encoding", ""), max_body_bytes)
             except BadEncoding as e:
-                return self._error(415 if "Content-Encoding" in str(e) else 400, str(e))
+                return self._error(e.status, str(e))
             except TooLarge:
                 return self._error(413, f"request body: more than {max_body_bytes} bytes once decompressed exceed "
                                         f"--max_body_bytes {max_body_bytes}")
