@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -141,7 +140,6 @@ def _summary(result):
 def embedded_model_compiled(deadline: float, device: str = "cuda", new: int = 64) -> dict:
     """The compiled path (runtime.compiled: whole steps through torch.compile) on ``device``, eagle3
     only: its compile is the slowest section, so it runs last."""
-    os.environ.setdefault("NEMOSPEC_COMPILE_CACHE", tempfile.mkdtemp(prefix="nemospec-compile-"))
     return embedded_model(deadline, device, new, backend="compiled", modes=("eagle3",))
 
 
@@ -193,18 +191,21 @@ def embedded_model_trees(deadline: float, device: str = "cuda", new: int = 64) -
 def embedded_model_no_cuda_graphs(deadline: float, device: str = "cuda", new: int = 64) -> dict:
     """The compiled path with CUDA graphs off (NEMOSPEC_CUDA_GRAPHS=0; they are on by default on CUDA,
     runtime.compiled.steps.device_options), eagle3: what the graphs save the host's kernel launches."""
+    previous = os.environ.get("NEMOSPEC_CUDA_GRAPHS")
     os.environ["NEMOSPEC_CUDA_GRAPHS"] = "0"
     try:
         return embedded_model_compiled(deadline, device, new)
     finally:
-        os.environ.pop("NEMOSPEC_CUDA_GRAPHS")
+        if previous is None:
+            os.environ.pop("NEMOSPEC_CUDA_GRAPHS")
+        else:
+            os.environ["NEMOSPEC_CUDA_GRAPHS"] = previous
 
 
 
 def _wide(device: str) -> tuple[int, str]:
     """(factor, backend) of a widened-model section: 16x compiled with CUDA graphs on a GPU, 2x eager on
     the CPU's shakedown."""
-    os.environ.setdefault("NEMOSPEC_COMPILE_CACHE", tempfile.mkdtemp(prefix="nemospec-compile-"))
     return (16, "compiled") if device != "cpu" else (2, "torch")
 
 

@@ -27,6 +27,19 @@ else:
     os.environ.setdefault("NEMOSPEC_PORT_RANGE", port_range(None))
 
 
+@pytest.fixture(autouse=True)
+def _environment_unchanged(request):
+    """A test leaves the settings the code reads from the environment as it found them (monkeypatch
+    restores its own): a section of scripts/gpu_models.py that repointed the compiled-step store for
+    the rest of its worker made every later compiled test file there compile again, every run."""
+    from environment_guard import changed, watched_environment
+    before = watched_environment()
+    yield
+    what = changed(before, watched_environment())
+    if what:
+        pytest.fail(f"{request.node.nodeid} changed the environment: {what}", pytrace=False)
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
     """kind -> directory of a tiny transformers-written NemotronH checkpoint (made once)."""

@@ -435,6 +435,7 @@ def test_a_verify_warmed_on_scratch_rows_verifies_real_rows(models, tmp_path, mo
     read the positions as row indices, and speculative output differed from target-only greedy."""
     eager, _ = models
     monkeypatch.setenv("NEMOSPEC_COMPILE_CACHE", str(tmp_path))      # compiled here, not loaded
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     compiled = open_checkpoint(embedded.target_dir(), mode="eagle3", draft_dir=embedded.draft_dir("eagle3"),
                                backend="compiled")
     compiled.runner.warm_verify(2)   # the length test_eagle3_greedy_ids_equal_eager[1] verifies

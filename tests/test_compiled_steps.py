@@ -50,6 +50,7 @@ def test_a_step_first_called_with_one_tensor_twice_computes_two_tensors_later(tm
     first calls' own result stays right too, and a process that loads the saved step agrees."""
     from runtime.compiled.steps import _Steps
     monkeypatch.setenv("NEMOSPEC_COMPILE_CACHE", str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))   # _configure points it there: restored after
     a, b = torch.arange(4.0), torch.full((4,), 10.0)
     steps = _Steps(_weighted, "weighted")
     for _ in range(4):   # eager, compiled (recorded), recorded, direct
