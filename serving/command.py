@@ -29,6 +29,10 @@ def add_serve_args(p) -> None:
                    help="the supervisor's readiness endpoint: GET /health/ready is 200 only while a request can be "
                         "served (probe this, not Triton's /v2/health/ready); /metrics: restarts, last cause")
     p.add_argument("--model_repo_dir", default=None, help="where to write the filled model repository (default: a temporary directory)")
+    p.add_argument("--fill_only", action="store_true",
+                   help="write the model repository to --model_repo_dir, print the tritonserver command that serves "
+                        "it, and exit (your own tritonserver, e.g. the NGC image's: TensorRT-LLM's fill_template.py "
+                        "step); the model flags below are filled in, the ports and the supervisor are yours")
     p.add_argument("--api_key", default=None,
                    help=f"require the key on the model-repository and shared-memory endpoints (HTTP header "
                         f"'{API_KEY_HEADER}: KEY', gRPC metadata '{GRPC_API_KEY_HEADER}: KEY')")
@@ -98,6 +102,8 @@ def cmd_serve(args, out=print) -> int:
         if backend == "compiled":
             out("backend auto: the compiled path (--backend torch starts at once, eagerly); its steps "
                 "compile before the server is ready, minutes the first time on this machine", file=sys.stderr)
+    if args.fill_only:
+        return fill_only(args, backend, limits, out)
 
     def start(ready_timeout: float = args.ready_timeout):
         return start_server(args.engine_dir, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
@@ -151,6 +157,25 @@ def cmd_serve(args, out=print) -> int:
         health.server_close()
         for s, h in previous.items():
             signal.signal(s, h)
+
+
+def fill_only(args, backend: str, limits: dict, out=print) -> int:
+    """``--fill_only``: the repository that ``serve`` would run, kept where the user names, and the
+    command line of a tritonserver that serves it. Its models add the checkout to their own sys.path
+    (the ``nemospec_root`` parameter), so that server's Python backend needs only nemospec's
+    dependencies (docker/Dockerfile installs them in the NGC image)."""
+    from pathlib import Path
+
+    from serving.repository import ROOT, fill_model_repo
+    if not args.model_repo_dir:
+        raise NemospecError("--fill_only: needs --model_repo_dir DIR, the directory to write the model repository to")
+    repo = fill_model_repo(args.engine_dir, Path(args.model_repo_dir).resolve(), backend=backend,
+                           torch_threads=args.torch_threads, warm_up=args.warm_up, max_batch_size=args.max_batch_size,
+                           max_queue=args.max_queue, logprobs_mode=args.logprobs_mode,
+                           draft_policy={f: getattr(args, f, None) for f in POLICY_FLAGS}, limits=limits)
+    out(f"model repository {repo} (models preprocessing, speculative, postprocessing, ensemble; nemospec from {ROOT})")
+    out(f"tritonserver --model-repository {repo} --model-control-mode none --strict-model-config true")
+    return 0
 
 
 def write_endpoints(path, endpoints: dict) -> None:
