@@ -37,7 +37,12 @@ class UnavailableError(NemospecError, RuntimeError):
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse's parser with its errors on one line (exit 2), pointing at --help instead of printing
-    the whole usage block first."""
+    the whole usage block first, and no abbreviated flags: ``--max_draft 8`` is an error naming it, not
+    ``--max_draft_len 8`` by a guess that a later flag (``--max_draft_tokens``) would make ambiguous."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {_one_line(message)} (see {self.prog} --help)\n")

@@ -320,6 +320,12 @@ def test_argument_errors_are_one_line(capsys):
     _, err = capsys.readouterr()
     line = _one_error_line(err)
     assert exit_.value.code == 2 and line.startswith("nemospec build: error: unrecognized arguments: --max_num_tokens")
+    for argv in (["build", "--output_dir", "o", "--max_draft", "4"],                    # no flag by its prefix
+                 ["generate", "--input_ids", "1", "--max_new_tokens", "2", "--temp", "0.5"], ["bench", "--thread", "1"]):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(argv)
+        _, err = capsys.readouterr()
+        assert exit_.value.code == 2 and f"unrecognized arguments: {argv[-2]} " in _one_error_line(err) + " ", err
 
 
 def test_quantize_refuses_its_output_dir_before_quantizing(tmp_path, capsys, monkeypatch):
