@@ -164,6 +164,7 @@ def fill_only(args, backend: str, limits: dict, out=print) -> int:
     command line of a tritonserver that serves it. Its models add the checkout to their own sys.path
     (the ``nemospec_root`` parameter), so that server's Python backend needs only nemospec's
     dependencies (docker/Dockerfile installs them in the NGC image)."""
+    import shlex
     from pathlib import Path
 
     from serving.repository import ROOT, fill_model_repo
@@ -174,7 +175,7 @@ def fill_only(args, backend: str, limits: dict, out=print) -> int:
                            max_queue=args.max_queue, logprobs_mode=args.logprobs_mode,
                            draft_policy={f: getattr(args, f, None) for f in POLICY_FLAGS}, limits=limits)
     out(f"model repository {repo} (models preprocessing, speculative, postprocessing, ensemble; nemospec from {ROOT})")
-    out(f"tritonserver --model-repository {repo} --model-control-mode none --strict-model-config true")
+    out(f"tritonserver --model-repository {shlex.quote(str(repo))} --model-control-mode none --strict-model-config true")
     return 0
 
 

@@ -24,9 +24,12 @@ def _fill(*argv):
     return code, out.getvalue(), err.getvalue()
 
 
-def test_fill_only_needs_the_directory_to_write(engine_dir):  # noqa: F811
+def test_fill_only_needs_a_directory_the_python_backend_can_load_from(engine_dir, tmp_path):  # noqa: F811
     code, out, err = _fill("--engine_dir", str(engine_dir), "--fill_only")
     assert code == 2 and "--fill_only: needs --model_repo_dir DIR" in err and not out, err
+    # Triton 2.51's Python backend split such a path: its stubs died ("stol") and it never got ready
+    code, out, err = _fill("--engine_dir", str(engine_dir), "--fill_only", "--model_repo_dir", str(tmp_path / "a b"))
+    assert code == 2 and "--model_repo_dir:" in err and "whitespace" in err and not (tmp_path / "a b").exists(), err
 
 
 def test_a_filled_repository_serves_under_a_tritonserver_of_its_own(engine_dir, tmp_path):  # noqa: F811
