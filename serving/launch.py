@@ -10,6 +10,7 @@ the Python stubs included, after ``shutdown_timeout``) or kills it at once (``ki
 from __future__ import annotations
 
 import atexit
+import collections
 import errno
 import os
 import random
@@ -39,25 +40,34 @@ RESTRICTED = "model-repository,shared-memory"           # what --api_key protect
 ABORT_SECONDS = 2.5      # the last part of a stop: requests still in flight are ended with an error
 
 
+_handed_out: collections.deque = collections.deque(maxlen=256)   # free_port's recent answers
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on now. Triton binds its ports only after its models load, so a port
-    from the kernel's ephemeral range can meanwhile become another socket's outgoing port:
-    ``$NEMOSPEC_PORT_RANGE`` (``LO-HI``, below that range) picks from a range of the caller's own
-    instead (the test suite gives each xdist worker one)."""
+    """A port nothing listens on now, and none this process was given lately: nothing binds a port
+    between two calls (``{flag: free_port() for flag in ...}``), so a random pick could repeat and
+    hand one server the same port twice (its gRPC and metrics: it exited). Triton binds its ports
+    only after its models load, so a port from the kernel's ephemeral range can meanwhile become
+    another socket's outgoing port: ``$NEMOSPEC_PORT_RANGE`` (``LO-HI``, below that range) picks from
+    a range of the caller's own instead (the test suite gives each xdist worker one)."""
     span = os.environ.get("NEMOSPEC_PORT_RANGE", "")
+    candidates = []
     if span:
         low, high = (int(v) for v in span.split("-"))
-        for _ in range(256):
-            port = random.randint(low, high)
-            with socket.socket() as s:
-                try:
-                    s.bind((host, port))
-                    return port
-                except OSError:
-                    continue
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+        candidates = [random.randint(low, high) for _ in range(256)]
+    for port in candidates + [0] * 64:   # 0: the kernel picks
+        if port and port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.append(port)
+            return port
+    raise NemospecError(f"no free port on {host}")
 
 
 def check_port_free(host: str, port: int, flag: str) -> None:

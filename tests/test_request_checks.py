@@ -194,3 +194,14 @@ def test_test_servers_pick_ports_from_their_workers_own_range():
     assert len({port_range(f"gw{k}") for k in range(6)}) == 6
     low, high = map(int, os.environ["NEMOSPEC_PORT_RANGE"].split("-"))
     assert all(low <= free_port() <= high for _ in range(8))
+
+
+def test_free_port_never_hands_out_a_port_twice_in_a_row(monkeypatch):
+    """Nothing binds a port between two calls, so a random pick could repeat: a server was given one
+    port for its gRPC and its metrics and exited. A pick this process was just given is passed over."""
+    import random
+    from serving import launch
+    low = int(launch.os.environ["NEMOSPEC_PORT_RANGE"].split("-")[0])
+    monkeypatch.setattr(random, "randint", lambda a, b: low + 7)   # every pick the same port
+    ports = [launch.free_port() for _ in range(3)]
+    assert len(set(ports)) == 3 and ports[0] == low + 7, ports
