@@ -7,6 +7,7 @@ checkpoint with a tokenizer. Greedy results are compared with `nemospec generate
 """
 import contextlib
 import importlib.util
+import functools
 import io
 import json
 import queue
@@ -199,8 +200,28 @@ def metrics(server) -> dict:
 
 
 def metric(server, name, **labels):
+    return metric_in(metrics(server), name, **labels)
+
+
+def settled_metrics(server, ready=lambda m: True, timeout=10.0) -> dict:
+    """A scrape once ``ready(scrape)`` holds and the scrape 0.15 s later is the same: the model
+    publishes its counters at most every 0.1 s (METRICS_SECONDS), so a request's last counts arrive
+    after its last response."""
+    deadline = time.monotonic() + timeout
+    m = metrics(server)
+    while time.monotonic() < deadline:
+        time.sleep(0.15)
+        m, previous = metrics(server), m
+        if ready(m) and m == previous:
+            break
+    return m
+
+
+def metric_in(values, name, **labels):
+    """One metric of a scrape (``metrics(server)``): read several from one scrape to compare them (the
+    model publishes its counters every ~0.1 s, so two scrapes can straddle an update)."""
     want = {"model": "speculative", **labels}
-    for key, value in metrics(server).items():
+    for key, value in values.items():
         base, _, rest = key.partition("{")
         found = dict(re.findall(r'(\w+)="([^"]*)"', rest))
         if base == name and found == want:
@@ -424,7 +445,7 @@ def test_concurrent_streams_are_batched_and_equal_sequential(server, engine_dir)
     sequential = [text_and_ids(grpc_stream(server, p, 20)) for p in prompts]
     for p, (_, ids) in zip(prompts, sequential):  # batched with others, a row may round differently
         assert_margin(engine_dir, p, ids)
-    before = metric(server, "nemospec_steps_total")
+    before = metric_in(settled_metrics(server), "nemospec_steps_total")
     results = [None] * len(prompts)
 
     def run(i):
@@ -439,36 +460,46 @@ def test_concurrent_streams_are_batched_and_equal_sequential(server, engine_dir)
     elapsed = time.perf_counter() - start
     assert all(r is not None and r[3] is None for r in results), [r and r[3] for r in results]
     assert [text_and_ids(r) for r in results] == sequential
-    assert metric(server, "nemospec_max_batch_seen") > 1
-    steps = metric(server, "nemospec_steps_total") - before
+    m = settled_metrics(server, lambda m: metric_in(m, "nemospec_max_batch_seen") > 1)
+    assert metric_in(m, "nemospec_max_batch_seen") > 1
+    steps = metric_in(m, "nemospec_steps_total") - before
     tokens = sum(len(r[1]) for r in results)
     assert steps < tokens, f"{steps} steps for {tokens} tokens: requests were served together ({elapsed:.1f} s)"
 
 
 def test_cancel_mid_stream_frees_the_sequence(server):
+    """A stream cancelled after its third response is counted cancelled and frees its sequence. The
+    140-token stream can finish within a fraction of a second of its first response, before the
+    cancel reaches the model (through postprocessing): then it counts completed, and the test tries
+    again with a new stream."""
     import tritonclient.grpc as grpcclient
-    cancelled = metric(server, "nemospec_requests_total", outcome="cancelled")
-    client = grpcclient.InferenceServerClient(server.grpc_url)
-    results = queue.Queue()
-    client.start_stream(callback=lambda result, error: results.put((result, error)))
-    client.async_stream_infer("ensemble", _grpc_inputs(PROMPTS[0], 140, end_id=-1))
-    for _ in range(3):
-        result, error = results.get(timeout=60)
-        assert error is None
-    deadline = time.monotonic() + 5  # the gauge follows the scheduler within ~0.1 s
-    while metric(server, "nemospec_active_sequences") != 1 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert metric(server, "nemospec_active_sequences") == 1
-    client.stop_stream(cancel_requests=True)
-    client.close()
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        if (metric(server, "nemospec_active_sequences") == 0
-                and metric(server, "nemospec_requests_total", outcome="cancelled") == cancelled + 1):
+
+    def outcome(name):
+        return metric(server, "nemospec_requests_total", outcome=name)
+
+    for attempt in range(3):
+        cancelled, completed = outcome("cancelled"), outcome("completed")
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        results = queue.Queue()
+        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        client.async_stream_infer("ensemble", _grpc_inputs(PROMPTS[0], 140, end_id=-1))
+        for _ in range(3):
+            result, error = results.get(timeout=60)
+            assert error is None
+        client.stop_stream(cancel_requests=True)
+        client.close()
+        deadline = time.monotonic() + 20   # the outcome counters move at once, the gauge within ~0.1 s
+        while time.monotonic() < deadline:
+            if outcome("cancelled") + outcome("completed") == cancelled + completed + 1:
+                break
+            time.sleep(0.05)
+        if outcome("completed") == completed:
             break
-        time.sleep(0.1)
+    assert outcome("cancelled") == cancelled + 1, "the stream was cancelled in flight in 3 tries"
+    deadline = time.monotonic() + 5
+    while metric(server, "nemospec_active_sequences") != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert metric(server, "nemospec_active_sequences") == 0
-    assert metric(server, "nemospec_requests_total", outcome="cancelled") == cancelled + 1
 
 
 BAD = [
@@ -554,17 +585,28 @@ def test_bad_word_ids_sent_to_the_model_fail_that_request_alone(server, engine_d
     """Triton serves the ensemble's inner models too: word ids outside the vocabulary sent straight to
     the speculative model are a 400 naming the field, and a request in flight beside it (same batch)
     still finishes exactly (an IndexError in the batched step had failed them all)."""
-    results = queue.Queue()
-    good = threading.Thread(target=lambda: results.put(generate(server, text_input=PROMPTS[0], max_tokens=40,
-                                                                exclude_input_in_output=True)))
-    good.start()
-    time.sleep(0.3)
-    for name in ("bad_words_ids", "stop_words_ids"):
-        status, text = http_post(server, "/v2/models/speculative/generate",
-                                 {"input_ids": [5, 6], "max_tokens": 4, name: [[99999], [1]]})
-        assert status == 400 and f"{name}: token id 99999 outside the vocabulary" in text, (status, text)
-    good.join(180)
-    status, got = results.get_nowait()
+    def count(name, **labels):   # both counters move at once (not on the ~0.1 s publishing tick)
+        return metric(server, f"nemospec_requests_{name}", **labels)
+
+    for attempt in range(3):   # the good request must still be running when the bad ones are answered
+        received, completed = count("received_total"), count("total", outcome="completed")
+        results = queue.Queue()
+        good = threading.Thread(target=lambda: results.put(generate(server, text_input=PROMPTS[0], max_tokens=40,
+                                                                    exclude_input_in_output=True)))
+        good.start()
+        deadline = time.monotonic() + 30
+        while count("received_total") == received and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for name in ("bad_words_ids", "stop_words_ids"):
+            status, text = http_post(server, "/v2/models/speculative/generate",
+                                     {"input_ids": [5, 6], "max_tokens": 4, name: [[99999], [1]]})
+            assert status == 400 and f"{name}: token id 99999 outside the vocabulary" in text, (status, text)
+        beside = count("total", outcome="completed") == completed
+        good.join(180)
+        status, got = results.get_nowait()
+        if beside:
+            break
+    assert beside, "the good request was in flight beside the bad ones (3 tries)"
     assert status == 200 and got["output_ids"] == offline(engine_dir, PROMPTS[0], 40)["output_ids"]
 
 
@@ -574,7 +616,7 @@ def test_queue_full_is_refused_clearly(server, engine_dir):
     client = grpcclient.InferenceServerClient(server.grpc_url)
     results = queue.Queue()
     client.start_stream(callback=lambda result, error: results.put((result, error)))
-    n = OPTIONS["max_batch_size"] + MAX_QUEUE + 8
+    n = OPTIONS["max_batch_size"] + MAX_QUEUE + 24   # a surplus that arrives before 24 requests finish
     for i in range(n):
         client.async_stream_infer("ensemble", _grpc_inputs(f"x{i} = 1", 60, stream=False, end_id=-1),
                                   request_id=str(i))
@@ -605,28 +647,27 @@ def test_models_run_on_mimalloc(server):
 
 
 def test_metrics_exported(server):
-    assert generate(server, text_input=PROMPTS[0], max_tokens=4)[0] == 200   # run alone (-k), it counts its own
-    deadline = time.monotonic() + 10      # the model publishes its counters at most every 0.1 s, idle or not
-    while metric(server, "nemospec_generated_tokens_total") == 0 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    m = metrics(server)
+    tokens_before = metric(server, "nemospec_generated_tokens_total")
+    assert generate(server, text_input=PROMPTS[0], max_tokens=4)[0] == 200
+    m = settled_metrics(server, lambda m: metric_in(m, "nemospec_generated_tokens_total") > tokens_before)
     for name in ("nemospec_steps_total", "nemospec_accepted_tokens_total", "nemospec_verify_rows_total",
                  "nemospec_generated_tokens_total", "nemospec_active_sequences", "nemospec_draft_seconds_total",
                  "nemospec_verify_seconds_total", "nemospec_draft_latency_seconds_count",
                  "nemospec_verify_latency_seconds_count", "nemospec_accepted_tokens_per_step_count"):
         assert any(k.startswith(name + "{") for k in m), name
-    assert metric(server, "nemospec_generated_tokens_total") > 0
-    assert metric(server, "nemospec_accepted_tokens_total") >= metric(server, "nemospec_verify_rows_total") > 0
+    value = functools.partial(metric_in, m)
+    assert value("nemospec_generated_tokens_total") > tokens_before
+    assert value("nemospec_accepted_tokens_total") >= value("nemospec_verify_rows_total") > 0
     # the speculative-decoding families dashboards read (vLLM's and TensorRT-LLM's, nemospec_ prefix)
-    drafts = metric(server, "nemospec_spec_decode_num_drafts_total")
-    draft_tokens = metric(server, "nemospec_spec_decode_num_draft_tokens_total")
-    accepted = metric(server, "nemospec_spec_decode_num_accepted_tokens_total")
-    assert drafts == metric(server, "nemospec_verify_rows_total") and draft_tokens >= drafts > 0
-    assert accepted == metric(server, "nemospec_accepted_tokens_total") - drafts  # gained = accepted + one bonus
-    per_position = [metric(server, "nemospec_spec_decode_num_accepted_tokens_per_pos_total", position=str(j))
+    drafts = value("nemospec_spec_decode_num_drafts_total")
+    draft_tokens = value("nemospec_spec_decode_num_draft_tokens_total")
+    accepted = value("nemospec_spec_decode_num_accepted_tokens_total")
+    assert drafts == value("nemospec_verify_rows_total") and draft_tokens >= drafts > 0
+    assert accepted == value("nemospec_accepted_tokens_total") - drafts  # gained = accepted + one bonus
+    per_position = [value("nemospec_spec_decode_num_accepted_tokens_per_pos_total", position=str(j))
                     for j in range(OPTIONS["max_draft_len"])]
     assert sum(per_position) == accepted and per_position == sorted(per_position, reverse=True)
-    assert metric(server, "nemospec_prompt_tokens_total") > 0
+    assert value("nemospec_prompt_tokens_total") > 0
     # every request handed to the model ends in one outcome (the supervisor's stall check reads the gap)
     deadline = time.monotonic() + 10     # a cancelled request of an earlier test may still be ending
     while True:
