@@ -31,7 +31,7 @@ from builder import embedded
 from builder.engine import BuildOptions, build
 from serving import launch
 from serving.openai.server import OpenAIFrontend
-from test_serving import HAVE_TRITON, free_ports, metric
+from serving_helpers import HAVE_TRITON, free_ports, metric
 
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="needs tritonserver and tritonclient (pip install -e '.[dev]')")
 

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from serving import health, limits
-from test_serving import (HAVE_TRITON, PROMPTS, _grpc_inputs, engine_dir, generate, grpc_stream,  # noqa: F401
+from serving_helpers import (HAVE_TRITON, PROMPTS, _grpc_inputs, engine_dir, generate, grpc_stream,  # noqa: F401
                           http_post, server)
 
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="needs tritonserver and tritonclient (pip install -e '.[dev]')")

@@ -3,7 +3,7 @@ kill -9 of tritonserver, SIGTERM with streams in flight, a crash loop. Readiness
 /health/ready) goes false within 5 s, in-flight streams get an error, the server serves the same
 greedy output again within 60 s, and nothing is left running after it exits.
 
-One `serve` process for the module (the mtp engine of tests/test_serving.py, built once); the last
+One `serve` process for the module (the mtp engine of tests/serving_helpers.py, built once); the last
 test stops it with SIGTERM.
 """
 import json
@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import pytest
 
 from serving import health, launch, readiness_check
-from test_serving import HAVE_TRITON, PROMPTS, _grpc_inputs, engine_dir, generate, offline  # noqa: F401
+from serving_helpers import HAVE_TRITON, PROMPTS, _grpc_inputs, engine_dir, generate, offline  # noqa: F401
 
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="needs tritonserver and tritonclient (pip install -e '.[dev]')")
 MEASURED = {}   # seconds, printed at the end of the module (pytest -s) for the report

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from serving import launch, tensors
-from test_serving import HAVE_TRITON, engine_dir, free_ports, offline, tokenizer  # noqa: F401 (fixtures)
+from serving_helpers import HAVE_TRITON, engine_dir, free_ports, offline, tokenizer  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="needs tritonserver and tritonclient")
 

@@ -1,0 +1,176 @@
+"""`nemospec serve` as a command: run as a user runs it (endpoints printed and written, SIGINT), the
+ports it picks and the errors that name a flag, the measured draft-length schedule, a tokenizer's BOS.
+Each test starts its own server on the engine directories of tests/serving_helpers.py."""
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from nemospec import cli
+from serving import launch
+from serving_helpers import (NEEDS_TRITON, OPTIONS, PROMPTS, draft_target_engine_dir, engine_dir,  # noqa: F401
+                             free_ports, generate, metric, offline)
+
+pytestmark = NEEDS_TRITON
+
+
+def test_cli_serve_draft_target_engine_and_sigint(draft_target_engine_dir, tmp_path):
+    """`nemospec serve` as a user runs it, on a draft_target engine directory: the served greedy
+    output equals offline generation; SIGINT stops the server and exits 0."""
+    engine_dir = draft_target_engine_dir
+    for attempt in range(3):  # retried only if a port picked free was taken before the server bound it
+        ports = [launch.free_port() for _ in range(3)]
+        cmd = [sys.executable, "-m", "nemospec.cli", "serve", "--engine_dir", str(engine_dir),
+               "--http_port", str(ports[0]), "--grpc_port", str(ports[1]), "--metrics_port", str(ports[2]),
+               "--max_batch_size", "2", "--model_repo_dir", str(tmp_path / "repo"), "--openai_port", "0",
+               "--backend", "torch", "--endpoints_json", str(tmp_path / "endpoints.json")]
+        process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        lines = []
+        for line in process.stdout:
+            lines.append(line)
+            if line.startswith("openai"):
+                break
+        if lines or attempt == 2:
+            break
+        stderr = process.communicate(timeout=60)[1]
+        assert "already in use" in " ".join(stderr.split()), stderr  # (rich wraps long lines)
+    try:
+        assert any(f"127.0.0.1:{ports[0]}" in line for line in lines), (lines, process.poll())
+        openai_url = next(line.split()[1] for line in lines if line.startswith("openai"))
+        for line in process.stderr:   # the ready line comes after the endpoints (stdout, the JSON file)
+            if line.startswith("ready;"):
+                break
+        printed = dict(line.split() for line in lines)
+        assert json.loads((tmp_path / "endpoints.json").read_text()) == printed
+        assert {"http", "grpc", "ready", "openai"} <= set(printed)
+        with urllib.request.urlopen(f"{openai_url}/models", timeout=10) as r:
+            assert json.loads(r.read())["data"][0]["id"] == "engine_dt"
+        with urllib.request.urlopen(f"http://127.0.0.1:{ports[0]}/v2/health/ready", timeout=10) as r:
+            assert r.status == 200
+        assert (tmp_path / "repo" / "speculative" / "config.pbtxt").is_file()
+        want = offline(engine_dir, PROMPTS[0], 24)
+        assert want["acceptance"]["mean_accepted_tokens"] > 1.0, "the noisy-copy draft agrees often"
+        request = urllib.request.Request(f"http://127.0.0.1:{ports[0]}/v2/models/ensemble/generate", method="POST",
+                                         data=json.dumps({"text_input": PROMPTS[0], "max_tokens": 24,
+                                                              "exclude_input_in_output": True}).encode())
+        with urllib.request.urlopen(request, timeout=120) as r:
+            got = json.loads(r.read())
+        assert got["output_ids"] == want["output_ids"] and got["text_output"] == want["text"]
+        assert got["mean_accepted_tokens"] == pytest.approx(want["acceptance"]["mean_accepted_tokens"])
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == 0
+        with pytest.raises(OSError):
+            urllib.request.urlopen(f"http://127.0.0.1:{ports[0]}/v2/health/ready", timeout=2)
+    finally:
+        if process.poll() is None:  # a failed assertion: stop it the clean way first
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def test_a_triton_port_taken_while_the_models_load_is_picked_again(engine_dir, monkeypatch):
+    """The loopback port picked for Triton's own HTTP is only bound once the models have loaded; taken
+    meanwhile by another process, Triton exits, and start_server starts it again on another port
+    behind the same guard instead of failing on a port the user never chose."""
+    import socket
+    ports = free_ports()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        picks, real = iter([taken.getsockname()[1]]), launch.free_port
+        monkeypatch.setattr(launch, "free_port", lambda host="127.0.0.1": next(picks, None) or real(host))
+        handle = launch.start_server(engine_dir, **ports, backend="torch", ready_timeout=300)
+    try:
+        first = (handle.run_dir / "tritonserver.log").read_text(errors="replace")
+        assert "already in use" in first and handle.log_path.name == "tritonserver.1.log"
+        request = urllib.request.Request(f"http://{handle.http_url}/v2/models/ensemble/generate", method="POST",
+                                         data=json.dumps({"text_input": PROMPTS[0], "max_tokens": 4}).encode())
+        with urllib.request.urlopen(request, timeout=120) as r:
+            assert r.status == 200 and json.loads(r.read())["text_output"]
+        assert "nemospec_" in handle.metrics()
+    finally:
+        handle.stop()
+    assert not handle.run_dir.exists()
+
+
+@pytest.mark.parametrize("flag", ["grpc_port", "metrics_port"])
+def test_a_taken_grpc_or_metrics_port_is_an_error_naming_the_flag(engine_dir, flag):
+    import socket
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        ports = free_ports()   # picked while the taken port is held: none of them can be it
+        ports[flag] = taken.getsockname()[1]
+        start = time.monotonic()
+        with pytest.raises(launch.NemospecError) as error:
+            launch.start_server(engine_dir, **ports, backend="torch", ready_timeout=300)
+    assert str(error.value) == f"--{flag}: 127.0.0.1:{ports[flag]} is already in use"
+    assert time.monotonic() - start < 5, "refused before tritonserver loads its models"
+
+
+def test_draft_len_schedule_auto_is_measured_before_serving(draft_target_engine_dir):
+    """--draft_len_schedule auto: the speculative model measures each batch size up to the server's
+    max batch (1, 2) before it is ready, logs the schedule it keeps, and serves the target's greedy
+    output whatever K it chose."""
+    engine_dir = draft_target_engine_dir
+    for attempt in range(3):
+        try:
+            handle = launch.start_server(engine_dir, **free_ports(), backend="torch", max_batch_size=2,
+                                         draft_policy={"draft_len_schedule": "auto"}, ready_timeout=300)
+            break
+        except Exception as e:
+            if "already in use" not in str(e) or attempt == 2:
+                raise
+    try:
+        log = handle.log_path.read_text(errors="replace")
+        line = next(ln for ln in log.splitlines() if "--draft_len_schedule auto:" in ln)
+        schedule = line.split("--draft_len_schedule auto:")[1].split()[0]
+        assert [b for b, _ in (item.split(":") for item in schedule.split(","))] == ["1", "2"], line
+        assert all(0 <= int(k) <= OPTIONS["max_draft_len"] for _, k in (i.split(":") for i in schedule.split(",")))
+        for item in schedule.split(","):   # and exported as a gauge per batch size
+            batch, k = item.split(":")
+            assert metric(handle, "nemospec_draft_len_schedule", max_batch_size=batch) == int(k)
+        want = offline(engine_dir, PROMPTS[0], 24)
+        request = urllib.request.Request(f"http://{handle.http_url}/v2/models/ensemble/generate", method="POST",
+                                         data=json.dumps({"text_input": PROMPTS[0], "max_tokens": 24,
+                                                          "exclude_input_in_output": True}).encode())
+        with urllib.request.urlopen(request, timeout=120) as r:
+            assert json.loads(r.read())["output_ids"] == want["output_ids"]
+    finally:
+        handle.stop()
+
+
+def test_cli_serve_bad_engine_dir(tmp_path, capsys):
+    assert cli.main(["serve", "--engine_dir", str(tmp_path)]) == 2
+    assert "--engine_dir" in capsys.readouterr().err
+
+
+def test_add_special_tokens_false_leaves_the_tokenizers_bos_out(engine_dir, tmp_path):
+    """Most checkpoints' tokenizers add a BOS: preprocessing adds it to a prompt unless the request
+    sends add_special_tokens false (the OpenAI frontend does for chat, whose rendered template writes
+    its own: the model would otherwise see two)."""
+    from tokenizers import Tokenizer
+    from tokenizers.processors import TemplateProcessing
+    bos_engine = tmp_path / "engine"
+    shutil.copytree(engine_dir, bos_engine)
+    tok = Tokenizer.from_file(str(bos_engine / "tokenizer.json"))
+    bos = tok.id_to_token(1)
+    tok.post_processor = TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, 1)])
+    tok.save(str(bos_engine / "tokenizer.json"))
+    prompt_ids = tok.encode("def f(x):", add_special_tokens=False).ids
+    with launch.serving(bos_engine, **free_ports()) as handle:
+        outputs = {}
+        for special in (True, False):
+            status, got = generate(handle, text_input="def f(x):", max_tokens=1, add_special_tokens=special)
+            assert status == 200, got
+            outputs[special] = got["output_ids"]
+    assert outputs[True][:len(prompt_ids) + 1] == [1] + prompt_ids
+    assert outputs[False][:len(prompt_ids)] == prompt_ids and outputs[False][0] != 1
