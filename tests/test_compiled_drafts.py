@@ -12,7 +12,7 @@ from runtime.generation import generate
 from runtime.loading import open_checkpoint
 from runtime.speculative import speculative_generate
 from runtime.tree.draft import TreeShape
-from test_compiled import NEW, RAGGED
+from compiled_helpers import NEW, RAGGED
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -118,7 +118,7 @@ def test_greedy_acceptance_keeps_the_longest_agreeing_path():
 def test_tree_verify_network_interprets_like_eager(target):
     """The tree verify recorded as a TensorRT network (every layer of the target, tree ops included)
     evaluates on the CPU interpreter to the eager logits and kept rollback inputs."""
-    from test_trt_ops import check
+    from network_checks import check
     module = target.module
     capacity, t = 16, len(PARENTS)
     spec = module.state_spec(1, capacity)

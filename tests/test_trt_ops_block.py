@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_trt_ops import F32, HALF, check, gen, randn
+from network_checks import F32, HALF, check, gen, randn
 
 from builder import functional as F
 from builder.models.dflash import block_limit

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_trt_ops import F32, HALF, check, gen, randn
+from network_checks import F32, HALF, check, gen, randn
 
 from builder import functional as F
 from builder.rope_frequencies import rope_inv_freq

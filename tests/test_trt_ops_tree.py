@@ -5,7 +5,7 @@ import torch
 
 from builder import functional as F
 from runtime.tree import paths as tree_paths
-from test_trt_ops import check, randn
+from network_checks import check, randn
 
 TREES = [[-1, 0, 0, 1, 1, 2, 3, 6], [-1, 0, 1, 0, 3]]
 
