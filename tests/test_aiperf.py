@@ -31,9 +31,9 @@ from builder import embedded
 from builder.engine import BuildOptions, build
 from serving import launch
 from serving.openai.server import OpenAIFrontend
-from serving_helpers import HAVE_TRITON, free_ports, metric
+from serving_helpers import NEEDS_TRITON, free_ports, metric
 
-pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="needs tritonserver and tritonclient (pip install -e '.[dev]')")
+pytestmark = NEEDS_TRITON
 
 ROOT = Path(__file__).resolve().parents[1]
 K = 3

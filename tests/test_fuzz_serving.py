@@ -13,10 +13,10 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from serving import health, limits
-from serving_helpers import (HAVE_TRITON, PROMPTS, _grpc_inputs, engine_dir, generate, grpc_stream,  # noqa: F401
+from serving_helpers import (NEEDS_TRITON, PROMPTS, _grpc_inputs, engine_dir, generate, grpc_stream,  # noqa: F401
                           http_post, server)
 
-pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="needs tritonserver and tritonclient (pip install -e '.[dev]')")
+pytestmark = NEEDS_TRITON
 FIELDS = ("text_input", "max_tokens", "temperature", "top_p", "random_seed", "end_id", "stream", "stop_words",
           "bad_words", "speculative", "request", "parameters", "max_seq_len", "max_input_len")
 SETTINGS = dict(deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])

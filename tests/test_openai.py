@@ -15,10 +15,10 @@ import pytest
 from serving import launch
 from serving.openai.protocol import StopMatcher
 from serving.openai.server import OpenAIFrontend
-from serving_helpers import HAVE_TRITON, engine_dir, free_ports, offline, tokenizer  # noqa: F401 (fixtures)
+from serving_helpers import NEEDS_TRITON, engine_dir, free_ports, offline, tokenizer  # noqa: F401 (fixtures)
 
 openai = pytest.importorskip("openai", reason="the official client is a dev dependency: pip install -e '.[dev]'")
-pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="needs tritonserver and tritonclient")
+pytestmark = NEEDS_TRITON
 
 KEY = "sk-test"
 TEMPLATE = ("{% for m in messages %}# {{ m.role }}: {{ m.content }}\n{% endfor %}"

@@ -6,15 +6,13 @@ import shlex
 import subprocess
 import time
 
-import pytest
-
 from nemospec import cli
 from serving import launch
 from serving.health import triton_ready
 from serving.tritonserver import assemble_backends, find_tritonserver, server_env
-from serving_helpers import HAVE_TRITON, engine_dir, generate, offline  # noqa: F401 (fixtures)
+from serving_helpers import NEEDS_TRITON, engine_dir, generate, offline  # noqa: F401 (fixtures)
 
-pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="needs tritonserver and tritonclient")
+pytestmark = NEEDS_TRITON
 
 
 def _fill(*argv):

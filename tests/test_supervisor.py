@@ -21,9 +21,9 @@ from types import SimpleNamespace
 import pytest
 
 from serving import health, launch, readiness_check
-from serving_helpers import HAVE_TRITON, PROMPTS, _grpc_inputs, engine_dir, generate, offline  # noqa: F401
+from serving_helpers import NEEDS_TRITON, PROMPTS, _grpc_inputs, engine_dir, generate, offline  # noqa: F401
 
-pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="needs tritonserver and tritonclient (pip install -e '.[dev]')")
+pytestmark = NEEDS_TRITON
 MEASURED = {}   # seconds, printed at the end of the module (pytest -s) for the report
 
 

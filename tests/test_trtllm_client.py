@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from serving import launch, tensors
-from serving_helpers import HAVE_TRITON, engine_dir, free_ports, offline, tokenizer  # noqa: F401 (fixtures)
+from serving_helpers import NEEDS_TRITON, engine_dir, free_ports, offline, tokenizer  # noqa: F401 (fixtures)
 
-pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="needs tritonserver and tritonclient")
+pytestmark = NEEDS_TRITON
 
 PERF = ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks", "arrival_time_ns",
         "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns", "acceptance_rate",
