@@ -180,8 +180,8 @@ def _kill_and_recover(serve, engine_dir, cause):
     the restart the pair starts again."""
     want = offline(engine_dir, PROMPTS[0], 12)["output_ids"]
     for attempt in range(3):
-        restarts = serve.state()["restarts"]
         state = serve.state()
+        restarts = state["restarts"]
         pid = (state["tritonserver_pid"] if cause == "tritonserver" else
                next(int(p) for p, model in state["stub_pids"].items() if model == cause))
         stream = Stream(serve)
@@ -203,8 +203,9 @@ def _kill_and_recover(serve, engine_dir, cause):
         MEASURED[f"{cause}_serving_again_s"] = time.monotonic() - killed
         if not stream.final and http_result["r"][0] != 200:
             break
-        # one of them finished before the kill (a stopped process sends nothing after it): again
-    assert stream.error is not None and not stream.final, "the in-flight stream got an error (3 tries)"
+        # one of them finished before the kill (a killed process sends nothing after it): again
+    assert stream.error is not None and not stream.final, \
+        f"the in-flight stream got an error (3 tries):\n{_speculative_metrics(serve)}"
     assert http_result["r"][0] != 200, http_result    # an error, not a hang
     status, got = generate(SimpleNamespace(http_url=serve.http_url), text_input=PROMPTS[0], max_tokens=12,
                            exclude_input_in_output=True)

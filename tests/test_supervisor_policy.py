@@ -66,11 +66,13 @@ def test_crashes_spread_out_are_not_a_loop():
 
     s = supervisor.Supervisor(start, check_interval=0.01, max_restarts=1, restart_window=0.2, check=check,
                               log=lambda m: None)
+
     def stop_after_three():   # restarts come every ~0.3 s; a loaded machine may take longer
         deadline = time.monotonic() + 30
         while s.restarts < 3 and time.monotonic() < deadline:
             time.sleep(0.01)
         s.request_stop()
+
     threading.Thread(target=stop_after_three, daemon=True).start()
     assert s.run() == 0
     assert s.restarts >= 3, "each crash fell outside the window of the previous one"
