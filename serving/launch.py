@@ -174,8 +174,23 @@ class ServerHandle:
             lines = self.log_path.read_text(errors="replace").splitlines()
         except OSError:
             return ""
-        noise = ("NVML", "DCGM", "insufficient for CUDA runtime")   # a machine without a GPU says so
+        noise = ("NVML", "DCGM", "insufficient for CUDA runtime", "CudaDriverHelper")   # a machine without a GPU says so
         return "\n".join(line for line in lines if re.match(r"^E\d{4} ", line) and not any(n in line for n in noise))
+
+    def exit_reason(self) -> str:
+        """Why this server ended before it was ready: its exit (a signal named), its error lines, and,
+        when it was killed or aborted (no error line says why), the end of its log."""
+        code = self.process.returncode
+        how = f"code {code}"
+        if code is not None and code < 0:
+            try:
+                how = f"signal {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"signal {-code}"
+        errors = self.errors()
+        detail = errors if errors and (code is None or code >= 0) else "\n".join(filter(None, [
+            errors, "the end of its log:", self.log_tail(15)]))
+        return f"tritonserver exited with {how} before it was ready:\n{detail}"
 
     def metrics(self) -> str:
         with urllib.request.urlopen(self.metrics_url, timeout=10) as r:
@@ -337,8 +352,7 @@ def start_server(engine_dir, *, host: str = "127.0.0.1", http_port: int = 8000, 
             for port, flag in ((grpc_port, "--grpc_port"), (metrics_port, "--metrics_port")):
                 if f":{port}' already in use" in handle.errors():
                     raise NemospecError(f"{flag}: {host}:{port} is already in use (tritonserver could not bind it)")
-            raise NemospecError(f"tritonserver exited with code {process.returncode} before it was ready:\n"
-                                f"{handle.errors() or handle.log_tail()}")
+            raise NemospecError(handle.exit_reason())
         handle.stubs = stub_processes(process.pid)
         return handle
     except BaseException:

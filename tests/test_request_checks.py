@@ -205,3 +205,28 @@ def test_free_port_never_hands_out_a_port_twice_in_a_row(monkeypatch):
     monkeypatch.setattr(random, "randint", lambda a, b: low + 7)   # every pick the same port
     ports = [launch.free_port() for _ in range(3)]
     assert len(set(ports)) == 3 and ports[0] == low + 7, ports
+
+
+@pytest.mark.parametrize("how, code, named", [("abort", -6, "signal SIGABRT"), ("exit", 1, "code 1")])
+def test_a_server_that_ended_before_ready_says_why(tmp_path, how, code, named):
+    """An aborted tritonserver writes no error line that says why: the message names the signal and
+    shows the end of its log, not the line every CPU-only Triton writes about CUDA (all a user saw of
+    a start aborted under load)."""
+    import subprocess
+    import sys
+    from serving import launch
+    log = tmp_path / "tritonserver.log"
+    log.write_text('E1207 10:15:28.448367 26526 server.cc:241] "CudaDriverHelper has not been initialized."\n'
+                   'I1207 10:15:29.000000 26526 python_be.cc:2000] "TRITONBACKEND_ModelInstanceInitialize: x_0"\n'
+                   + ('E1207 10:15:30.000000 26526 model_lifecycle.cc:654] "failed to load \'speculative\'"\n'
+                      if how == "exit" else ""))
+    act = "import os, signal; os.kill(os.getpid(), signal.SIGABRT)" if how == "abort" else "raise SystemExit(1)"
+    process = subprocess.Popen([sys.executable, "-c", act], stderr=subprocess.DEVNULL)
+    assert process.wait(timeout=30) == code
+    reason = launch.ServerHandle(process, "127.0.0.1", 1, 2, 3, tmp_path, tmp_path, log, []).exit_reason()
+    assert reason.startswith(f"tritonserver exited with {named} before it was ready:\n"), reason
+    assert "CudaDriverHelper" not in reason.split("the end of its log:")[0]
+    if how == "abort":
+        assert reason.endswith("TRITONBACKEND_ModelInstanceInitialize: x_0\"")
+    else:
+        assert reason.endswith("failed to load 'speculative'\"") and "the end of its log" not in reason
