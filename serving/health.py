@@ -71,6 +71,30 @@ def stub_processes(server_pid: int) -> dict[int, str]:
     return stubs
 
 
+SHM_PREFIX = "/dev/shm/triton_python_backend_shm_region_"
+
+
+def shared_memory_files(pids) -> set[str]:
+    """The Python backend's shared-memory files (``/dev/shm/triton_python_backend_shm_region_*``, one
+    per stub) that the processes ``pids`` hold open: Triton removes them when it exits, but not when
+    it is killed, so whoever kills it removes them (a supervisor that restarts a killed server
+    otherwise leaves ~1 MB or more in /dev/shm per stub and restart)."""
+    found = set()
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith(SHM_PREFIX):
+                found.add(target)
+    return found
+
+
 def triton_ready(http_url: str, timeout: float = 2.0) -> bool:
     try:
         with urllib.request.urlopen(f"http://{http_url}/v2/health/ready", timeout=timeout) as r:

@@ -22,13 +22,13 @@ import subprocess
 import tempfile
 import time
 import urllib.request
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from builder.errors import NemospecError
 from serving.cancel import notify_shutdown
-from serving.health import stub_processes, triton_ready, what_died
+from serving.health import shared_memory_files, stub_processes, triton_ready, what_died
 from serving.http_guard import HttpGuard
 from serving.limits import limits_from
 from serving.repository import fill_model_repo
@@ -114,6 +114,7 @@ class ServerHandle:
     stubs: dict = field(default_factory=dict)    # {pid: model} of the Python stubs when it became ready
     _group_killed: bool = field(default=False, repr=False)
     guard: object = field(default=None, repr=False)   # serving.http_guard.HttpGuard on http_port, if any
+    shm_files: set = field(default_factory=set)     # its stubs' shared memory, removed once it is gone
 
     @property
     def http_url(self) -> str:
@@ -202,6 +203,8 @@ class ServerHandle:
         if self._group_killed:
             return
         self._group_killed = True
+        if self.process.poll() is None:   # a server killed before it was ready: its files now
+            self.shm_files |= shared_memory_files([self.process.pid, *self.stubs, *stub_processes(self.process.pid)])
         for kill, pid in [(os.killpg, self.process.pid)] + [(os.kill, pid) for pid in self.stubs]:
             try:
                 kill(pid, signal.SIGKILL)
@@ -240,6 +243,10 @@ class ServerHandle:
             except ProcessLookupError:
                 pass
         self._kill_group()       # stubs left behind (e.g. after the server was killed) go too
+        for path in self.shm_files:   # a server that exits removes its own; a killed one cannot
+            with suppress(OSError):
+                os.unlink(path)
+        self.shm_files = set()
         if self.guard is not None:
             self.guard.close()
             self.guard = None
@@ -354,6 +361,7 @@ def start_server(engine_dir, *, host: str = "127.0.0.1", http_port: int = 8000, 
                     raise NemospecError(f"{flag}: {host}:{port} is already in use (tritonserver could not bind it)")
             raise NemospecError(handle.exit_reason())
         handle.stubs = stub_processes(process.pid)
+        handle.shm_files = shared_memory_files([process.pid, *handle.stubs])
         return handle
     except BaseException:
         owned = handle is not None and handle.guard is not None

@@ -184,6 +184,8 @@ def _kill_and_recover(serve, engine_dir, cause):
         restarts = state["restarts"]
         pid = (state["tritonserver_pid"] if cause == "tritonserver" else
                next(int(p) for p, model in state["stub_pids"].items() if model == cause))
+        shm = health.shared_memory_files([state["tritonserver_pid"], *map(int, state["stub_pids"])])
+        assert len(shm) == len(state["stub_pids"]), shm     # one region per stub
         stream = Stream(serve)
         assert stream.first.wait(60), "the stream started"
         http_result = {}
@@ -213,6 +215,7 @@ def _kill_and_recover(serve, engine_dir, cause):
     state = serve.state()
     assert state["restarts"] == restarts + 1 and cause in state["last_cause"], state
     assert not health.process_alive(pid)
+    assert not [f for f in shm if os.path.exists(f)], "the killed server's shared memory was removed"
     _, text = _get(f"http://127.0.0.1:{serve.ports[3]}/metrics")
     assert f"nemospec_supervisor_restarts_total {restarts + 1}" in text and cause in text, text
     assert f"supervisor: {state['last_cause']}; restarting" in serve.log()
