@@ -346,6 +346,9 @@ def start_server(engine_dir, *, host: str = "127.0.0.1", http_port: int = 8000, 
                 if time.monotonic() > deadline:
                     raise NemospecError(f"tritonserver not ready after {ready_timeout:.0f} s; last log lines:\n"
                                         f"{handle.log_tail()}")
+                # its stubs' shared memory as they start: a Triton that then exits on its own before it
+                # is ready (its HTTP port taken) leaves them behind
+                handle.shm_files |= shared_memory_files([process.pid, *stub_processes(process.pid)])
                 time.sleep(0.25)
             else:
                 handle.guard, handle._temp = guard, True
@@ -361,7 +364,7 @@ def start_server(engine_dir, *, host: str = "127.0.0.1", http_port: int = 8000, 
                     raise NemospecError(f"{flag}: {host}:{port} is already in use (tritonserver could not bind it)")
             raise NemospecError(handle.exit_reason())
         handle.stubs = stub_processes(process.pid)
-        handle.shm_files = shared_memory_files([process.pid, *handle.stubs])
+        handle.shm_files |= shared_memory_files([process.pid, *handle.stubs])
         return handle
     except BaseException:
         owned = handle is not None and handle.guard is not None

@@ -80,8 +80,11 @@ def test_a_triton_port_taken_while_the_models_load_is_picked_again(engine_dir, m
     """The loopback port picked for Triton's own HTTP is only bound once the models have loaded; taken
     meanwhile by another process, Triton exits, and start_server starts it again on another port
     behind the same guard instead of failing on a port the user never chose."""
+    import os
     import socket
     ports = free_ports()
+    seen, files_of = set(), launch.shared_memory_files   # the stubs' shared memory of both Tritons
+    monkeypatch.setattr(launch, "shared_memory_files", lambda pids: (found := files_of(pids), seen.update(found))[0])
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -99,6 +102,8 @@ def test_a_triton_port_taken_while_the_models_load_is_picked_again(engine_dir, m
     finally:
         handle.stop()
     assert not handle.run_dir.exists()
+    # the first Triton exited by itself before it was ready, leaving its stubs' files: removed too
+    assert len(seen) >= 2 * len(handle.stubs) and not [f for f in seen if os.path.exists(f)], seen
 
 
 @pytest.mark.parametrize("flag", ["grpc_port", "metrics_port"])
