@@ -343,6 +343,11 @@ def start_server(engine_dir, *, host: str = "127.0.0.1", http_port: int = 8000, 
                        and (metrics_port not in ports or handle.metrics_answer())):
                 if process.poll() is not None:
                     break
+                if any(f":{port}' already in use" in handle.errors() for port in ports):
+                    # fatal to Triton, which then unloads its models and exits; under load 2.51 can hang
+                    # in that shutdown past its exit timeout (a start waited out ready_timeout, 300 s)
+                    handle._kill_group()
+                    break
                 if time.monotonic() > deadline:
                     raise NemospecError(f"tritonserver not ready after {ready_timeout:.0f} s; last log lines:\n"
                                         f"{handle.log_tail()}")
