@@ -367,6 +367,9 @@ def start_server(engine_dir, *, host: str = "127.0.0.1", http_port: int = 8000, 
             for port, flag in ((grpc_port, "--grpc_port"), (metrics_port, "--metrics_port")):
                 if f":{port}' already in use" in handle.errors():
                     raise NemospecError(f"{flag}: {host}:{port} is already in use (tritonserver could not bind it)")
+            if f":{triton_http}' already in use" in handle.errors():   # killed by us, not a crash
+                raise NemospecError(f"tritonserver's own HTTP port: each of the {TRITON_PORT_TRIES} free loopback "
+                                    f"ports picked for it was taken before it bound it (the last {triton_http})")
             raise NemospecError(handle.exit_reason())
         handle.stubs = stub_processes(process.pid)
         handle.shm_files |= shared_memory_files([process.pid, *handle.stubs])

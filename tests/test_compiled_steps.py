@@ -430,3 +430,56 @@ def test_a_step_that_cannot_be_saved_leaves_no_partial_file(tmp_path, monkeypatc
     with pytest.warns(UserWarning, match=r"abc.bin: compiled step not saved \(OSError"):
         store.save(FillsTheDisk(), path)
     assert list((tmp_path / "steps").iterdir()) == []
+
+
+
+def _relu_step():
+    """A toy step run three times (compiled on its second call), and its output."""
+    from runtime.compiled.steps import _Steps
+    w, x = torch.ones(8, 5), torch.ones(3, 8)
+    steps = _Steps(lambda x: torch.relu(x @ w) * 3.0, "relu step")
+    for _ in range(3):
+        out = steps(("rows", 3), "relu step", 2, x)
+    assert torch.equal(out, torch.full((3, 5), 24.0))
+
+
+_LOADING = """
+import sys
+sys.path.insert(0, sys.argv[1])
+sys.path.insert(0, sys.argv[1] + "/tests")
+import torch
+from runtime.compiled import steps
+steps.install_small_linear = lambda cache: False   # not built beside this store (~14 s): the step has no linear
+from test_compiled_steps import _relu_step
+_relu_step()
+print(torch.__file__)
+"""
+
+
+def test_a_step_saved_by_one_venv_loads_in_another_without_building_again(tmp_path, monkeypatch, capsys):
+    """Inductor keys its C++ builds by a command line that names the torch installation's paths; a
+    step saved by one venv and loaded by another (a CI checkout's) ran gcc again for every library
+    (runtime.compiled.cpp_keys). The other venv here is this one reached through a symlink."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    store = tmp_path / "store"
+    for name, value in (("NEMOSPEC_COMPILE_CACHE", store), ("TORCHINDUCTOR_CACHE_DIR", store),
+                        ("NEMOSPEC_CHECK_GUARDS", "0")):
+        monkeypatch.setenv(name, str(value))
+    _relu_step()
+    assert "compiling relu step" in capsys.readouterr().err
+    built = sorted(store.rglob("*.main.so"))
+    assert built
+    other = tmp_path / "venv"
+    other.symlink_to(sys.prefix)
+    done = subprocess.run([str(other / "bin" / "python"), "-c", _LOADING, str(Path(__file__).resolve().parents[1])],
+                          env={**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads()),
+                               "TORCHINDUCTOR_VEC_ISA_OK": "1"},   # the ISA probes' libraries are not a step's
+                          capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() != torch.__file__, "the other process imported torch from the same path"
+    assert "loaded relu step" in done.stderr and "compiling" not in done.stderr, done.stderr
+    assert sorted(store.rglob("*.main.so")) == built, "a library was built again"

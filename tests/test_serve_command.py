@@ -106,6 +106,22 @@ def test_a_triton_port_taken_while_the_models_load_is_picked_again(engine_dir, m
     assert len(seen) >= 2 * len(handle.stubs) and not [f for f in seen if os.path.exists(f)], seen
 
 
+def test_triton_ports_taken_at_every_pick_are_named_not_reported_as_a_crash(engine_dir, monkeypatch):
+    """The last pick taken too: start_server killed that Triton itself, so the error names the port,
+    not the signal it was killed with (one pick allowed, so one Triton starts)."""
+    import socket
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port, ports = taken.getsockname()[1], free_ports()
+        monkeypatch.setattr(launch, "TRITON_PORT_TRIES", 1)
+        monkeypatch.setattr(launch, "free_port", lambda host="127.0.0.1": port)
+        with pytest.raises(launch.NemospecError) as error:
+            launch.start_server(engine_dir, **ports, backend="torch", ready_timeout=300)
+    assert str(error.value) == (f"tritonserver's own HTTP port: each of the 1 free loopback ports picked for it "
+                                f"was taken before it bound it (the last {port})")
+
+
 @pytest.mark.parametrize("flag", ["grpc_port", "metrics_port"])
 def test_a_taken_grpc_or_metrics_port_is_an_error_naming_the_flag(engine_dir, flag):
     import socket

@@ -17,7 +17,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from builder.backends import gpu, torch_backend
-from runtime.compiled import direct_call, store
+from runtime.compiled import cpp_keys, direct_call, store
 from runtime.compiled.small_linear import install as install_small_linear
 
 def device_options(device) -> dict:
@@ -62,6 +62,7 @@ def _configure():
     if hasattr(dynamo, "accumulated_recompile_limit"):
         dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 1024)
     install_small_linear(path.parent)
+    cpp_keys.install()
 
 
 def _own_code(fn):
