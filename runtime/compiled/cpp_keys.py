@@ -3,26 +3,33 @@
 Inductor names each C++ library by a digest of its source and of the compiler's command line, and
 that line holds the absolute include and library paths of the torch it runs: a step saved by one
 venv (a clone's, a CI checkout's) and loaded by another found none of its libraries and ran gcc
-again for each, 2-11 s a step (a load otherwise takes well under a second). Here the installation
-prefixes in that digest are replaced by the torch build they hold (version and commit), so every
-venv of the same torch on a machine shares the libraries; the command gcc runs is unchanged. The
-libraries link torch by library name, which the loading process has already loaded.
+again for each, 2-11 s a step (a load otherwise takes well under a second). Here torch's directory
+in that digest is replaced by the build it holds (version, commit, build configuration, Python ABI),
+so every venv of the same torch on a machine shares the libraries; the command gcc runs is
+unchanged. The libraries name torch's by library name only (no RPATH), which the loading process
+has already loaded.
 """
 from __future__ import annotations
 
+import hashlib
 import os
-import site
 import sysconfig
 
 import torch
 
 
-def _prefixes() -> list[str]:
-    """Where this interpreter's packages live (longest first: a nested prefix is replaced whole)."""
-    found = {os.path.dirname(os.path.dirname(torch.__file__)), sysconfig.get_paths()["purelib"],
-             sysconfig.get_paths()["platlib"], *site.getsitepackages()}
-    found |= {os.path.realpath(p) for p in found}
-    return sorted((p for p in found if len(p) > 1), key=len, reverse=True)
+def _torch_dirs() -> list[str]:
+    """Where this torch is installed, as imported and resolved (longest first)."""
+    here = os.path.dirname(torch.__file__)
+    return sorted({here, os.path.realpath(here)}, key=len, reverse=True)
+
+
+def _torch_build() -> str:
+    """What the libraries were built against: the torch build (version, commit and its build
+    configuration: a CUDA and a CPU build of one commit differ) and the Python ABI."""
+    config = hashlib.sha256(torch.__config__.show().encode()).hexdigest()[:16]
+    return (f" [torch {torch.__version__} {getattr(torch.version, 'git_version', '')} {config} "
+            f"{sysconfig.get_config_var('SOABI')}]")
 
 
 def install() -> None:
@@ -31,13 +38,12 @@ def install() -> None:
     write = getattr(codecache, "write", None)
     if write is None or getattr(write, "nemospec_portable", False):
         return
-    prefixes = _prefixes()
-    build = f" [torch {torch.__version__} {getattr(torch.version, 'git_version', '')}]"
+    dirs, build = _torch_dirs(), _torch_build()
 
     def portable_write(content, extension, extra="", *args, **kwargs):
-        if extra and any(p in extra for p in prefixes):   # a compile command's line: names this torch
-            for p in prefixes:
-                extra = extra.replace(p, "<site-packages>")
+        if extra and any(d in extra for d in dirs):   # a compile command's line: names this torch's build
+            for d in dirs:
+                extra = extra.replace(d, "<torch>")
             extra += build
         return write(content, extension, extra, *args, **kwargs)
 
