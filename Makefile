@@ -14,7 +14,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml scripts/venv_install.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	@# by uv with pip's configuration (4x faster here), or by pip where uv cannot do it
+	@# by uv with pip's configuration (about half pip's time here), or by pip where uv cannot do it
 	$(PYTHON) scripts/venv_install.py $(VENV) --quiet -e '.[dev]'
 	@# transformers may pull torchvision/torchaudio, which break beside the CPU torch wheel
 	-$(BIN)/pip uninstall --quiet -y torchvision torchaudio 2>/dev/null

@@ -1,6 +1,6 @@
-"""``pip install`` into a venv, done by uv where it can be: pip took 49 s to install the project's
-dependencies on a fresh 2-core machine and uv 14 s (bytecode compiled as pip does), the same
-packages at the same versions.
+"""``pip install`` into a venv, done by uv where it can be: ``make setup`` took 28 s with uv (its
+cache empty) against 53 s with pip on a new 2-core machine, the same packages at the same versions,
+bytecode compiled as pip does.
 
 uv reads none of pip's configuration, so this hands it pip's own, as pip itself parses it (its
 files in its order, the ``PIP_*`` variables): the index, the extra indexes (every index as good as
