@@ -14,8 +14,8 @@ _INSTALL = Path(__file__).resolve().parents[1] / "scripts" / "venv_install.py"
 def make_once(venv: Path, done: Path, installs: list[list[str]], what: str, env: dict | None = None) -> None:
     """Makes ``venv`` (``python3 -m venv``, then ``pip install`` of each argument list in
     ``installs``, by uv where it can be: scripts/venv_install.py) unless ``done`` exists; under a
-    lock, since two test workers or a test and a benchmark may ask at once. ``done`` must be what the last install writes (or the caller writes
-    after), so that its presence means a whole venv."""
+    lock, since two test workers or a test and a benchmark may ask at once. ``done`` must be what
+    the last install writes (or the caller writes after), so that its presence means a whole venv."""
     if done.is_file():
         return
     venv.parent.mkdir(parents=True, exist_ok=True)
