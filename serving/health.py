@@ -37,6 +37,17 @@ def _stat(pid: int) -> tuple[str, int] | None:
     return fields[0], int(fields[1])
 
 
+def start_time(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot), None if it is gone. With the pid it names
+    one process for good: a pid alone is reused once its process is reaped (pid_max is 32768 on
+    these machines, and a test run wraps it in minutes)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(text[text.rindex(")") + 2:].split()[19])
+
+
 def process_alive(pid: int) -> bool:
     stat = _stat(pid)
     return stat is not None and stat[0] not in ("Z", "X")
@@ -109,7 +120,8 @@ def what_died(process, stubs: dict[int, str]) -> str | None:
     server down with it (SIGABRT) before anyone looks."""
     dead = []
     for pid, model in sorted(stubs.items()):
-        if not process_alive(pid):
+        stat = _stat(pid)   # alive, and still the server's child: not another process given its pid
+        if stat is None or stat[0] in ("Z", "X") or stat[1] != process.pid:
             dead.append(f"the Python stub of model '{model}' (pid {pid}) died")
         elif process_stopped(pid):   # Triton fails every request to it ("not healthy") while its readiness says 200
             dead.append(f"the Python stub of model '{model}' (pid {pid}) is stopped (SIGSTOP or a tracer)")

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from builder.errors import NemospecError
 from serving.cancel import notify_shutdown
-from serving.health import shared_memory_files, stub_processes, triton_ready, what_died
+from serving.health import shared_memory_files, start_time, stub_processes, triton_ready, what_died
 from serving.http_guard import HttpGuard
 from serving.limits import limits_from
 from serving.repository import fill_model_repo
@@ -112,6 +112,7 @@ class ServerHandle:
     _log_file: object = field(default=None, repr=False)
     shutdown_timeout: float = 6.0
     stubs: dict = field(default_factory=dict)    # {pid: model} of the Python stubs when it became ready
+    stub_starts: dict = field(default_factory=dict, repr=False)   # {pid: start_time}: the same processes later
     _group_killed: bool = field(default=False, repr=False)
     guard: object = field(default=None, repr=False)   # serving.http_guard.HttpGuard on http_port, if any
     shm_files: set = field(default_factory=set)     # its stubs' shared memory, removed once it is gone
@@ -197,15 +198,24 @@ class ServerHandle:
         with urllib.request.urlopen(self.metrics_url, timeout=10) as r:
             return r.read().decode()
 
+    def _own_stubs(self) -> list[int]:
+        """The stubs seen at readiness that are still those processes: once a stub exits and is reaped,
+        its pid goes to another process (another test's Triton, say), which must not be signalled."""
+        return [pid for pid in self.stubs if start_time(pid) is not None and start_time(pid) == self.stub_starts.get(pid)]
+
     def _kill_group(self) -> None:
-        """SIGKILL to the server's process group (it leads one: start_new_session) and to every stub
-        seen, so no child outlives it, then reap the server. Once only: the pids may be reused later."""
+        """SIGKILL to the server's process group (it leads one: start_new_session) while its pid is still
+        its own (not reaped), and to every stub seen that is still the same process, so no child
+        outlives it; then reap the server. Once only."""
         if self._group_killed:
             return
         self._group_killed = True
+        stubs = self._own_stubs()
         if self.process.poll() is None:   # a server killed before it was ready: its files now
-            self.shm_files |= shared_memory_files([self.process.pid, *self.stubs, *stub_processes(self.process.pid)])
-        for kill, pid in [(os.killpg, self.process.pid)] + [(os.kill, pid) for pid in self.stubs]:
+            self.shm_files |= shared_memory_files([self.process.pid, *stubs, *stub_processes(self.process.pid)])
+        # a reaped server's pid (its group's id) may already lead another process group
+        group = [(os.killpg, self.process.pid)] if self.process.returncode is None else []
+        for kill, pid in group + [(os.kill, pid) for pid in stubs]:
             try:
                 kill(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
@@ -372,6 +382,7 @@ def start_server(engine_dir, *, host: str = "127.0.0.1", http_port: int = 8000, 
                                     f"ports picked for it was taken before it bound it (the last {triton_http})")
             raise NemospecError(handle.exit_reason())
         handle.stubs = stub_processes(process.pid)
+        handle.stub_starts = {pid: start_time(pid) for pid in handle.stubs}
         handle.shm_files |= shared_memory_files([process.pid, *handle.stubs])
         return handle
     except BaseException:

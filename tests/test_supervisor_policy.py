@@ -1,6 +1,7 @@
 """The supervisor's decisions without a server (fake handles): restart after a crash, crash loop ->
 exit 3, a restart that keeps failing -> exit 1, and the readiness endpoint's answers."""
 import json
+import os
 import threading
 import time
 import urllib.error
@@ -238,7 +239,7 @@ def test_a_stopped_stub_is_named_until_it_resumes():
     import sys
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        process = SimpleNamespace(pid=10**6, returncode=None, poll=lambda: None)
+        process = SimpleNamespace(pid=os.getpid(), returncode=None, poll=lambda: None)   # the stub's parent
         assert health.what_died(process, {child.pid: "speculative"}) is None
         child.send_signal(signal.SIGSTOP)
         deadline = time.monotonic() + 10
