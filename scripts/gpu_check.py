@@ -30,6 +30,7 @@ import importlib
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -247,9 +248,20 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.device == "cpu" and "triton_kernels" in args.sections:   # before the probe imports triton: its
         os.environ["TRITON_INTERPRET"] = "1"                        # own @jit helpers (tl.sum) are made then
-    # the model sections compile into a store of this run's own (set here, in the script's process: a
-    # section called from a test must not repoint the caller's store for the rest of its process)
-    os.environ.setdefault("NEMOSPEC_COMPILE_CACHE", tempfile.mkdtemp(prefix="nemospec-compile-"))
+    # the model sections compile into a store of this run's own, removed after (set here, in the
+    # script's process: a section called from a test must not repoint the caller's store)
+    own_store = None
+    if not os.environ.get("NEMOSPEC_COMPILE_CACHE"):
+        own_store = os.environ["NEMOSPEC_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="nemospec-compile-")
+    try:
+        return _run(args)
+    finally:
+        if own_store:
+            os.environ.pop("NEMOSPEC_COMPILE_CACHE", None)
+            shutil.rmtree(own_store, ignore_errors=True)
+
+
+def _run(args) -> int:
     started = time.time()
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     report = {"created": time.strftime("%Y-%m-%d %H:%M:%S"), "probe": probe(), "dry_run": args.dry_run}

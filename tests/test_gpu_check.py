@@ -1,6 +1,7 @@
 """scripts/gpu_check.py: the probe (--dry_run) runs here; the GPU sections skip without a CUDA device.
 The GPU image has no TensorRT: the project's runtime modules must import without it."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,16 +16,22 @@ runpy.run_path('scripts/gpu_check.py', run_name='__main__')
 """
 
 
-def _run(tmp_path, *args, code=None):
+def _run(tmp_path, *args, code=None, env=None):
     out = tmp_path / "report.json"
     cmd = [sys.executable, "-c", code, *args] if code else [sys.executable, "scripts/gpu_check.py", *args]
-    run = subprocess.run(cmd + ["--output", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(cmd + ["--output", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env=env)
     assert run.returncode == 0, run.stderr[-2000:]
     return json.loads(out.read_text())
 
 
 def test_dry_run_probes_versions_and_imports(tmp_path):
-    report = _run(tmp_path, "--dry_run")
+    """Also: the compile store the script makes for itself (none given) is gone when it exits."""
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "NEMOSPEC_COMPILE_CACHE"} | {"TMPDIR": str(temp)}
+    report = _run(tmp_path, "--dry_run", env=env)
+    assert list(temp.iterdir()) == []
     probe = report["probe"]
     assert report["dry_run"] is True and "embedded_model" not in report
     assert probe["python"] == ".".join(map(str, sys.version_info[:3]))
