@@ -59,6 +59,12 @@ def add_bench_args(p) -> None:
                         "format); the engines are sized to the longest")
     p.add_argument("--runs", type=int, default=2, help="timed runs per prompt (median)")
     p.add_argument("--no_serving", action="store_true", help="skip the Triton measurement")
+    p.add_argument("--no_peers", action="store_true",
+                   help="skip transformers' generate and assisted generation, which load the target in fp32 "
+                        "(4 bytes a parameter: 32 GB for an 8B)")
+    p.add_argument("--strip_plan", action="store_true",
+                   help="build each mode's engines with `build --strip_plan`: one copy of the weights, which a "
+                        "full-size target's build needs to fit in memory")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--serving_threads", type=int, default=None,
                    help="the served model's torch threads (default: the server's, a quarter of the cores: "
@@ -92,7 +98,7 @@ def _log(message: str) -> None:
 def build_mode_engines(checkpoint, mode: str, root: Path, k: int, draft_weight_dtype: str = "auto",
                        matmul_precision: str = "highest", token_map=None, embedded_model: str = "small",
                        embedded_factor: int | None = None, draft_dir=None, max_input_len: int = 256,
-                       max_seq_len: int = 512) -> tuple[Path, dict]:
+                       max_seq_len: int = 512, strip_plan: bool = False) -> tuple[Path, dict]:
     """Engines of ``mode`` under ``root/engines``: over ``checkpoint`` (or the embedded model,
     ``embedded_model`` small or wide, at ``embedded_factor``) with ``draft_dir``, by default the
     embedded model's trained draft of that kind."""
@@ -110,7 +116,7 @@ def build_mode_engines(checkpoint, mode: str, root: Path, k: int, draft_weight_d
     out = root / "engines" / (mode + (ADAPTIVE if adaptive else ""))
     options = BuildOptions(max_batch_size=4, max_input_len=max_input_len, max_seq_len=max_seq_len, max_draft_len=k, dtype="auto",
                            speculative_decoding_mode=base, draft_weight_dtype=draft_weight_dtype,
-                           matmul_precision=matmul_precision, draft_len_adaptive=adaptive)
+                           matmul_precision=matmul_precision, draft_len_adaptive=adaptive, strip_plan=strip_plan)
     report = build(target, out, options, log=lambda m: None, draft_dir=draft,
                    draft_quantization=quant if draft is None or not (Path(draft) / "hf_quant_config.json").is_file()
                    else None, token_map=token_map if base in MAPPED_MODES else None)
@@ -471,7 +477,8 @@ def run_bench(args) -> dict:
         engine_dir, build = build_mode_engines(args.checkpoint_dir, mode, root, mode_k, args.draft_weight_dtype,
                                                getattr(args, "matmul_precision", "highest"),
                                                getattr(args, "speculative_token_map", None), embedded_model, factor,
-                                               getattr(args, "draft_dir", None), **lengths)
+                                               getattr(args, "draft_dir", None), **lengths,
+                                               strip_plan=getattr(args, "strip_plan", False))
         engines = {n: {"bytes": e["engine_bytes"], "layers": e["layers"], "build_seconds": round(e["build_seconds"], 1)}
                    for n, e in build["engines"].items()}
         _log(f"bench: {mode}: generating ({len(prompts)} prompts x {new_tokens} tokens, with and without speculation)")
@@ -490,12 +497,13 @@ def run_bench(args) -> dict:
                  f"({t['over_chain']:.2f}x the chain, {t['speedup']:.2f}x target-only)")
     # the small-row kernel's form the compiled runs used (runtime.compiled.small_linear), None: torch's GEMM
     report["machine"]["small_linear"] = small_linear.form() if backend == "compiled" else None
-    _log("bench: peers (transformers generate, assisted generation)")
-    draft_target = (resolve_sources(None, "draft_target", None, None, embedded_model, factor)[1]
-                    if args.checkpoint_dir is None else None)
-    if getattr(args, "draft_dir", None) and modes[0].removesuffix(ADAPTIVE) == "draft_target":
-        draft_target = Path(args.draft_dir)   # assisted generation with the user's own draft model
-    report["peers"] = _peers(Path(target_dir), draft_target, prompts, new_tokens, runs)
+    if not getattr(args, "no_peers", False):
+        _log("bench: peers (transformers generate, assisted generation)")
+        draft_target = (resolve_sources(None, "draft_target", None, None, embedded_model, factor)[1]
+                        if args.checkpoint_dir is None else None)
+        if getattr(args, "draft_dir", None) and modes[0].removesuffix(ADAPTIVE) == "draft_target":
+            draft_target = Path(args.draft_dir)   # assisted generation with the user's own draft model
+        report["peers"] = _peers(Path(target_dir), draft_target, prompts, new_tokens, runs)
     best = max(report["modes"], key=lambda m: report["modes"][m]["speedup"])
     report["best_mode"] = best
     if not args.no_serving:

@@ -133,7 +133,7 @@ POLICY_FLAGS = {  # flag -> (type, build default, help)
                                                "the last --acceptance_rate_window_size steps falls under this (0 = never)"),
     "acceptance_rate_window_size": (int, 8, "speculative steps in the acceptance-rate window"),
     "draft_len_adaptive": (on_off, False, "on: each sequence drafts, step by step, the K (up to the engine's, or "
-                                          "--num_draft_tokens) that its recent acceptance and the measured step "
+                                          "generate's --num_draft_tokens, or a request's num_draft_tokens) that its recent acceptance and the measured step "
                                           "costs predict fastest (chains; trees keep their shape)"),
 }
 

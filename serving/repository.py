@@ -102,6 +102,9 @@ def fill_model_repo(engine_dir, repo_dir, *, backend: str = "auto", torch_thread
                   logprobs_mode=logprobs_mode,
                   draft_policy=encode_policy(overrides), limits=encode_limits(limits or {}), **template_fields())
     repo_dir = Path(repo_dir)
+    if repo_dir.resolve() == TEMPLATES.resolve():   # filling replaces each model folder: the templates themselves
+        raise NemospecError(f"--model_repo_dir: {repo_dir} is nemospec's own template folder ({TEMPLATES}), which "
+                            "filling would replace; name another directory")
     if any(c.isspace() for c in str(repo_dir.resolve())):   # the stub got its path split: "stol", never ready
         raise NemospecError(f"--model_repo_dir: {str(repo_dir.resolve())!r} holds whitespace, which Triton 2.51's "
                             "Python backend cannot load models from; name a directory without it")

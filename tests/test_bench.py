@@ -222,3 +222,16 @@ def test_bad_counts_are_refused_by_name_before_anything_runs(argv, named, tmp_pa
     with pytest.raises(NemospecError, match=named):
         run_bench(p.parse_args([*argv, *out, "--modes", "eagle3"]))
     assert not (tmp_path / "out").exists()
+
+
+def test_a_full_size_targets_flags_strip_the_plans_and_skip_the_fp32_peers(tmp_path, monkeypatch):
+    """`--strip_plan --no_peers`: what a full-size target needs (one copy of its weights at build; no
+    transformers copy in fp32): the engines are stripped, transformers never loads, the rest stands."""
+    from nemospec import bench
+    monkeypatch.setattr(bench, "_peers", lambda *a: pytest.fail("--no_peers ran the peers"))
+    out = tmp_path / "bench"
+    assert cli.main(["bench", "--quick", "--modes", "eagle3", "--embedded", "small", "--no_serving", "--no_peers",
+                     "--strip_plan", "--output_dir", str(out)]) == 0
+    r = json.loads((out / "report.json").read_text())
+    assert "peers" not in r and r["modes"]["eagle3"]["exact"] and (out / "report.md").is_file()
+    assert json.loads((out / "engines" / "eagle3" / "config.json").read_text())["build"]["strip_plan"] is True

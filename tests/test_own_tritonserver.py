@@ -9,6 +9,7 @@ import time
 from nemospec import cli
 from serving import launch
 from serving.health import triton_ready
+from serving.repository import TEMPLATES
 from serving.tritonserver import assemble_backends, find_tritonserver, server_env
 from serving_helpers import NEEDS_TRITON, engine_dir, generate, offline  # noqa: F401 (fixtures)
 
@@ -28,6 +29,13 @@ def test_fill_only_needs_a_directory_the_python_backend_can_load_from(engine_dir
     # Triton 2.51's Python backend split such a path: its stubs died ("stol") and it never got ready
     code, out, err = _fill("--engine_dir", str(engine_dir), "--fill_only", "--model_repo_dir", str(tmp_path / "a b"))
     assert code == 2 and "--model_repo_dir:" in err and "whitespace" in err and not (tmp_path / "a b").exists(), err
+    # `--model_repo_dir ./model_repo` from the checkout's root names the templates themselves, which
+    # filling replaced model by model (then read a template it had just removed)
+    before = {p: p.read_bytes() for p in TEMPLATES.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+    code, out, err = _fill("--engine_dir", str(engine_dir), "--fill_only", "--model_repo_dir",
+                           str(TEMPLATES / "ensemble" / ".."))
+    assert code == 2 and "--model_repo_dir:" in err and "template folder" in err and not out, err
+    assert {p: p.read_bytes() for p in TEMPLATES.rglob("*") if p.is_file() and "__pycache__" not in p.parts} == before
 
 
 def test_a_filled_repository_serves_under_a_tritonserver_of_its_own(engine_dir, tmp_path):  # noqa: F811
