@@ -5,11 +5,22 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 
 #: tokens of already-streamed text sent back with each new chunk: an incomplete UTF-8 character spans
 #: at most 3 bytes (3 tokens), so 4 tokens of context always reach back past the held-back bytes
+#: (a byte-fallback tokenizer's run of byte tokens: back to its start, see stream_window)
 CONTEXT_TOKENS = 4
 REPLACEMENT = "\ufffd"
+
+
+def fault(model: str, error: Exception) -> str:
+    """A model's message for a request it failed on through no fault of the request (an exception it
+    did not expect), in the one form the OpenAI frontend answers with a 500 rather than a 400."""
+    return f"{model}: internal error: {type(error).__name__}: {error}"
+
+
+FAULT = ": internal error: "
 
 
 def split_words(values) -> list[str]:
@@ -87,26 +98,82 @@ def unpack_word_ids(array, name: str = "words", vocab: int | None = None) -> tup
     return tuple(words)
 
 
-def stream_window(emitted, new) -> tuple[list[int], int]:
+#: the longest run of byte-fallback tokens a window reaches back over to begin where the run does
+MAX_RUN_CONTEXT = 512
+BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")   # a byte-fallback token (SentencePiece-style tokenizers)
+
+
+_BYTE_IDS: dict[int, tuple] = {}   # id(tokenizer) -> (tokenizer, its byte ids): a server has one or two
+
+
+def byte_fallback_ids(tokenizer) -> dict[int, int]:
+    """id -> byte of each byte-fallback token (<0xXX>); empty for a byte-level BPE. Read once per
+    tokenizer."""
+    entry = _BYTE_IDS.get(id(tokenizer))
+    if entry is None or entry[0] is not tokenizer:   # the reference held keeps the id from being reused
+        out = {}
+        for token, token_id in tokenizer.get_vocab().items():
+            match = BYTE_TOKEN.fullmatch(token)
+            if match:
+                out[token_id] = int(match.group(1), 16)
+        entry = _BYTE_IDS[id(tokenizer)] = (tokenizer, out)
+    return entry[1]
+
+
+def stream_window(emitted, new, byte_ids=()) -> tuple[list[int], int]:
     """What the speculative model sends with ``new`` tokens after ``emitted`` ones were streamed:
-    (the last CONTEXT_TOKENS emitted ids + new ids, how many of them were emitted before)."""
-    context = list(emitted[-CONTEXT_TOKENS:]) if CONTEXT_TOKENS else []
+    (the last CONTEXT_TOKENS emitted ids + new ids, how many of them were emitted before).
+
+    A byte-fallback decoder renders a run of byte tokens as a whole (one U+FFFD per byte where the
+    run is not valid UTF-8), so a window that began inside a run would show its characters as
+    U+FFFD: with the tokenizer's ``byte_ids`` the context reaches back to the run's start (at most
+    MAX_RUN_CONTEXT ids)."""
+    start = max(0, len(emitted) - CONTEXT_TOKENS) if CONTEXT_TOKENS else len(emitted)
+    floor = max(0, len(emitted) - MAX_RUN_CONTEXT)
+    while start > floor and start < len(emitted) and emitted[start] in byte_ids and emitted[start - 1] in byte_ids:
+        start -= 1
+    context = list(emitted[start:])
     return context + list(new), len(context)
 
 
-def stream_text(tokenizer, ids, prefix_len: int, finished: bool) -> str:
-    """The text that ``ids[prefix_len:]`` adds after ``ids[:prefix_len]`` was already streamed.
+def _incomplete_tail(ids, byte_ids) -> int:
+    """How many of the trailing byte-fallback tokens of ``ids`` are a character still missing bytes."""
+    n = 0
+    for token_id in reversed(ids[-4:]):
+        value = byte_ids.get(token_id)
+        if value is None:
+            return 0
+        n += 1
+        if not 0x80 <= value < 0xC0:   # the character's first byte: how long the character is
+            need = 2 if 0xC0 <= value < 0xE0 else 3 if 0xE0 <= value < 0xF0 else 4 if 0xF0 <= value < 0xF8 else 1
+            return n if need > n else 0
+    return 0
 
-    An incomplete UTF-8 character at the end (one trailing U+FFFD from the lossy decode) is held back
-    until its remaining bytes arrive, so no chunk ever splits a character; ``finished`` flushes it.
+
+def _stable_text(tokenizer, ids, byte_ids, finished: bool) -> str:
+    """The decode of ``ids`` less an incomplete last character. A byte-fallback decoder shows a run of
+    byte tokens that is not valid UTF-8 as one U+FFFD per byte, the run's whole characters too, so the
+    character's tokens are left out of the decode; a byte-level BPE shows it as one trailing U+FFFD."""
+    if finished:
+        return tokenizer.decode(ids)
+    tail = _incomplete_tail(ids, byte_ids)
+    text = tokenizer.decode(ids[:len(ids) - tail])
+    if not tail and ids and ids[-1] not in byte_ids and text.endswith(REPLACEMENT):
+        return text[:-1]
+    return text
+
+
+def stream_text(tokenizer, ids, prefix_len: int, finished: bool) -> str:
+    """The text that ``ids[prefix_len:]`` adds after ``ids[:prefix_len]`` was already streamed (the
+    window ``stream_window`` made with the tokenizer's ``byte_fallback_ids``).
+
+    An incomplete UTF-8 character at the end is held back until its remaining bytes arrive, so no
+    chunk ever splits a character; ``finished`` flushes it.
     """
     ids = [int(t) for t in ids]
-    before = tokenizer.decode(ids[:prefix_len]) if prefix_len else ""
-    if before.endswith(REPLACEMENT):
-        before = before[:-1]
-    full = tokenizer.decode(ids)
-    if not finished and full.endswith(REPLACEMENT):
-        full = full[:-1]
+    byte_ids = byte_fallback_ids(tokenizer)
+    before = _stable_text(tokenizer, ids[:prefix_len], byte_ids, False) if prefix_len else ""
+    full = _stable_text(tokenizer, ids, byte_ids, finished)
     if full.startswith(before):
         return full[len(before):]
     # a decoder that is not prefix-stable (rare): fall back to the common prefix

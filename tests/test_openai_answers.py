@@ -213,6 +213,40 @@ def test_logprobs_of_tokens_that_split_a_character():
         assert status == 200 and [o for c in chunks for o in c["text_offset"]] == want, stream
 
 
+def test_logprobs_of_a_sentencepiece_tokenizer_read_as_the_text_does():
+    """A SentencePiece-style decoder strips the text's first space, so every token decoded alone lost
+    its space: 'the', 'cat', 'the' with text_offset [0, 3, 6] for 'the cat the', and chat bytes that
+    joined to 'thecatthe'. Each token now reads as it does in the text, the first as the text begins;
+    across a stream's responses too, and with byte-fallback tokens splitting a character."""
+    from sentencepiece_tokenizer import sentencepiece_tokenizer
+    from serving import protocol
+    tokenizer = sentencepiece_tokenizer()
+    text = "the cat the \u3042 cat"
+    ids = tokenizer.encode(text).ids
+    responses, emitted = [], []
+    for group, finish in ((ids[:2], ""), (ids[2:5], ""), (ids[5:], "length")):   # the second ends mid-character
+        context, prefix = protocol.stream_window(emitted, group)
+        responses.append(ScriptedDelta(group, finish))
+        responses[-1].text = protocol.stream_text(tokenizer, context, prefix, finished=bool(finish))  # as the server's
+        emitted += group
+    assert "".join(d.text for d in responses) == text
+    info = ModelInfo("m", tokenizer, 256, 4, ChatTemplate("{{ messages[0]['content'] }}"), 0)
+    want = [len(tokenizer.decode(ids[:i]).rstrip("\ufffd")) for i in range(len(ids))]
+    for stream in (False, True):
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 64, "logprobs": True, "stream": stream}
+        status, raw = _post(create_app(info, ScriptedBackend(responses)), chat, "/v1/chat/completions")
+        content = ([c for e in _events(raw) for ch in e["choices"] if ch.get("logprobs") for c in ch["logprobs"]["content"]]
+                   if stream else json.loads(raw)["choices"][0]["logprobs"]["content"])
+        assert status == 200 and b"".join(bytes(c["bytes"]) for c in content).decode("utf-8") == text, stream
+        assert [c["token"] for c in content[:3]] == ["the", " cat", " the"], stream
+        status, raw = _post(create_app(info, ScriptedBackend(responses)),
+                            {"prompt": "p", "max_tokens": 64, "logprobs": 0, "stream": stream})
+        chunks = ([json.loads(raw)["choices"][0]["logprobs"]] if not stream else
+                  [c["logprobs"] for e in _events(raw) for c in e["choices"] if c["logprobs"]])
+        assert [o for c in chunks for o in c["text_offset"]] == want, stream
+        assert [t for c in chunks for t in c["tokens"]][:3] == ["the", " cat", " the"], stream
+
+
 def test_min_tokens_arms_stop_strings_at_a_token_whatever_the_responses_hold():
     """``min_tokens`` arms the stop strings from the token past it on, as vLLM decides per token: the
     answer is the same whether the server sent one token a response, a speculative step's several, or

@@ -334,6 +334,10 @@ def test_penalties_keep_openais_order_on_a_server_with_tensorrt_llms():
         {"presence_penalty": 2.0, "frequency_penalty": -1.0, "repetition_penalty": pytest.approx(1.3)}
     assert sent(temperature=0.0, presence_penalty=1.0) == {"presence_penalty": 1.0}
     assert sent(temperature=GREEDY_BELOW / 2, presence_penalty=1.0) == {"presence_penalty": 1.0}
+    # the server reads the temperature as FP32, under which 1e-5 is below GREEDY_BELOW: greedy there,
+    # so the penalty goes unscaled (it went as 1e5, banning every token seen)
+    assert np.float32(GREEDY_BELOW) < GREEDY_BELOW
+    assert sent(temperature=GREEDY_BELOW, presence_penalty=1.0) == {"presence_penalty": 1.0}
 
 
 def test_signed_seeds_are_taken_as_vllm_takes_them():
@@ -412,7 +416,16 @@ def test_triton_failures_map_to_statuses_a_client_acts_on():
     assert dead.status == 503 and "supervisor restarts it; retry" in dead.message and "speculative_0_0" in dead.message
     assert from_triton("failed to connect to all addresses").status == 503
     assert from_triton("top_k: expected 0..100 (0: no cut), got -1").status == 400
-    assert from_triton("speculative: generation failed: RuntimeError: x").status == 500
+    # a model's own failure, or a failed call, is the server's (a 400 for them told the client its
+    # request was wrong, and SDKs do not retry a 400)
+    from serving.protocol import FAULT, fault
+    assert from_triton(f"speculative{FAULT}generation failed: RuntimeError: x").status == 500
+    for model in ("preprocessing", "speculative", "postprocessing"):
+        failed = from_triton(f"in ensemble 'ensemble', {fault(model, AttributeError('boom'))}")
+        assert failed.status == 500 and failed.kind == "server_error" and "boom" in failed.message
+    assert [from_triton(t).status for t in ("INTERNAL: failed to allocate shared memory", "DEADLINE_EXCEEDED: late",
+                                            "RESOURCE_EXHAUSTED: out of memory", "UNKNOWN: x")] == [500, 504, 503, 500]
+    assert from_triton("Failed to increase the shared memory pool size for key 'x'").status == 500
 
 
 def test_a_stream_cut_by_a_dead_tritonserver_is_a_503_that_says_so():

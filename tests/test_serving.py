@@ -42,6 +42,28 @@ def test_streamed_chunks_never_split_a_utf8_character(tokenizer):
         assert all("\ufffd" not in c for c in chunks), chunks
 
 
+def test_streamed_chunks_of_a_byte_fallback_tokenizer_never_hold_a_replacement_character():
+    """Its decoder shows a run of byte tokens that is not valid UTF-8 (one ending inside a character)
+    as one U+FFFD per byte: holding back only one sent the others, and the joined stream read
+    'a\ufffd\u3042' where the text is 'a\u3042'; a window beginning inside a run showed its characters
+    as U+FFFD (the window now reaches back to the run's start)."""
+    from sentencepiece_tokenizer import sentencepiece_tokenizer
+    tokenizer = sentencepiece_tokenizer()
+    byte_ids = protocol.byte_fallback_ids(tokenizer)
+    text = "a \u3042a \U0001f642 a\u00e9\u00e9\u3042\u3042 the"     # a run of 10 byte tokens: past the context
+    ids = tokenizer.encode(text).ids
+    first = ids.index(tokenizer.token_to_id("<0xE3>"))    # the first of \u3042's three bytes
+    assert tokenizer.decode(ids) == text and tokenizer.decode(ids[:first + 2]).endswith("\ufffd\ufffd")
+    for step in (1, 2, 3):
+        emitted, chunks = [], []
+        for i in range(0, len(ids), step):
+            new = ids[i:i + step]
+            context, prefix = protocol.stream_window(emitted, new, byte_ids)
+            chunks.append(protocol.stream_text(tokenizer, context, prefix, finished=i + step >= len(ids)))
+            emitted += new
+        assert "".join(chunks) == text and all("\ufffd" not in c for c in chunks), (step, chunks)
+
+
 def test_coalesced_events_keep_every_token_and_log_probability():
     """Token events that queued while the dispatcher was sending become one per request, their ids
     and log-probabilities (and their alternatives) joined in order (a merge that let the later event's logprobs replace the

@@ -23,7 +23,7 @@ from serving.openai.protocol import (StopMatcher, chat_options, completion_promp
                                      speculative_metrics, usage)
 from serving.http_guard import DRAIN_BYTES
 from serving.limits import limits_from
-from serving.protocol import CONTEXT_TOKENS, stream_text
+from serving.protocol import CONTEXT_TOKENS, byte_fallback_ids, stream_text, stream_window
 
 READY_SECONDS = 0.5
 DISCONNECT_POLL_SECONDS = 0.25   # how often a non-streamed request looks for its client having gone
@@ -286,7 +286,7 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
 
     def _logprobs(chat: bool, ids, logprobs, alternatives, offsets: TextOffsets | None = None):
         if chat:
-            return chat_logprobs(info.tokenizer, ids, logprobs, alternatives)
+            return chat_logprobs(info.tokenizer, ids, logprobs, alternatives, offsets)
         return completion_logprobs(info.tokenizer, ids, logprobs, alternatives, offsets)
 
     def _read(d, stops: StopMatcher, g, tokens: int, recent: deque):
@@ -309,7 +309,7 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
         Returns the text and how many characters of held + text were fed unarmed."""
         unarmed = g.min_tokens - tokens
         if g.min_tokens and stops.stops and d.ids and 0 < unarmed < d.tokens:
-            context = [t for r in recent for t in (r.ids or ())][-CONTEXT_TOKENS:]
+            context = stream_window([t for r in recent for t in (r.ids or ())], (), byte_fallback_ids(info.tokenizer))[0]
             head = stream_text(info.tokenizer, context + list(d.ids[:unarmed]), len(context), finished=False)
             if d.text.startswith(head):
                 skip = len(stops.held) + len(head)
@@ -317,7 +317,7 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
         return stops.feed(d.text, _armed(g, tokens + d.tokens)), 0
 
     def _through_stop(d, held: str, stops: StopMatcher, recent, skip: int = 0) -> int:
-        context = [t for r in recent for t in (r.ids or ())][-CONTEXT_TOKENS:]
+        context = stream_window([t for r in recent for t in (r.ids or ())], (), byte_fallback_ids(info.tokenizer))[0]
         n = stops.tokens_through(info.tokenizer, held, context, d.ids, skip)
         return d.tokens if n is None else n
 

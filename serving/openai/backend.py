@@ -127,7 +127,9 @@ def ensemble_inputs(g: Generation, max_tokens: int):
         inputs.append(one("return_acceptance", True, np.bool_, "BOOL"))
     # the server subtracts presence and frequency from the temperature-scaled logits (TensorRT-LLM's
     # l/T - p); OpenAI's and vLLM's come off the logits before the temperature, (l - p)/T = l/T - p/T
-    scale = 1.0 / g.temperature if g.temperature >= GREEDY_BELOW else 1.0
+    # (decided on the FP32 temperature the server reads: float32(1e-5) is under 1e-5, so greedy there)
+    temperature = float(np.float32(g.temperature))
+    scale = 1.0 / temperature if temperature >= GREEDY_BELOW else 1.0
     for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
         value = getattr(g, name)
         if value != (1.0 if name == "repetition_penalty" else 0.0):

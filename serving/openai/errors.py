@@ -1,6 +1,13 @@
 """OpenAI's error JSON with the right status, and what Triton's error messages map to."""
 from __future__ import annotations
 
+from serving.protocol import FAULT
+
+#: gRPC statuses of a call that failed through no fault of the request (the stream's own model errors
+#: arrive as text, without a status)
+SERVER_STATUSES = {"INTERNAL": 500, "UNKNOWN": 500, "DATA_LOSS": 500, "UNIMPLEMENTED": 500,
+                   "DEADLINE_EXCEEDED": 504, "RESOURCE_EXHAUSTED": 503, "CANCELLED": 503, "ABORTED": 503}
+
 
 def _kind(status: int) -> str:
     """The error ``type`` for a status: a 4xx without its own type is the client's request
@@ -46,8 +53,9 @@ def grpc_text(error: Exception) -> str:
 
 
 def from_triton(message: str) -> APIError:
-    """A failed ensemble request: a full queue is 429, a server that cannot serve 503, a refused
-    field 400 (the message names it), anything else 500."""
+    """A failed ensemble request: a full queue is 429, a server that cannot serve 503, a model's
+    internal error (``serving.protocol.fault``) or a failed call 500 (SDKs retry a 5xx, never a 400),
+    a refused field 400 (the message names it)."""
     text = str(message)
     if "server busy" in text:
         return APIError(429, text)
@@ -59,6 +67,9 @@ def from_triton(message: str) -> APIError:
                              f"supervisor restarts a server whose process died; retry shortly (Triton: {text.strip()})")
     if any(s in text for s in ("not ready", "unavailable", "UNAVAILABLE", "shutting down", "failed to connect")):
         return APIError(503, text)
-    if "generation failed" in text or "Exception" in text:
+    status = SERVER_STATUSES.get(text.split(":", 1)[0].strip())
+    if status:
+        return APIError(status, text)
+    if FAULT in text or "Exception" in text or "shared memory" in text:   # the last: Triton's own pool
         return APIError(500, text)
     return APIError(400, text)

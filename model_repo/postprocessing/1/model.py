@@ -37,8 +37,8 @@ class TritonPythonModel:
         from tokenizers import Tokenizer
 
         from serving.cancel import notify_cancel
-        from serving.protocol import stream_text
-        self._stream_text, self._notify_cancel = stream_text, notify_cancel
+        from serving.protocol import fault, stream_text
+        self._stream_text, self._notify_cancel, self._fault = stream_text, notify_cancel, fault
         self.cancel_dir = _param(config, "cancel_dir")
         self._checked = {}
         engine_dir = Path(_param(config, "engine_dir"))
@@ -92,5 +92,5 @@ class TritonPythonModel:
                 responses.append(self._one(request))
             except Exception as e:
                 responses.append(pb_utils.InferenceResponse(
-                    error=pb_utils.TritonError(f"postprocessing: {type(e).__name__}: {e}")))
+                    error=pb_utils.TritonError(self._fault("postprocessing", e))))
         return responses

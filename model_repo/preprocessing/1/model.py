@@ -26,7 +26,7 @@ class TritonPythonModel:
         from tokenizers import Tokenizer
 
         from serving import limits
-        from serving.protocol import pack_word_ids, split_words
+        from serving.protocol import fault, pack_word_ids, split_words
         self._pack, self._split = pack_word_ids, split_words
         self._limits, self.limits = limits, limits.decode_limits(_param(config, "limits", ""))
         engine_dir = Path(_param(config, "engine_dir"))
@@ -87,5 +87,5 @@ class TritonPythonModel:
                 responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))))
             except Exception as e:  # never take the server down for one request
                 responses.append(pb_utils.InferenceResponse(
-                    error=pb_utils.TritonError(f"preprocessing: {type(e).__name__}: {e}")))
+                    error=pb_utils.TritonError(self._fault("preprocessing", e))))
         return responses

@@ -84,7 +84,8 @@ class TritonPythonModel:
         from runtime.scheduler import Request, Scheduler, SchedulerError
         from runtime.draft_policy import policy_from
         from serving.cancel import cancel_listener, request_key
-        from serving.protocol import coalesce_events, stream_window, unpack_word_ids
+        from serving.protocol import FAULT, coalesce_events, fault, stream_window, unpack_word_ids
+        self.fault, self.FAULT = fault, FAULT
         from serving.repository import decode_policy
         from serving import request_fields
         from serving.tensors import REQUEST_INPUTS
@@ -97,6 +98,10 @@ class TritonPythonModel:
         import torch
         torch.set_num_threads(int(_param(config, "torch_threads", "1") or 1))
         self.loaded = open_engine_dir(_param(config, "engine_dir"), _param(config, "backend", "auto"))
+        from tokenizers import Tokenizer
+        from serving.protocol import byte_fallback_ids   # a stream's window begins where a run of them does
+        path = self.loaded.tokenizer_path
+        self.byte_ids = byte_fallback_ids(Tokenizer.from_file(str(path))) if path else {}
         if self.loaded.speculative:  # the engine directory's adaptive draft length, flags on top
             self.loaded.draft_policy = policy_from(self.loaded.max_draft_len, self.loaded.build_options,
                                                    decode_policy(_param(config, "draft_policy", "")))
@@ -287,7 +292,7 @@ class TritonPythonModel:
             except (self.BadInput, self.SchedulerError) as e:
                 self._refuse(sender, str(e))
             except Exception as e:  # never take the server down for one request
-                self._refuse(sender, f"speculative: {type(e).__name__}: {e}", "failed")
+                self._refuse(sender, self.fault("speculative", e), "failed")
         return None
 
     # --- the dispatcher: tokens -> responses ---------------------------------------------------------
@@ -398,7 +403,7 @@ class TritonPythonModel:
             with self.lock:  # execute assigns the id under the lock
                 pass
         if "error" in info:
-            self._refuse(entry.sender, f"speculative: generation failed: {info['error']}", "failed")
+            self._refuse(entry.sender, f"speculative{self.FAULT}generation failed: {info['error']}", "failed")
             entry.done = True
             with self.lock:
                 self.live.pop(entry.id, None)
@@ -425,7 +430,7 @@ class TritonPythonModel:
         try:
             if entry.stream:
                 if new or finished:
-                    context, prefix_len = self.stream_window(entry.emitted, new)
+                    context, prefix_len = self.stream_window(entry.emitted, new, self.byte_ids)
                     context = context[:len(context) - untext]
                     response = pb_utils.InferenceResponse(self._tensors(entry, new, context, prefix_len, finished, mean,
                                                                         logprobs, reason, alternatives))
