@@ -25,7 +25,9 @@ def read_tokenizer_config(path) -> dict:
     server's chat endpoint later."""
     import json
 
-    from jinja2 import Environment, TemplateSyntaxError
+    from jinja2 import TemplateSyntaxError
+
+    from builder.chat_template_env import environment
     path = Path(path)
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
@@ -40,8 +42,21 @@ def read_tokenizer_config(path) -> dict:
             raise NemospecError(f"{path}: field 'chat_template': expected a template string (or a list of "
                                 f"{{name, template}} objects), got {json.dumps(entry)[:60]}")
         try:
-            Environment().parse(source)
+            environment().parse(source)
         except TemplateSyntaxError as e:
             raise NemospecError(f"{path}: field 'chat_template': not a valid jinja2 template (line {e.lineno}: "
                                 f"{e.message})") from None
     return config
+
+
+def tokenizer_eos_id(directory, tokenizer) -> int | None:
+    """The id of tokenizer_config.json's ``eos_token`` in ``directory`` (None without one): vLLM and
+    the TensorRT-LLM backend stop on it beside the model's own end ids; a chat template ends each turn
+    with it."""
+    path = Path(directory) / "tokenizer_config.json"
+    if not path.is_file():
+        return None
+    token = read_tokenizer_config(path).get("eos_token")
+    if isinstance(token, dict):          # {"content": "</s>", ...} in older tokenizer configs
+        token = token.get("content")
+    return tokenizer.token_to_id(token) if isinstance(token, str) and token else None

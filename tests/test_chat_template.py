@@ -33,3 +33,29 @@ def test_a_template_renders_the_prompt_transformers_renders(name):
     want = tokenizer.apply_chat_template(MESSAGES, chat_template=source, tokenize=False, add_generation_prompt=True)
     assert ChatTemplate(source).render(MESSAGES) == want
     assert "no clock" not in want
+
+
+def test_a_build_reads_every_such_template(tmp_path):
+    """The build checks the checkpoint's template parses (a damaged one is one line at build, not a
+    failing chat endpoint later) in the same environment: it refused {% break %} and {% generation %}."""
+    import json
+
+    from builder.tokenizer_file import read_tokenizer_config
+    for name, source in TEMPLATES.items():
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": source}))
+        assert read_tokenizer_config(tmp_path / "tokenizer_config.json")["chat_template"] == source, name
+
+
+def test_the_served_end_ids_take_the_tokenizers_eos_token(tmp_path):
+    """The speculative model stops on tokenizer_config.json's eos_token beside the model's end ids, as
+    vLLM and the TensorRT-LLM backend do (a chat template ends each turn with it)."""
+    import json
+
+    from builder.tokenizer_file import tokenizer_eos_id
+    tokenizer = Tokenizer.from_file(str(embedded.target_dir() / "tokenizer.json"))
+    assert tokenizer_eos_id(tmp_path, tokenizer) is None                       # no tokenizer_config.json
+    for eos, want in (("</s>", tokenizer.token_to_id("</s>")), ({"content": "<s>"}, tokenizer.token_to_id("<s>")),
+                      ("<not a token>", None), (None, None)):
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos}))
+        assert tokenizer_eos_id(tmp_path, tokenizer) == want, eos
+    assert tokenizer.token_to_id("</s>") is not None

@@ -1,16 +1,11 @@
 """Chat messages -> prompt text with the checkpoint's ``chat_template`` (``tokenizer_config.json``),
-rendered with jinja2 the way transformers renders it: a sandboxed environment with trim_blocks and
-lstrip_blocks, loop controls (``break``, ``continue``) and the ``generation`` block (rendered as its
-body), ``messages``, ``add_generation_prompt``, ``bos_token``/``eos_token``, the ``raise_exception``
-and ``strftime_now`` helpers and a ``tojson`` that takes ``json.dumps``'s keywords. Text parts of one message are joined with a newline, as vLLM joins
-them (joined with nothing, "Hello" and "world" would reach the model as "Helloworld")."""
+rendered with jinja2 the way transformers renders it (``builder.chat_template_env``) with
+``messages``, ``add_generation_prompt``, ``bos_token``/``eos_token`` and a ``raise_exception`` helper.
+Text parts of one message are joined with a newline, as vLLM joins them (joined with nothing, "Hello"
+and "world" would reach the model as "Helloworld")."""
 from __future__ import annotations
 
-import json
-from datetime import datetime
 from pathlib import Path
-
-import jinja2.ext
 
 from serving.openai.errors import APIError, bad
 
@@ -29,25 +24,6 @@ def _raise(message):
     raise TemplateError(message)
 
 
-def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(format):
-    return datetime.now().strftime(format)
-
-
-class _Generation(jinja2.ext.Extension):
-    """``{% generation %}...{% endgeneration %}``: marks the assistant's part for training masks in
-    transformers; a prompt is its body as it is."""
-    tags = {"generation"}
-
-    def parse(self, parser):
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.Scope(body).set_lineno(lineno)
-
-
 def _token_text(value) -> str:
     if isinstance(value, dict):          # {"content": "<s>", ...} in older tokenizer configs
         return str(value.get("content", ""))
@@ -57,11 +33,10 @@ def _token_text(value) -> str:
 class ChatTemplate:
     def __init__(self, source: str, bos_token: str = "", eos_token: str = ""):
         from jinja2 import meta
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[jinja2.ext.loopcontrols, _Generation])
-        env.globals.update(raise_exception=_raise, strftime_now=_strftime_now)
-        env.filters["tojson"] = _tojson
+
+        from builder.chat_template_env import environment
+        env = environment()
+        env.globals["raise_exception"] = _raise
         self.template = env.from_string(source)
         self.variables = frozenset(meta.find_undeclared_variables(env.parse(source)))   # what it reads
         self.bos_token, self.eos_token = bos_token, eos_token

@@ -101,7 +101,8 @@ class TritonPythonModel:
         from tokenizers import Tokenizer
         from serving.protocol import byte_fallback_ids   # a stream's window begins where a run of them does
         path = self.loaded.tokenizer_path
-        self.byte_ids = byte_fallback_ids(Tokenizer.from_file(str(path))) if path else {}
+        tokenizer = Tokenizer.from_file(str(path)) if path else None
+        self.byte_ids = byte_fallback_ids(tokenizer) if tokenizer else {}
         if self.loaded.speculative:  # the engine directory's adaptive draft length, flags on top
             self.loaded.draft_policy = policy_from(self.loaded.max_draft_len, self.loaded.build_options,
                                                    decode_policy(_param(config, "draft_policy", "")))
@@ -122,7 +123,12 @@ class TritonPythonModel:
         self.vocab = self.loaded.config.vocab_size
         self.max_draft_len = int(self.loaded.max_draft_len or 0)
         eos = self.loaded.config.eos_token_id
-        self.default_end = frozenset(eos if isinstance(eos, (tuple, list)) else [] if eos is None else [eos])
+        # and the tokenizer's eos_token (chat templates end a turn with it), as vLLM and the TensorRT-LLM
+        # backend stop on it; offline generate keeps the model's own (transformers' generate)
+        from builder.tokenizer_file import tokenizer_eos_id
+        turn_end = tokenizer_eos_id(_param(config, "engine_dir"), tokenizer) if tokenizer else None
+        self.default_end = frozenset([*(eos if isinstance(eos, (tuple, list)) else [] if eos is None else [eos]),
+                                      *([] if turn_end is None else [turn_end])])
         self.events = queue.SimpleQueue()
         self.lock = threading.Lock()
         self.live = {}
