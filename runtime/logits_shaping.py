@@ -2,8 +2,9 @@
 
 Banned tokens, and bad words of several tokens (the last banned where the history ends with the
 rest, as TensorRT-LLM's bad_words and transformers' bad_words_ids do); TensorRT-LLM's repetition,
-presence and frequency penalties (over the prompt and every token before the position scored,
-presence and frequency after the temperature, as its sampling kernel applies them);
+presence and frequency penalties (over the prompt and every token before the position scored, less
+the first ``prompt_ignore_length`` prompt tokens for presence and frequency; presence and frequency
+after the temperature, as its sampling kernel applies them);
 ``min_length`` (end ids banned while fewer tokens were generated).
 A verify chunk's row j is shaped with the history that row continues: the sequence so far plus the
 first j drafts, so speculation samples from exactly the distribution target-only decoding would, and
@@ -17,20 +18,28 @@ import torch
 from runtime.sampling import SamplingParams, probabilities
 
 
-def _penalise(row: torch.Tensor, counts: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+def _penalise(row: torch.Tensor, counts: torch.Tensor, p: SamplingParams, ignored: torch.Tensor | None = None):
     """TensorRT-LLM's order: the additive penalties come off the temperature-scaled logits (l/T - p),
     so on these unscaled logits, which the sampler divides by T later, they count T times (greedy:
-    once). The repetition penalty scales, so its place in the order makes no difference."""
-    seen = counts > 0
+    once). The repetition penalty scales, so its place in the order makes no difference. ``ignored``:
+    the counts of the prompt tokens the additive penalties leave out (``prompt_ignore_length``)."""
     if p.repetition_penalty != 1.0:
         scaled = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
-        row = torch.where(seen, scaled, row)
+        row = torch.where(counts > 0, scaled, row)
+    if ignored is not None:
+        counts = counts - ignored
     scale = p.temperature or 1.0
     if p.presence_penalty:
-        row = row - (scale * p.presence_penalty) * seen
+        row = row - (scale * p.presence_penalty) * (counts > 0)
     if p.frequency_penalty:
         row = row - (scale * p.frequency_penalty) * counts
     return row
+
+
+def _ignored(s, vocab: int, like: torch.Tensor) -> torch.Tensor | None:
+    """Counts of the prompt tokens ``s``'s presence and frequency penalties leave out, None for none."""
+    n = min(s.params.prompt_ignore_length, len(s.prompt))
+    return torch.bincount(torch.tensor(s.prompt[:n], dtype=torch.long), minlength=vocab).to(like) if n else None
 
 
 def _ban_bad_sequences(row: torch.Tensor, history: list, p: SamplingParams) -> None:
@@ -57,10 +66,11 @@ def shape(logits: torch.Tensor, seqs, drafts: torch.Tensor | None = None) -> tor
             continue
         following = [] if drafts is None else drafts[b].tolist()
         counts = torch.bincount(torch.tensor(s.prompt + s.outputs, dtype=torch.long), minlength=vocab).to(logits)
+        ignored = _ignored(s, vocab, logits)
         for t in range(logits.shape[1]):
             if t:
                 counts[following[t - 1]] += 1
-            logits[b, t] = _penalise(logits[b, t], counts, p)
+            logits[b, t] = _penalise(logits[b, t], counts, p, ignored)
             if len(s.outputs) + t < p.min_length and s.end_ids:
                 logits[b, t, list(s.end_ids)] = float("-inf")
             if p.bad_sequences:
@@ -86,10 +96,11 @@ def shape_tree(logits: torch.Tensor, seqs, tokens: torch.Tensor, parents: torch.
         if not p.uses_history:
             continue
         history = torch.bincount(torch.tensor(s.prompt + s.outputs, dtype=torch.long), minlength=vocab).to(logits)
+        ignored = _ignored(s, vocab, logits)
         for r in range(logits.shape[1]):
             path = tokens[b][drafted[b, r]]                       # root's child .. r (parents come first)
             counts = history + torch.bincount(path.long(), minlength=vocab).to(logits)
-            logits[b, r] = _penalise(logits[b, r], counts, p)
+            logits[b, r] = _penalise(logits[b, r], counts, p, ignored)
             if len(s.outputs) + int(depth[b, r]) < p.min_length and s.end_ids:
                 logits[b, r, list(s.end_ids)] = float("-inf")
             if p.bad_sequences:

@@ -48,6 +48,8 @@ class SamplingParams:
     top_logprobs: int = 0               # with logprobs: also each position's most probable tokens
     raw_logprobs: bool = False          # log-probabilities of the model's own distribution (the log-softmax of
                                         # its logits: vLLM's raw_logprobs), not of the one a token is drawn from
+    prompt_ignore_length: int = 0       # the first prompt tokens presence and frequency leave out (TensorRT-LLM's
+                                        # field; OpenAI's and vLLM's penalties count generated tokens only)
 
     def __post_init__(self):
         # as vLLM: a temperature below GREEDY_BELOW is greedy, the limit it tends to (logits / 1e-38

@@ -36,6 +36,7 @@ class Request:
     logprobs: bool = False
     top_logprobs: int = 0           # with logprobs: each token's most probable alternatives, up to MAX_TOP_LOGPROBS
     max_draft: int | None = None    # this request's K (None: the engine's)
+    prompt_ignore_length: int = 0   # the first prompt tokens presence and frequency penalties leave out
 
 
 MAX_TOP_LOGPROBS = 20   # vLLM's default max_logprobs
@@ -166,7 +167,7 @@ class Scheduler:
             params = SamplingParams(r.temperature, r.top_p, generator, tuple(w[0] for w in r.bad_words if len(w) == 1),
                                     r.top_k, r.repetition_penalty, r.presence_penalty, r.frequency_penalty,
                                     r.min_length, r.logprobs, tuple(tuple(w) for w in r.bad_words if len(w) > 1),
-                                    r.top_logprobs, self.raw_logprobs)
+                                    r.top_logprobs, self.raw_logprobs, r.prompt_ignore_length)
             seq = Sequence(list(r.prompt_ids), r.max_new_tokens, params, frozenset(r.end_ids),
                            tuple(tuple(w) for w in r.stop_words), request_id=request_id, on_tokens=cb,
                            max_draft=r.max_draft, admitted_ns=time.time_ns())

@@ -149,6 +149,8 @@ def parse(inputs: dict, parameters: dict, *, vocab: int, default_end, max_draft_
                                    what="a number in [1e-6, 1e6] (1: none)"),
         presence_penalty=_number(inputs, "presence_penalty", 0.0, low=-1e6, high=1e6, what="a number in [-1e6, 1e6]"),
         frequency_penalty=_number(inputs, "frequency_penalty", 0.0, low=-1e6, high=1e6, what="a number in [-1e6, 1e6]"),
+        prompt_ignore_length=_number(inputs, "prompt_ignore_length", 0, integer=True, low=0, high=1 << 30,
+                                     what="a count in 0..2^30"),
         seed=int(seed),
         end_ids=default_end if end_id is None else frozenset() if end_id < 0 else frozenset([end_id]),
         speculative=speculative,

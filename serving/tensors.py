@@ -54,6 +54,7 @@ REQUEST_INPUTS = (
     Tensor("min_tokens", "INT32"),
     Tensor("presence_penalty", "FP32"),
     Tensor("frequency_penalty", "FP32"),
+    Tensor("prompt_ignore_length", "INT32"),
     Tensor("seed", "UINT64"),
     Tensor("return_log_probs", "BOOL"),
     Tensor("return_context_logits", "BOOL"),

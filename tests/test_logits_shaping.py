@@ -134,6 +134,27 @@ def test_presence_and_frequency_penalties_follow_their_formula():
     assert_within(drawn, want, 8 * torch.finfo(torch.float32).eps * (1 + (raw / 0.5).abs().max()))
 
 
+def test_prompt_ignore_length_leaves_the_first_prompt_tokens_out_of_presence_and_frequency():
+    """TensorRT-LLM's prompt_ignore_length: presence and frequency count the history less the first N
+    prompt tokens (the OpenAI frontend sends all of them: OpenAI and vLLM count generated tokens
+    only); the repetition penalty still sees every token. A chain verify and a tree verify alike."""
+    from runtime.logits_shaping import shape_tree
+    logits = torch.full((1, 2, 8), 2.0)
+    for ignore, counted in ((2, [2, 3, 4]), (10, [3, 4]), (0, [1, 1, 2, 3, 4])):
+        seq = Sequence([1, 1, 2], 10, SamplingParams(presence_penalty=0.5, frequency_penalty=0.25,
+                                                     repetition_penalty=2.0, prompt_ignore_length=ignore))
+        seq.outputs = [3, 4]
+        rows = []
+        for drafted in ([], [5]):     # row 0 continues the sequence, row 1 the draft 5 after it
+            seen = torch.bincount(torch.tensor([1, 1, 2, 3, 4] + drafted), minlength=8) > 0
+            n = torch.bincount(torch.tensor(counted + drafted), minlength=8).float()
+            rows.append(torch.where(seen, 1.0, 2.0) - 0.5 * (n > 0) - 0.25 * n)
+        want = torch.stack(rows)[None]
+        assert torch.equal(shape(logits, [seq], torch.tensor([[5]])), want), ignore
+        tree = shape_tree(logits, [seq], torch.tensor([[4, 5]]), torch.tensor([[-1, 0]]), torch.tensor([[0, 1]]))
+        assert torch.equal(tree, want), ignore
+
+
 def _second_token_marginal(target, prompt, settings):
     """Exact p(x2 | prompt) = sum_x1 p(x1 | prompt) p(x2 | prompt, x1) under the shaped sampling."""
     def dist(history):

@@ -339,6 +339,13 @@ def test_penalties_keep_openais_order_on_a_server_with_tensorrt_llms():
     assert np.float32(GREEDY_BELOW) < GREEDY_BELOW
     assert sent(temperature=GREEDY_BELOW, presence_penalty=1.0) == {"presence_penalty": 1.0}
 
+    def ignored(**fields):   # OpenAI's and vLLM's presence and frequency count generated tokens only
+        inputs = {t.name(): t for t in backend.ensemble_inputs(Generation("x", 4, **fields), 4)}
+        t = inputs.get("prompt_ignore_length")
+        return None if t is None else int(np.frombuffer(t._raw_content, np.int32)[0])
+    assert ignored(presence_penalty=0.5) == ignored(frequency_penalty=-1.0) == backend.PROMPT_IGNORE_ALL
+    assert ignored(repetition_penalty=1.3) is None and ignored() is None
+
 
 def test_signed_seeds_are_taken_as_vllm_takes_them():
     """vLLM takes any signed 64-bit seed; a negative one was a 400 here. It reaches the ensemble's

@@ -79,3 +79,11 @@ def test_top_log_probs_need_return_log_probs_and_stay_within_the_schedulers_limi
         _parse(top_log_probs=np.array([[3]], np.int32))
     with pytest.raises(BadInput, match=f"top_log_probs: expected 0..{MAX_TOP_LOGPROBS}"):
         _parse(return_log_probs=True, top_log_probs=np.array([[MAX_TOP_LOGPROBS + 1]], np.int32))
+
+
+def test_prompt_ignore_length_reaches_the_request_and_is_checked():
+    """TensorRT-LLM's prompt_ignore_length (the first prompt tokens presence and frequency leave out)."""
+    assert _parse()[0]["prompt_ignore_length"] == 0
+    assert _parse(prompt_ignore_length=np.array([[3]], dtype=np.int32))[0]["prompt_ignore_length"] == 3
+    with pytest.raises(BadInput, match=r"prompt_ignore_length: expected a count in 0..2\^30"):
+        _parse(prompt_ignore_length=np.array([[-1]], dtype=np.int32))

@@ -14,6 +14,7 @@ from functools import cached_property
 import numpy as np
 
 from serving.openai.errors import APIError, from_triton, grpc_text
+PROMPT_IGNORE_ALL = 1 << 30   # request_fields' prompt_ignore_length at most: every prompt token
 GREEDY_BELOW = 1e-5   # runtime.sampling.GREEDY_BELOW (tested equal): under it a request is greedy
 from serving.openai.protocol import Generation
 
@@ -134,6 +135,8 @@ def ensemble_inputs(g: Generation, max_tokens: int):
         value = getattr(g, name)
         if value != (1.0 if name == "repetition_penalty" else 0.0):
             inputs.append(one(name, value if name == "repetition_penalty" else value * scale, np.float32, "FP32"))
+    if g.presence_penalty or g.frequency_penalty:   # OpenAI's and vLLM's count the generated tokens only
+        inputs.append(one("prompt_ignore_length", PROMPT_IGNORE_ALL, np.int32, "INT32"))
     return inputs
 
 
