@@ -35,13 +35,27 @@ class UnavailableError(NemospecError, RuntimeError):
     """What this machine cannot run (the TensorRT backend without a CUDA GPU)."""
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """--help names each option's default, as trtllm-build's and vLLM's do, where its help does not
+    already say it (nor for a switch, or an option whose absence is its default)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (not action.option_strings or "default" in text or action.default in (None, False, argparse.SUPPRESS)
+                or action.default == [] or not text):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse's parser with its errors on one line (exit 2), pointing at --help instead of printing
     the whole usage block first, and no abbreviated flags: ``--max_draft 8`` is an error naming it, not
-    ``--max_draft_len 8`` by a guess that a later flag (``--max_draft_tokens``) would make ambiguous."""
+    ``--max_draft_len 8`` by a guess that a later flag (``--max_draft_tokens``) would make ambiguous.
+    Its --help names the defaults (``DefaultsHelpFormatter``)."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
         super().__init__(*args, **kwargs)
 
     def error(self, message):

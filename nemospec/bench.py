@@ -51,7 +51,7 @@ def add_bench_args(p) -> None:
     p.add_argument("--num_draft_tokens", type=int, default=4, help="K (block drafts: K drafted tokens per block)")
     p.add_argument("--adaptive_max_draft_len", type=int, default=8,
                    help=f"the K up to which a mode named with {ADAPTIVE} (e.g. eagle3{ADAPTIVE}) adapts each sequence's K")
-    p.add_argument("--max_new_tokens", type=int, default=128)
+    p.add_argument("--max_new_tokens", type=int, default=128, help="tokens generated per prompt")
     p.add_argument("--prompts", type=int, default=None,
                    help=f"how many prompts (default: all; the built-in ones are {len(PROMPTS)} code completions)")
     p.add_argument("--prompt_file", default=None, metavar="FILE",

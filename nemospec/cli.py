@@ -75,7 +75,7 @@ def _add_build_args(p):
     p.add_argument("--checkpoint_dir", default=None,
                    help="Hugging Face NemotronH checkpoint (safetensors); default: the embedded trained model")
     p.add_argument("--output_dir", required=True, help="engine directory to write")
-    p.add_argument("--max_batch_size", type=int, default=8)
+    p.add_argument("--max_batch_size", type=int, default=8, help="sequences per step")
     p.add_argument("--max_input_len", type=int, default=512, help="longest prefill chunk; generate splits a longer prompt into chunks, serve refuses it")
     p.add_argument("--max_seq_len", type=int, default=1024, help="prompt + generated tokens")
     p.add_argument("--max_draft_len", type=int, default=None,
@@ -124,7 +124,7 @@ def _parser():
     inp.add_argument("--input_ids", action="append", help="comma-separated token ids (repeat for a batch)")
     g.add_argument("--max_new_tokens", type=int, required=True)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top_p", type=float, default=1.0)
+    g.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling cut (1: none)")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--end_id", type=int, default=None, help="stop token (default: the config's eos_token_id)")
     g.add_argument("--ignore_eos", action="store_true")

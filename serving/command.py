@@ -22,9 +22,9 @@ from serving.supervisor import Supervisor, serve_health
 def add_serve_args(p) -> None:
     p.add_argument("--engine_dir", required=True, help="engine directory built by `nemospec build` (with tokenizer.json)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 to accept other machines)")
-    p.add_argument("--http_port", type=int, default=8000)
-    p.add_argument("--grpc_port", type=int, default=8001)
-    p.add_argument("--metrics_port", type=int, default=8002)
+    p.add_argument("--http_port", type=int, default=8000, help="Triton's HTTP/REST port")
+    p.add_argument("--grpc_port", type=int, default=8001, help="Triton's gRPC port")
+    p.add_argument("--metrics_port", type=int, default=8002, help="Triton's Prometheus metrics port")
     p.add_argument("--health_port", type=int, default=8003,
                    help="the supervisor's readiness endpoint: GET /health/ready is 200 only while a request can be "
                         "served (probe this, not Triton's /v2/health/ready); /metrics: restarts, last cause")
@@ -34,8 +34,9 @@ def add_serve_args(p) -> None:
                         "it, and exit (your own tritonserver, e.g. the NGC image's: TensorRT-LLM's fill_template.py "
                         "step); the model flags below are filled in, the ports and the supervisor are yours")
     p.add_argument("--api_key", default=None,
-                   help=f"require the key on the model-repository and shared-memory endpoints (HTTP header "
-                        f"'{API_KEY_HEADER}: KEY', gRPC metadata '{GRPC_API_KEY_HEADER}: KEY')")
+                   help=f"require the key on the OpenAI frontend ('Authorization: Bearer KEY') and Triton's "
+                        f"model-repository and shared-memory endpoints (HTTP header '{API_KEY_HEADER}: KEY', gRPC "
+                        f"metadata '{GRPC_API_KEY_HEADER}: KEY'); Triton's inference endpoints stay open")
     p.add_argument("--backend", default="auto", choices=list(BACKENDS),
                    help="auto: TensorRT on a GPU, else compiled: the compiled CPU path, its steps compiled before "
                         "the server reports ready (minutes the first time on a machine, seconds after: they are "

@@ -134,3 +134,22 @@ def test_trtllm_builds_name_for_a_draft_model_is_taken():
     for command in (["build", "--output_dir", "x"], ["generate", "--input_ids", "1", "--max_new_tokens", "1"]):
         args = cli._parser().parse_args(command + ["--speculative_decoding_mode", "draft_tokens_external"])
         assert args.speculative_decoding_mode == "draft_target"
+
+
+def test_help_names_each_default_once():
+    """Every subcommand's --help names an option's default where its own text does not (trtllm-build's
+    and vLLM's habit), never a default of None or a switch's False, and never twice."""
+    import argparse
+    import re
+    top = cli._parser()
+    subs = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction)).choices
+    build = " ".join(subs["build"].format_help().split())
+    assert "sequences per step (default: 8)" in build and "(default: 1024)" in build
+    assert "the embedded trained model --output_dir" in build          # its text says the default: no suffix
+    for name, parser in subs.items():
+        text = " ".join(parser.format_help().split())
+        assert "(default: None)" not in text and "(default: False)" not in text, name
+        for action in parser._actions:
+            shown = action.help and parser._get_formatter()._expand_help(action)
+            if shown:
+                assert len(re.findall(r"\bdefault\b", shown)) <= 1 or "(default:" not in shown, (name, shown)
