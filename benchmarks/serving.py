@@ -247,7 +247,11 @@ def run(args, engine_dir, streams):
     backend = served_backend(args.serve_args.split())
     reference = offline(engine_dir, prompt, args.new_tokens, backend)   # warm-up and the expected ids
     report = {"engine_dir": engine_dir.name, "new_tokens": args.new_tokens, "runs": args.runs, "threads": args.threads}
-    with nemospec_serve(engine_dir, args.serve_args.split()) as endpoints:
+    extra = args.serve_args.split()
+    if "--torch_threads" not in extra:   # the server's steps at the offline loop's thread count
+        extra += ["--torch_threads", str(args.threads)]
+    report["server_threads"] = int(extra[extra.index("--torch_threads") + 1])
+    with nemospec_serve(engine_dir, extra) as endpoints:
         grpc_url, openai_url = endpoints["grpc"], endpoints["openai"]
         import openai
         model = openai.OpenAI(base_url=openai_url, api_key="unused").models.list().data[0].id

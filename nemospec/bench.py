@@ -18,7 +18,6 @@ if __name__ == "__main__":   # a model process: mimalloc first (runtime.allocato
 import hashlib
 import json
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -225,16 +224,18 @@ def _offline(engine_dir: Path, prompts: list[list[int]], new_tokens: int, k: int
     # that the prediction with prefill is one: it was the run's time outside its steps, which made the
     # prediction the measured speedup by construction
     prefill = {"speculative": 0.0, "target_only": 0.0}
-    compared, digest = 0, hashlib.sha256()   # runs checked against target-only greedy; what they output
+    # speculative (chain and tree) runs checked against target-only greedy; target-only runs against
+    # each other; what they output
+    compared, repeats, digest = 0, 0, hashlib.sha256()
     for ids in prompts:
         spec, s, spec_runs = _timed(lambda: speculative_generate(loaded.runner, loaded.proposer(), [ids], new_tokens,
                                                                  k, policy=policy), runs)
         plain, t, plain_runs = _timed(lambda: generate(loaded.runner, [ids], new_tokens), runs)
-        compared += _check_equal(plain_runs, plain.output_ids, f"{engine_dir}: a target-only")
+        repeats += _check_equal(plain_runs, plain.output_ids, f"{engine_dir}: a target-only")
         compared += _check_equal(spec_runs, plain.output_ids, f"{engine_dir}: speculative")
         digest.update(json.dumps(plain.output_ids).encode())
         if trees is not None:
-            trees.run(ids, new_tokens, runs, plain.output_ids, engine_dir)
+            compared += trees.run(ids, new_tokens, runs, plain.output_ids, engine_dir)
         spec_s, plain_s, tokens = spec_s + s, plain_s + t, tokens + spec.num_tokens
         spec_costs.merge(spec.extra["cost"])
         plain_costs.merge(plain.extra["cost"])
@@ -254,17 +255,22 @@ def _offline(engine_dir: Path, prompts: list[list[int]], new_tokens: int, k: int
            "draft_len_adaptive": bool(policy is not None and policy.adaptive), "max_draft_len": k,
            "tokens": tokens, "tokens_per_second": round(tokens / spec_s, 1),
            "target_only_tokens_per_second": round(tokens / plain_s, 1), "speedup": round(plain_s / spec_s, 3),
-           "exact": True, "outputs_compared": compared, "output_ids_sha256": digest.hexdigest(),
+           "exact": True, "outputs_compared": compared, "target_only_repeats_compared": repeats,
+           "output_ids_sha256": digest.hexdigest(),
            "cost": with_prefill(cost_model(spec_costs.summary(), plain_costs.summary()),
                                                {side: 1e3 * v / len(prompts) for side, v in prefill.items()},
                                                new_tokens)}
-    # the K these measured costs and acceptances pick (runtime.draft_len, `generate --num_draft_tokens auto`)
+    # the K these measured costs and acceptances pick (runtime.draft_len, `generate --num_draft_tokens auto`):
+    # they read every step as drafting K, so not for runs whose steps drafted several lengths
     from runtime.draft_len import acceptance_rates, choose, costs_from, is_block_draft
-    rates = acceptance_rates(hist, k)
-    best, predicted = choose(costs_from(spec_costs.summary(), plain_costs.summary(), k,
-                                        is_block_draft(loaded.proposer()), getattr(loaded.runner, "verify_buckets", ())),
-                             rates)
-    out["draft_len_auto"] = {"k": best, "predicted": predicted, "rates": [round(a, 3) for a in rates]}
+    if set(lengths) - {str(k), k}:
+        out["draft_len_auto"] = {"not_applicable": f"steps drafted {', '.join(map(str, sorted(map(int, lengths))))} "
+                                                   "tokens, not K each"}
+    else:
+        rates = acceptance_rates(hist, k)
+        best, predicted = choose(costs_from(spec_costs.summary(), plain_costs.summary(), k, is_block_draft(loaded.proposer()),
+                                            getattr(loaded.runner, "verify_buckets", ())), rates)
+        out["draft_len_auto"] = {"k": best, "predicted": predicted, "rates": [round(a, 3) for a in rates]}
     if moe_before is not None and getattr(loaded.config, "n_routed_experts", 0):
         # a decode's MoE layers read top-k experts, a verify's the union over its rows (timed runs only)
         calls, experts = (moe_counts() - moe_before).tolist()
@@ -296,9 +302,10 @@ class _TreeRuns:
         self.seconds, self.tokens, self.costs = 0.0, 0, StepCosts()
         self.hist, self.sizes, self.depths, self.off_chain = {}, {}, {}, 0
 
-    def run(self, ids, new_tokens, runs, want, engine_dir):
+    def run(self, ids, new_tokens, runs, want, engine_dir) -> int:
+        """Times the tree on one prompt; returns the runs checked against ``want``."""
         result, seconds, results = _timed(lambda: self.run_one(ids, new_tokens), runs)
-        _check_equal(results, want, f"{engine_dir}: tree speculative")
+        checked = _check_equal(results, want, f"{engine_dir}: tree speculative")
         self.seconds += seconds
         self.tokens += result.num_tokens
         self.costs.merge(result.extra["cost"])
@@ -310,6 +317,7 @@ class _TreeRuns:
             for n, c in a["tree"][key].items():
                 into[n] = into.get(n, 0) + c
         self.off_chain += a["tree"]["accepted_off_chain"]
+        return checked
 
     def summary(self, chain_seconds, plain_seconds, chain_mean, plain_costs) -> dict:
         from runtime.step_costs import cost_model
@@ -365,7 +373,7 @@ def _serving(engine_dir: Path, texts: list[str], new_tokens: int, runs: int, off
     ports = dict(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
     spec_s = plain_s = 0.0
     tokens = 0
-    means = []
+    pooled = {}   # steps that kept i drafts, over every request: the mean pooled as offline's is
     # the offline runs' path (compiled: warmed up before the server is ready); the server's threads
     with serving(engine_dir, backend=backend, torch_threads=threads, ready_timeout=1200, **ports) as server:
         stream_generate(server.grpc_url, texts[0], 8)                     # warm-up
@@ -377,7 +385,8 @@ def _serving(engine_dir: Path, texts: list[str], new_tokens: int, runs: int, off
                 if a.ids != b.ids:
                     raise RuntimeError("served speculative output differs from served target-only output")
                 pairs.append((a, b))
-                means.append(a.mean_accepted_tokens)
+                for kept, count in enumerate(a.histogram):
+                    pooled[kept] = pooled.get(kept, 0) + count
             spec_s += _lower_median([a.seconds for a, _ in pairs])
             plain_s += _lower_median([b.seconds for _, b in pairs])
             tokens += len(pairs[0][0].ids)
@@ -387,7 +396,7 @@ def _serving(engine_dir: Path, texts: list[str], new_tokens: int, runs: int, off
             "backend": backend, "torch_threads": threads or default_torch_threads(),
             "engine_dir": portable_path(engine_dir, engine_dir.parent.parent), "tokens_per_second": round(tps, 1),
             "target_only_tokens_per_second": round(tokens / plain_s, 1), "speedup": round(plain_s / spec_s, 3),
-            "mean_accepted_tokens": round(statistics.mean(means), 3),
+            "mean_accepted_tokens": round(sum((kept + 1) * c for kept, c in pooled.items()) / max(1, sum(pooled.values())), 3),
             "offline_tokens_per_second": offline_tps, "served_over_offline": round(tps / offline_tps, 3)}
 
 

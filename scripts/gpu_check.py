@@ -207,8 +207,8 @@ def tensorrt_engines(deadline: float) -> dict:
                 t0 = time.perf_counter()
                 build(embedded.target_dir(), d, BuildOptions(max_batch_size=4, max_input_len=64, max_seq_len=256,
                                                              strip_plan=strip), log=lambda m: None)
-                want = generate(open_engine_dir(d, backend="torch").runner, prompts, 32).output_ids
                 t1 = time.perf_counter()
+                want = generate(open_engine_dir(d, backend="torch").runner, prompts, 32).output_ids
                 got = generate(open_engine_dir(d, backend="tensorrt").runner, prompts, 32).output_ids
                 out[key] = {"build_s": round(t1 - t0, 1), "exact": got == want,
                             "dir_bytes": sum(p.stat().st_size for p in d.rglob("*") if p.is_file())}

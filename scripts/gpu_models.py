@@ -71,6 +71,8 @@ def _measure_mode(mode, k, prompts, device, new, backend, deadline, tree=None, f
     loaded = open_checkpoint(target, device=device, mode=mode, draft_dir=draft, max_draft_len=k, backend=backend)
     generate(loaded.runner, prompts[:1], 8)
     speculative_generate(loaded.runner, loaded.proposer(), prompts[:1], 8, k, policy=policy)
+    if tree is not None:   # the tree kernels' first launches (Triton's JIT) before any timed tree run
+        speculative_generate(loaded.runner, loaded.proposer(), prompts[:1], 8, k, tree=tree)
     row = {"load_and_warm_s": round(time.perf_counter() - t0, 1), "runs": []}
     late, during = len(COMPILE_LOG), []
     for ids in prompts:

@@ -18,6 +18,7 @@ class StreamResult:
     text: str = ""
     ids: list[int] = field(default_factory=list)
     mean_accepted_tokens: float | None = None
+    histogram: list = field(default_factory=list)   # the final response's: steps that kept 0..K drafts
     seconds: float = 0.0                 # send -> final response
     first_token_seconds: float | None = None
     responses: int = 0
@@ -72,6 +73,9 @@ def stream_generate(url: str, prompt: str, max_tokens: int, *, speculative: bool
                 mean = result.as_numpy("mean_accepted_tokens")   # in the final response (or with return_perf_metrics)
                 if mean is not None:
                     out.mean_accepted_tokens = float(mean.reshape(-1)[0])
+                histogram = result.as_numpy("acceptance_histogram")
+                if histogram is not None:
+                    out.histogram = histogram.reshape(-1).tolist()
                 out.responses += 1
                 if on_text is not None and chunk:
                     on_text(chunk)

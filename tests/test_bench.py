@@ -77,7 +77,9 @@ def test_report_json_holds_every_field(report_dir):
         assert m["tokens_per_second"] > 0 and m["target_only_tokens_per_second"] > 0
         assert m["speedup"] == pytest.approx(m["tokens_per_second"] / m["target_only_tokens_per_second"], rel=0.02)
         assert m["exact"] is True and len(m["output_ids_sha256"]) == 64
-        assert m["outputs_compared"] == 2 * r["prompts"] * r["runs"]   # every run of both sides, not the medians
+        # every run, not the medians: the speculative chain's and tree's against target-only, target-only's
+        assert m["outputs_compared"] == (2 if "tree" in m else 1) * r["prompts"] * r["runs"]
+        assert m["target_only_repeats_compared"] == r["prompts"] * r["runs"]
         assert m["build_seconds"] > 0 and m["engine_bytes"] == sum(e["bytes"] for e in m["engines"].values())
         assert set(m["engines"]) >= {"target", "verify", "draft"}
         c = m["cost"]
