@@ -413,14 +413,16 @@ def load_checkpoint(checkpoint_dir: str | os.PathLike) -> tuple[NemotronHConfig,
     return config, {name: loaded[name] for name in order}
 
 
-def check_finite_weights(directory, weights: dict) -> None:
+def check_finite_weights(directory, weights: dict, dtype: torch.dtype | None = None) -> None:
     """No NaN or inf in a loaded checkpoint's tensors (NVFP4 weights: their scales too), named by the
-    checkpoint and tensor: one built and generated token 0 after token 0 with exit 0. Reads every
-    byte, so the commands that use the weights call it (build, generate, quantize), not the loader,
-    which maps headers only."""
+    checkpoint and tensor: one built and generated token 0 after token 0 with exit 0; and none beyond
+    the range of ``dtype``, the build dtype it is cast to (``convert_weights``). Reads every byte, so
+    the commands that use the weights call it (build, generate, quantize), not the loader, which maps
+    headers only."""
     for name, t in weights.items():
         if not getattr(t, "is_nvfp4", False):
-            check_finite(t, directory, name)
+            kept_fp32 = any(name.endswith(s) for s in FP32_TENSORS)
+            check_finite(t, directory, name, cast=None if kept_fp32 else dtype)
             continue
         check_finite(t.packed, directory, name)
         check_finite(t.scale, directory, f"{name} (weight_scale)", scale=True)

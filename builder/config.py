@@ -178,6 +178,8 @@ class NemotronHConfig:
             check_int(name, getattr(self, name))
         for name in _FLOAT_FIELDS:
             check_float(name, getattr(self, name))
+            if not math.isfinite(getattr(self, name)):   # an infinite one built a model that gives token 0 only
+                raise fail(f"field '{name}': expected a finite number, got {getattr(self, name)}")
         for name in _BOOL_FIELDS:
             if not isinstance(getattr(self, name), bool):
                 raise fail(f"field '{name}': expected true or false, got {getattr(self, name)!r}")
@@ -215,8 +217,9 @@ class NemotronHConfig:
             raise fail(f"field 'time_step_limit': expected two numbers [min, max], got {tsl!r}")
         for v in tsl:
             check_float("time_step_limit", v)
-        if math.isnan(tsl[0]) or math.isnan(tsl[1]) or tsl[0] > tsl[1]:
-            raise fail(f"field 'time_step_limit': expected [min, max] with min <= max, got {list(tsl)}")
+        if math.isnan(tsl[0]) or math.isnan(tsl[1]) or tsl[0] > tsl[1] or not math.isfinite(tsl[0]):
+            raise fail(f"field 'time_step_limit': expected [min, max] with a finite min <= max (max may be "
+                       f"infinity: no upper clamp), got {list(tsl)}")
 
         used = set(self.layer_types)
         if self.num_nextn_predict_layers > 0:
@@ -240,8 +243,8 @@ class NemotronHConfig:
         for name in ("n_shared_experts", "num_nextn_predict_layers"):
             if getattr(self, name) < 0:
                 raise fail(f"field '{name}': expected an integer >= 0, got {getattr(self, name)}")
-        if not self.layer_norm_epsilon > 0:
-            raise fail(f"field 'layer_norm_epsilon': expected a positive number, got {self.layer_norm_epsilon}")
+        if not 0 < self.layer_norm_epsilon < math.inf:   # an infinite one gave a model of token 0 only
+            raise fail(f"field 'layer_norm_epsilon': expected a finite positive number, got {self.layer_norm_epsilon}")
 
         if "attention" in used and self.num_attention_heads % self.num_key_value_heads:
             raise fail(f"field 'num_attention_heads': expected a multiple of num_key_value_heads="
@@ -262,8 +265,8 @@ class NemotronHConfig:
             if self.num_experts_per_tok > reachable:
                 raise fail(f"field 'num_experts_per_tok': expected at most topk_group*n_routed_experts/n_group="
                             f"{reachable}, got {self.num_experts_per_tok}")
-            if not self.routed_scaling_factor > 0:
-                raise fail(f"field 'routed_scaling_factor': expected a positive number, "
+            if not 0 < self.routed_scaling_factor < math.inf:
+                raise fail(f"field 'routed_scaling_factor': expected a finite positive number, "
                             f"got {self.routed_scaling_factor}")
 
 

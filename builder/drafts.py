@@ -10,9 +10,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from builder.checkpoint import check_finite_weights, checkpoint_hash, convert_weights, load_checkpoint, validate_mtp
+import torch
+
+from builder.checkpoint import (check_finite_weights, checkpoint_hash, convert_weights, expected_tensors, load_checkpoint,
+                               validate_mtp)
 from builder.config import NemotronHConfig
 from builder.errors import BuildError, DraftError
+from builder.formats.tensors import draft_tensors
 from builder.safetensors_io import own_storage as _copy_if_view
 from builder.draft_checkpoint import draft_config_from_dict, draft_hash, load_draft_checkpoint, validate_against_target
 from builder.draft_checkpoint_block import (block_draft_config_from_dict, load_block_draft_checkpoint,
@@ -235,6 +239,16 @@ def _feature_draft(cfg, weights, target_weights, dtype):
     return EagleDraft(cfg, weights, embedding, head, dtype)
 
 
+def _check_recorded_shapes(expected: dict, weights: dict) -> None:
+    """An engine directory's draft weights against the shapes its recorded draft config gives them
+    (a damaged config failed at the first step, in torch); packed NVFP4 bytes have shapes of their own."""
+    for name, shape in expected.items():
+        w = weights.get(name)
+        if w is not None and w.dtype != torch.uint8 and tuple(w.shape) != tuple(shape):
+            raise DraftError(f"weights/draft.safetensors: tensor {name!r} has shape {list(w.shape)}, the recorded "
+                             f"draft config gives {list(shape)}")
+
+
 def draft_from_engine_dir(meta: dict, target_cfg: NemotronHConfig, target_weights: dict, draft_weights, dtype,
                           own_storage: bool = False):
     mode = meta["mode"]
@@ -242,10 +256,15 @@ def draft_from_engine_dir(meta: dict, target_cfg: NemotronHConfig, target_weight
     if mode == "mtp":
         return MTPDraft(target_cfg, target_weights, dtype)
     if mode == "draft_target":
-        return NemotronH(NemotronHConfig.from_dict(meta["draft"]), draft_weights, dtype)
+        cfg = NemotronHConfig.from_dict(meta["draft"])
+        _check_recorded_shapes(expected_tensors(cfg), draft_weights)
+        return NemotronH(cfg, draft_weights, dtype)
     if mode in ("eagle", "eagle3"):
-        return _feature_draft(draft_config_from_dict(meta["draft"]), draft_weights, target_weights, dtype)
+        cfg = draft_config_from_dict(meta["draft"])
+        _check_recorded_shapes(draft_tensors(cfg)[0], draft_weights)
+        return _feature_draft(cfg, draft_weights, target_weights, dtype)
     if mode in BLOCK_MODES:
-        return _block_draft(block_draft_config_from_dict(meta["draft"]), _bind_quantized(draft_weights, dtype),
-                            target_weights, dtype)
+        cfg = block_draft_config_from_dict(meta["draft"])
+        _check_recorded_shapes(draft_tensors(cfg)[0], draft_weights)
+        return _block_draft(cfg, _bind_quantized(draft_weights, dtype), target_weights, dtype)
     raise DraftError(f"engine directory: unknown speculative mode {mode}")

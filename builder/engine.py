@@ -27,6 +27,7 @@ only when everything succeeded, so a failed build leaves nothing behind.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -401,11 +402,11 @@ def build(checkpoint_dir, output_dir, options: BuildOptions, log=print, draft_di
         config, weights = load_nvfp4_checkpoint(checkpoint_dir, keep_quantized=True)
     else:
         config, weights = load_checkpoint(checkpoint_dir)
-    check_finite_weights(checkpoint_dir, weights)
-    if options.num_layers:
-        config, weights = first_layers(config, weights, options.num_layers)
     dtype_name = options.resolve_dtype(config.dtype)
     dtype = TORCH_DTYPES[dtype_name]
+    check_finite_weights(checkpoint_dir, weights, dtype)
+    if options.num_layers:
+        config, weights = first_layers(config, weights, options.num_layers)
     weights = convert_weights(weights, dtype)
     if draft_quantization and not mode:
         raise BuildError("--quantization: quantizes the draft; it needs --speculative_decoding_mode")
@@ -414,6 +415,11 @@ def build(checkpoint_dir, output_dir, options: BuildOptions, log=print, draft_di
     if draft_dir is not None and not mode:
         raise BuildError(f"--draft_dir {draft_dir}: a draft needs --speculative_decoding_mode (its kind)")
     # argument errors before gigabytes of weights are written (the draft itself loads after them)
+    # as vLLM's max_model_len (TensorRT refused 1e9 with its own log, the flag unnamed)
+    if options.max_seq_len > config.max_position_embeddings and os.environ.get("NEMOSPEC_ALLOW_LONG_MAX_SEQ_LEN") != "1":
+        raise BuildError(f"--max_seq_len {options.max_seq_len}: beyond the checkpoint's max_position_embeddings "
+                         f"{config.max_position_embeddings}; expected at most that (NEMOSPEC_ALLOW_LONG_MAX_SEQ_LEN=1 "
+                         "builds it anyway)")
     if mode and mode != "mtp":
         drafts.need_draft_dir(mode, draft_dir)
     if token_map is not None and mode:

@@ -71,10 +71,12 @@ def read_header(path: str | os.PathLike) -> tuple[dict, int]:
 _FINITE_CHUNK = 1 << 24   # elements per isfinite pass: a bounded bool buffer, whatever the tensor's size
 
 
-def check_finite(tensor: torch.Tensor, path, stored: str, scale: bool = False) -> None:
+def check_finite(tensor: torch.Tensor, path, stored: str, scale: bool = False, cast: torch.dtype | None = None) -> None:
     """A checkpoint's floating-point tensor (FP8 scales included) holds no NaN or inf: one that did
     built and generated a stream of token 0 with exit 0. A ``scale`` (NVFP4's block and global
-    scales, magnitudes by definition) holds no negative value either: one flipped its blocks' signs."""
+    scales, magnitudes by definition) holds no negative value either: one flipped its blocks' signs.
+    ``cast``: the dtype it will be cast to, whose range its values must fit (float16's 65504: a
+    larger value became inf after this check)."""
     if not tensor.is_floating_point() or tensor.numel() == 0:
         return
     flat = tensor.reshape(-1)
@@ -86,6 +88,12 @@ def check_finite(tensor: torch.Tensor, path, stored: str, scale: bool = False) -
             raise CheckpointError(f"{path}: tensor {stored!r} holds NaN or inf values")
         if scale and (part < 0).any():
             raise CheckpointError(f"{path}: tensor {stored!r} holds negative scales; expected values >= 0")
+        if cast is not None and cast.is_floating_point and torch.finfo(cast).max < torch.finfo(part.dtype).max:
+            big = part.abs().max().item()
+            if big > torch.finfo(cast).max:
+                name = str(cast).removeprefix("torch.")
+                raise CheckpointError(f"{path}: tensor {stored!r} holds {big:g}, beyond {name}'s range "
+                                      f"({torch.finfo(cast).max:g}); build with --dtype bfloat16 or float32")
 
 
 def mmap_tensors(path: str | os.PathLike, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:

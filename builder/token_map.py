@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 from collections import Counter
 from pathlib import Path
 
@@ -61,14 +62,21 @@ def read_token_map(path, vocab_size: int) -> torch.Tensor:
 
 def write_token_map(path, ids: list[int]) -> None:
     """``ids`` in the format ``read_token_map`` reads by ``path``'s suffix: a .json list, a .pt tensor,
-    else whitespace-separated text."""
+    else whitespace-separated text. Written beside it and renamed over it, so a failed write (a full
+    disk) leaves the earlier file as it was and no part of the new one."""
     path = Path(path)
-    if path.suffix == ".pt":
-        torch.save(torch.tensor(ids, dtype=torch.int64), path)
-    elif path.suffix == ".json":
-        path.write_text(json.dumps(ids) + "\n")
-    else:
-        path.write_text("\n".join(map(str, ids)) + "\n")
+    temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        if path.suffix == ".pt":
+            torch.save(torch.tensor(ids, dtype=torch.int64), temp)
+        elif path.suffix == ".json":
+            temp.write_text(json.dumps(ids) + "\n")
+        else:
+            temp.write_text("\n".join(map(str, ids)) + "\n")
+        os.replace(temp, path)
+    except (OSError, RuntimeError) as e:   # torch.save reports a failed write as RuntimeError
+        temp.unlink(missing_ok=True)
+        raise DraftError(f"--output {path}: could not be written ({getattr(e, 'strerror', None) or e})") from None
 
 
 def digest(ids: torch.Tensor) -> str:
@@ -89,7 +97,13 @@ def rank_tokens(tokenizer_file, paths, size: int) -> list[int]:
         raise DraftError(f"--corpus: no files under {', '.join(map(str, paths))}")
     counts = Counter()
     for f in files:
-        counts.update(tok.encode(f.read_text(errors="ignore"), add_special_tokens=False).ids)
+        try:
+            text = f.read_text(errors="ignore")
+        except OSError as e:
+            raise DraftError(f"--corpus: {f}: not readable ({e.strerror})") from None
+        counts.update(tok.encode(text, add_special_tokens=False).ids)
+    if not counts:
+        raise DraftError(f"--corpus: no text in {', '.join(map(str, paths))}: expected text files to count tokens in")
     return [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:size]]
 
 

@@ -57,6 +57,10 @@ def cmd_token_map(args):
     output = Path(args.output)
     if output.is_dir() or not output.parent.is_dir():
         raise NemospecError(f"--output {output}: expected a file path in an existing directory")
+    for flag, given in [("--tokenizer", tokenizer), *(("--corpus", Path(c)) for c in args.corpus)]:
+        if output.resolve() == given.resolve() or given.is_dir() and output.resolve().is_relative_to(given.resolve()):
+            raise NemospecError(f"--output {output}: is or is inside the {flag} {given}, which writing the map "
+                                "would replace or join; choose another path")
     ids = rank_tokens(tokenizer, args.corpus, args.size)
     write_token_map(output, ids)
     err.print(f"wrote {len(ids)} token ids (most frequent first) to {args.output}", markup=False)
@@ -157,7 +161,7 @@ def _parser():
                    help="with a checkpoint: speculate eagerly with this draft (no engines needed)")
     g.add_argument("--draft_dir", default=None, help="with a checkpoint: the draft (default with the embedded model: "
                                                      "its trained draft)")
-    g.add_argument("--max_draft_len", type=int, default=4, help="with a checkpoint: K")
+    g.add_argument("--max_draft_len", type=int, default=None, help="with a checkpoint and a draft: K (default: 4)")
     add_token_map_arg(g)
     add_embedded_args(g)
     from serving.command import add_serve_args
@@ -266,13 +270,21 @@ def cmd_generate(args):
             raise NemospecError(f"--{flag}: expected a directory, got an empty path")
     if args.draft_dir and args.engine_dir is None and not args.speculative_decoding_mode:
         raise NemospecError(f"--draft_dir {args.draft_dir}: a draft needs --speculative_decoding_mode (its kind)")
+    from runtime.draft_policy import POLICY_FLAGS
+    if args.engine_dir is None and not args.speculative_decoding_mode:   # as build refuses them: not ignored
+        for flag in ("max_draft_len", "speculative_token_map", *POLICY_FLAGS):
+            if getattr(args, flag, None) is not None:
+                raise NemospecError(f"--{flag}: applies to a draft; this run is target-only (add "
+                                    "--speculative_decoding_mode)")
     refuse_embedded_with(args, "engine_dir", "checkpoint_dir")
     if args.engine_dir is None:
         args.checkpoint_dir, args.draft_dir = resolve_sources(args.checkpoint_dir, args.speculative_decoding_mode,
                                                               args.draft_dir, None, args.embedded, args.embedded_factor)
-    elif args.speculative_decoding_mode or args.draft_dir or args.speculative_token_map:
-        raise NemospecError("--speculative_decoding_mode/--draft_dir/--speculative_token_map: an engine directory "
-                            "already holds its draft; these go with --checkpoint_dir")
+    elif args.speculative_decoding_mode or args.draft_dir or args.speculative_token_map or args.max_draft_len is not None:
+        raise NemospecError("--speculative_decoding_mode/--draft_dir/--speculative_token_map/--max_draft_len: an engine "
+                            "directory already holds its draft and K; these go with --checkpoint_dir")
+    if args.max_draft_len is None:
+        args.max_draft_len = 4
     from runtime.loading import resolve_backend
     backend = resolve_backend(args.backend, engine_dir=args.checkpoint_dir is None,
                               tokens=args.max_new_tokens * len(args.prompt or args.input_ids or [None]))
@@ -349,12 +361,19 @@ def cmd_generate(args):
         check_request(prompts, args.max_new_tokens, loaded.max_seq_len, loaded.config.vocab_size)
     except ValueError as e:
         raise NemospecError(str(e)) from None
-    trace_file = None
+    trace_file, trace_failed = None, []
     if args.trace is not None:
         try:
             trace_file = open(args.trace, "w", encoding="utf-8")
         except OSError as e:
             raise NemospecError(f"--trace {args.trace}: cannot write ({e.strerror})") from None
+
+    def write_trace(record):   # a write that fails (a full disk) ends the trace, not the generation
+        if not trace_failed:
+            try:
+                trace_file.write(json.dumps(record) + "\n")
+            except OSError as e:
+                trace_failed.append(e)
     # the run's policy: the warm-ups compile what it verifies (a confidence stop's shorter chunks)
     run_policy = (lambda kk: policy_from(kk, loaded.build_options, args)) if speculate else (lambda kk: None)
     try:
@@ -398,8 +417,7 @@ def cmd_generate(args):
             result = speculative_generate(loaded.runner, loaded.proposer(), prompts, args.max_new_tokens, k,
                                           temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                                           end_ids=end_ids, max_seq_len=loaded.max_seq_len, prefill_chunk=chunk,
-                                          policy=policy, trace=None if trace_file is None else
-                                          lambda r: trace_file.write(json.dumps(r) + "\n"), tree=tree)
+                                          policy=policy, trace=None if trace_file is None else write_trace, tree=tree)
         else:
             result = generate(loaded.runner, prompts, args.max_new_tokens, temperature=args.temperature,
                               top_p=args.top_p, seed=args.seed, end_ids=end_ids, max_seq_len=loaded.max_seq_len,
@@ -408,7 +426,10 @@ def cmd_generate(args):
         raise NemospecError(str(e)) from None
     finally:
         if trace_file is not None:
-            trace_file.close()
+            try:
+                trace_file.close()
+            except OSError as e:
+                trace_failed.append(e)
     # an end id ends the ids but not the text, as the server answers (serving.md, `end_id`)
     texts = ([tokenizer.decode(o[:-1] if o and o[-1] in end_ids else o) for o in result.output_ids]
              if tokenizer else None)
@@ -464,6 +485,11 @@ def cmd_generate(args):
         if texts is not None:
             record["text"] = texts[0] if single else texts
         print(json.dumps(record))
+    if trace_failed:   # the generation above stands; the part-written trace goes
+        if Path(args.trace).is_file():   # never a device (/dev/full) or anything else the path names
+            Path(args.trace).unlink()
+        raise NemospecError(f"--trace {args.trace}: could not be written ({trace_failed[0].strerror}); removed it, "
+                            "the output above is complete")
     return 0
 
 
@@ -488,7 +514,8 @@ def cmd_quantize(args):
 
 
 def _terminate_as_exit(signum, frame):
-    """SIGTERM unwinds like Ctrl-C, so an output directory being written is removed (atomic_dir)."""
+    """SIGTERM, and SIGHUP (the terminal closed, the ssh session dropped), unwind like Ctrl-C, so an
+    output directory being written is removed (atomic_dir)."""
     raise SystemExit(128 + signum)
 
 
@@ -499,6 +526,8 @@ def main(argv=None):
         parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command in ("build", "quantize", "token_map") and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _terminate_as_exit)
+        if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:   # nohup's choice stands
+            signal.signal(signal.SIGHUP, _terminate_as_exit)
     try:
         return {"build": cmd_build, "generate": cmd_generate, "serve": cmd_serve,
                 "quantize": cmd_quantize, "bench": cmd_bench, "token_map": cmd_token_map}[args.command](args)

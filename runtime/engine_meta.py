@@ -46,7 +46,19 @@ def read_engine_meta(path: Path, dtypes=DTYPES) -> dict:
         draft_len = build.get("max_draft_len")
         if isinstance(draft_len, bool) or not isinstance(draft_len, int) or draft_len < 1:
             _fail(path, f"field 'build.max_draft_len': expected an integer >= 1 for a speculative engine, got {draft_len!r}")
+        _check_policy_fields(path, build)
     return meta
+
+
+def _check_policy_fields(path: Path, build: dict) -> None:
+    """Each recorded draft-length flag parses as its flag would (a damaged one raised from deep inside)."""
+    from runtime.draft_policy import POLICY_FLAGS, policy_from
+    for flag in POLICY_FLAGS:
+        if flag in build:
+            try:
+                policy_from(build["max_draft_len"], {flag: build[flag]})
+            except Exception as e:   # each flag's parser raises its own kind
+                _fail(path, f"field 'build.{flag}': {build[flag]!r} is not a value of --{flag} ({e})")
 
 
 def check_tensorrt_match(path: Path, meta: dict, flavour: str, version: str) -> None:

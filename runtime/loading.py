@@ -1,6 +1,7 @@
 """Open a checkpoint or an engine directory: the target runner, the draft, what generation needs."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -150,8 +151,8 @@ def open_checkpoint(checkpoint_dir, dtype="auto", device=None, mode=None, draft_
     from builder.checkpoint import check_finite_weights, load_checkpoint
     from builder.drafts import load_draft
     config, weights = load_checkpoint(checkpoint_dir)
-    check_finite_weights(checkpoint_dir, weights)
     torch_dtype = TORCH_DTYPES[config.dtype if dtype == "auto" else dtype]
+    check_finite_weights(checkpoint_dir, weights, torch_dtype)
     device = _device(device)
     draft = spec = proposer = None
     if mode is not None:
@@ -183,6 +184,18 @@ def _check_verify_contract(meta: dict, meta_path: Path, config: NemotronHConfig)
                             "verify returned per-position states); rebuild the engine directory with `nemospec build`")
 
 
+def _check_model_fields(meta_path: Path, config, weights: dict) -> None:
+    """The recorded model's sizes against the weights they describe: a damaged vocab_size read ids
+    past the embedding (an IndexError from inside torch)."""
+    for name, fields in (("backbone.embeddings.weight", ("vocab_size", "hidden_size")),
+                         ("backbone.norm_f.weight", ("hidden_size",))):
+        want = tuple(getattr(config, f) for f in fields)
+        got = tuple(weights[name].shape) if name in weights else None
+        if got != want:
+            raise NemospecError(f"{meta_path}: field 'model.{'/'.join(fields)}' {list(want)} does not match weights/"
+                                f"target.safetensors' {name} {list(got) if got else 'missing'}; rebuild the engine directory")
+
+
 def open_engine_dir(engine_dir, backend="auto", device=None, matmul_precision: str | None = None) -> Loaded:
     """An engine directory's runner and proposer; ``matmul_precision`` overrides its build's (the
     compiled backend's products)."""
@@ -209,14 +222,25 @@ def open_engine_dir(engine_dir, backend="auto", device=None, matmul_precision: s
     weights = load_file(str(engine_dir / "weights" / "target.safetensors"))
     if meta.get("weights_format") == quantization.FORMAT_NAME:  # NVFP4 as stored (--strip_plan): dequantized
         weights = quantization.dequantize_tensors(weights, dtype=dtype, where=str(engine_dir / "weights"))
+    _check_model_fields(meta_path, config, weights)
     draft = None
     if spec:
         draft_file = engine_dir / "weights" / "draft.safetensors"
+        if spec["mode"] != "mtp" and not draft_file.is_file():   # MTP's layers are in the target's file
+            raise NemospecError(f"{draft_file}: missing; the engine directory is incomplete, rebuild it")
         draft_weights = load_file(str(draft_file)) if draft_file.is_file() else None
-        draft = draft_from_engine_dir(spec, config, weights, draft_weights, dtype, own_storage=backend == "compiled")
+        try:
+            draft = draft_from_engine_dir(spec, config, weights, draft_weights, dtype, own_storage=backend == "compiled")
+        except (RuntimeError, KeyError, TypeError, ValueError) as e:   # its recorded config and its weights disagree
+            raise NemospecError(f"{meta_path}: field 'speculative.draft' does not fit {draft_file.name} "
+                                f"({type(e).__name__}: {' '.join(str(e).split())[:200]}); rebuild the engine directory") from None
     target = NemotronH(config, weights, dtype, **(_target_features(draft) if draft is not None else {}))
     if backend in ("torch", "compiled"):
         _place_modules(device, target, draft)
+    unknown = sorted(set(build) - {f.name for f in dataclasses.fields(BuildOptions)})
+    if unknown:   # BuildOptions(**build) raised a TypeError
+        raise NemospecError(f"{meta_path}: field 'build.{unknown[0]}': not a build option of this nemospec (an engine "
+                            "directory of a newer version?); rebuild it with this one")
     options = BuildOptions(**{k: v for k, v in build.items() if k != "dtype"})
     engines = meta["engines"]
 

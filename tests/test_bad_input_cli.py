@@ -36,7 +36,38 @@ DAMAGES = {
     "max_seq_len a string": lambda c: {**c, "build": {**c["build"], "max_seq_len": "abc"}},
     "no model": lambda c: {k: v for k, v in c.items() if k != "model"},
     "speculative without its draft": lambda c: {**c, "speculative": {"mode": "eagle3"}},
+    # each of these was a traceback (TypeError, IndexError from torch's embedding)
+    "a build option of a newer nemospec": lambda c: {**c, "build": {**c["build"], "foo": 1}},
+    "vocab_size past the embedding": lambda c: {**c, "model": {**c["model"], "vocab_size": 2 * c["model"]["vocab_size"]}},
 }
+
+
+@pytest.fixture(scope="module")
+def eagle3_engine(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bad") / "eng"
+    assert cli.main(["build", "--output_dir", str(out), "--speculative_decoding_mode", "eagle3"]) == 0
+    return out
+
+
+ENGINE_DRAFT_DAMAGES = {   # each was a traceback from deep inside the loaders
+    "a schedule that is a number": lambda c, d: {**c, "build": {**c["build"], "draft_len_schedule": 5}},
+    "a threshold that is text": lambda c, d: {**c, "build": {**c["build"], "draft_confidence_threshold": "x"}},
+    "a draft config its weights do not fit": lambda c, d: {
+        **c, "speculative": {**c["speculative"], "draft": {**c["speculative"]["draft"], "hidden_size": 7}}},
+    "its weights file gone": lambda c, d: (d / "weights" / "draft.safetensors").unlink() or c,
+}
+
+
+@pytest.mark.parametrize("damage", ENGINE_DRAFT_DAMAGES, ids=list(ENGINE_DRAFT_DAMAGES))
+def test_a_damaged_speculative_engine_directory_is_one_line_naming_it(eagle3_engine, tmp_path, capsys, damage):
+    broken = tmp_path / "eng"
+    shutil.copytree(eagle3_engine, broken)
+    meta = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps(ENGINE_DRAFT_DAMAGES[damage](meta, broken)))
+    code, _, err = _run(capsys, "generate", "--engine_dir", broken, "--input_ids", "1,2,3", "--max_new_tokens", 2,
+                        "--backend", "torch")
+    line = _one_error_line(err)
+    assert code == 2 and ("config.json" in line or "draft.safetensors" in line), err
 
 
 @pytest.mark.parametrize("damage", DAMAGES, ids=list(DAMAGES))
@@ -73,6 +104,28 @@ def test_nan_or_inf_weights_are_named_at_build_and_at_generate(tmp_path, capsys,
     assert not (tmp_path / "out").exists()
     code, _, err = _run(capsys, "generate", *sources, "--input_ids", "1,2", "--max_new_tokens", 2, "--backend", "torch")
     assert code == 2 and f"tensor '{tensor}' holds NaN or inf" in _one_error_line(err)
+
+
+def test_a_weight_beyond_float16s_range_is_named_when_built_or_run_as_float16(tmp_path, capsys):
+    """An fp32 value of 1e6 checked finite, then became inf in the float16 cast: exit 0, token 0 only."""
+    from safetensors.torch import load_file, save_file
+
+    from builder import embedded
+    target = tmp_path / "target"
+    shutil.copytree(embedded.target_dir(), target)
+    damaged = next(target.glob("*.safetensors"))
+    tensors = load_file(str(damaged))
+    name = next(n for n in tensors if n.endswith("mixer.in_proj.weight"))
+    tensors[name] = tensors[name].float().clone()
+    tensors[name].view(-1)[0] = 1e6
+    save_file(tensors, str(damaged), metadata={"format": "pt"})
+    code, _, err = _run(capsys, "build", "--checkpoint_dir", target, "--dtype", "float16", "--output_dir", tmp_path / "out")
+    line = _one_error_line(err)
+    assert code == 2 and f"tensor '{name}' holds 1e+06, beyond float16's range" in line and "--dtype bfloat16" in line
+    assert not (tmp_path / "out").exists()
+    code, _, err = _run(capsys, "generate", "--checkpoint_dir", target, "--dtype", "float16", "--input_ids", "1,2",
+                        "--max_new_tokens", 2, "--backend", "torch")
+    assert code == 2 and "beyond float16's range" in _one_error_line(err)
 
 
 def test_an_mtp_layer_the_config_does_not_describe_is_named(tmp_path, capsys):
@@ -439,3 +492,41 @@ def test_a_batch_past_the_engines_max_batch_size_is_refused(engine, capsys):
     ids = [a for _ in range(9) for a in ("--input_ids", "1,2")]
     code, _, err = _run(capsys, "generate", "--engine_dir", engine, *ids, "--max_new_tokens", 2)
     assert code == 2 and "9 prompts exceed the engine directory's max_batch_size 8" in _one_error_line(err)
+
+
+def test_a_build_cut_by_a_closed_terminal_leaves_nothing(tmp_path):
+    """SIGHUP (the terminal closed, an ssh session dropped) killed a build midway and left its
+    temporary directory (gigabytes at full size): it now unwinds as SIGTERM and Ctrl-C do."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    out = tmp_path / "sub" / "out"
+    process = subprocess.Popen([sys.executable, "-m", "nemospec.cli", "build", "--output_dir", str(out),
+                                "--speculative_decoding_mode", "eagle3"], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not list(out.parent.glob(".out.tmp-*")) and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert process.poll() is None, process.stderr.read()      # caught while writing
+    process.send_signal(signal.SIGHUP)
+    assert process.wait(timeout=60) == 128 + signal.SIGHUP
+    assert not out.exists() and not list(out.parent.glob(".out.tmp-*"))
+
+
+def test_a_max_seq_len_past_the_checkpoints_positions_is_refused_by_name(tmp_path, capsys, monkeypatch):
+    """--max_seq_len 1e9 reached TensorRT, whose own log refused a tensor volume, the flag unnamed."""
+    code, _, err = _run(capsys, "build", "--output_dir", tmp_path / "out", "--max_seq_len", 1000000000)
+    line = _one_error_line(err)
+    assert code == 2 and "--max_seq_len 1000000000: beyond the checkpoint's max_position_embeddings 4096" in line
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flag, value", [("--speculative_token_map", "MAP"), ("--draft_len_schedule", "1:2"),
+                                         ("--max_draft_len", "8")])
+def test_generate_refuses_draft_flags_on_a_target_only_run(tmp_path, capsys, flag, value):
+    """Each ran target-only with exit 0, as if given a draft; build refused them by name."""
+    from builder import embedded
+    value = str(embedded.ROOT / "token_map.json") if value == "MAP" else value
+    code, _, err = _run(capsys, "generate", "--input_ids", "1,2", "--max_new_tokens", 2, "--backend", "torch", flag, value)
+    assert code == 2 and f"{flag}: applies to a draft; this run is target-only" in _one_error_line(err)

@@ -346,6 +346,11 @@ def write_config(tmp_path: Path, raw) -> Path:
     (hf_raw(n_routed_experts=6, n_group=4), ["n_routed_experts", "n_group=4", "6"]),
     (hf_raw(torch_dtype="int8"), ["torch_dtype", "int8"]),
     (hf_raw(time_step_limit=[0.0]), ["time_step_limit"]),
+    # infinite values built engines that generate token 0 only (exit 0)
+    (hf_raw(time_step_limit=["inf", "inf"]), ["time_step_limit", "finite min"]),
+    (hf_raw(layer_norm_epsilon={"__float__": "Infinity"}), ["layer_norm_epsilon", "finite", "inf"]),
+    (hf_raw(routed_scaling_factor="inf"), ["routed_scaling_factor", "finite", "inf"]),
+    (hf_raw(mamba_dt_min=1e400), ["time_step_min", "finite", "inf"]),
     (hf_raw(tie_word_embeddings="yes"), ["tie_word_embeddings", "yes"]),
     (hf_raw(hybrid_override_pattern="M*-", num_hidden_layers=4),   # transformers warns, follows the pattern
      ["num_hidden_layers", "4", "'hybrid_override_pattern' has 3 layers"]),

@@ -259,6 +259,11 @@ def test_shapes_that_do_not_fit_the_target_exit_2_naming_the_key(small):
     assert "field 'sliding_window' is 16: not supported" in msg
     msg = _error(load_draft_checkpoint, _variant(small, "nodim", params={"dim": None}))
     assert "params.json: field 'dim' is missing" in msg
+    cut = _variant(small, "cut")                           # a cut-off file: safetensors' own traceback before
+    data = (cut / "consolidated.safetensors").read_bytes()
+    (cut / "consolidated.safetensors").write_bytes(data[:len(data) - 1000])
+    msg = _error(load_draft_checkpoint, cut)
+    assert "consolidated.safetensors: not a readable safetensors file" in msg and "\n" not in msg
     wrong = _variant(small, "wq", params={"n_heads": 2})  # wq rows then no longer match n_heads * head_dim
     assert "tensor 'layers.0.attention.wo.weight' has shape [32, 64], expected [32, 32]" in _error(
         load_draft_checkpoint, wrong)

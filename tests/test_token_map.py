@@ -213,3 +213,40 @@ def test_engine_directory_keeps_the_cut_head(checkpoints, tmp_path):
     with pytest.raises(NemospecError, match="needs --speculative_decoding_mode"):
         build(checkpoints["moe"], tmp_path / "plain", BuildOptions(max_batch_size=1, max_input_len=16, max_seq_len=32),
               log=lambda m: None, token_map=_map_file(tmp_path))
+
+
+def test_token_map_never_replaces_its_inputs_nor_leaves_a_part_written_map(tmp_path, capsys, monkeypatch):
+    """--output naming the tokenizer or a corpus file replaced it with the id list (exit 0); a write
+    that failed (a full disk) left the earlier map cut short; an empty corpus wrote an empty map."""
+    import shutil
+
+    from pathlib import Path
+
+    from builder import embedded
+    tokenizer = tmp_path / "tok.json"
+    shutil.copy(embedded.target_dir() / "tokenizer.json", tokenizer)
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "c.py").write_text("for i in range(10):\n    print(i)\n")
+    before = {p: p.read_bytes() for p in (tokenizer, tmp_path / "corpus" / "c.py")}
+    base = ["token_map", "--tokenizer", str(tokenizer), "--corpus", str(tmp_path / "corpus"), "--size", "5"]
+    for output, flag in ((tokenizer, "--tokenizer"), (tmp_path / "corpus" / "c.py", "--corpus"),
+                         (tmp_path / "corpus" / "map.json", "--corpus")):
+        assert cli.main([*base, "--output", str(output)]) == 2
+        err = capsys.readouterr().err
+        assert f"is or is inside the {flag}" in err and len(err.strip().splitlines()) == 1, err
+    assert {p: p.read_bytes() for p in before} == before and not (tmp_path / "corpus" / "map.json").exists()
+
+    old = tmp_path / "old.json"
+    old.write_text("[1, 2, 3]\n")
+
+    def full_disk(self, *a, **k):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    assert cli.main([*base, "--output", str(old)]) == 2
+    monkeypatch.undo()
+    assert "--output" in capsys.readouterr().err and old.read_text() == "[1, 2, 3]\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "old.json", "tok.json"]   # no temporary file left
+    (tmp_path / "empty.txt").write_text("")
+    assert cli.main(["token_map", "--corpus", str(tmp_path / "empty.txt"), "--size", "5", "--output",
+                     str(tmp_path / "m.json")]) == 2
+    assert "no text in" in capsys.readouterr().err and not (tmp_path / "m.json").exists()

@@ -3,6 +3,7 @@ sequence, consistent with the output and with the acceptance statistics."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from collections import Counter
 
 import pytest
@@ -81,3 +82,14 @@ def test_trace_bad_input_exits_2(tmp_path, capsys, argv, message):
     code = cli.main(["generate", "--input_ids", "5,6,7", "--max_new_tokens", "4", "--backend", "torch", *argv])
     _, err = capsys.readouterr()
     assert code == 2 and message in " ".join(err.split())  # one message (the console wraps long paths)
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full: a device whose writes fail as a full disk's")
+def test_a_trace_that_cannot_be_written_keeps_the_output_and_says_so(capsys):
+    """A write that failed (a full disk) was two chained tracebacks at close, with the output lost."""
+    code = cli.main(["generate", "--input_ids", "5,6,7", "--max_new_tokens", "40", "--backend", "torch", "--json",
+                     "--speculative_decoding_mode", "eagle", "--trace", "/dev/full"])
+    out, err = capsys.readouterr()
+    assert code == 2 and len(json.loads(out.strip().splitlines()[-1])["output_ids"]) == 40
+    assert "--trace /dev/full: could not be written" in " ".join(err.split()) and "Traceback" not in err
+    assert Path("/dev/full").is_char_device()

@@ -10,12 +10,13 @@ Every error is a one-line :class:`~builder.errors.DraftError` naming the file an
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from builder.checkpoint import checkpoint_files
 from builder.errors import CheckpointError, DraftError
@@ -80,11 +81,22 @@ def read_config(directory: Path) -> tuple[dict, str]:
     return read_json(directory / CONFIG_FILE, CONFIG_FILE)
 
 
+@contextmanager
+def _opened(path: Path):
+    """``safe_open`` with safetensors' own errors (a cut-off file, a damaged header) as one line
+    naming the file."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            yield f
+    except SafetensorError as e:
+        raise DraftError(f"{path}: not a readable safetensors file ({' '.join(str(e).split())})") from None
+
+
 def headers(files) -> dict[str, Entry]:
     """stored name -> entry over all files."""
     entries: dict[str, Entry] = {}
     for path in files:
-        with safe_open(str(path), framework="pt") as f:
+        with _opened(path) as f:
             for name in f.keys():
                 sl = f.get_slice(name)
                 if name in entries:
@@ -191,7 +203,7 @@ def _read(entries: dict[str, Entry]) -> dict[str, torch.Tensor]:
     for name, entry in entries.items():
         by_file.setdefault(entry[0], []).append(name)
     for path, names in by_file.items():
-        with safe_open(str(path), framework="pt") as f:
+        with _opened(path) as f:
             cache: dict[str, torch.Tensor] = {}
             for name in names:
                 _, stored, _, _, part = entries[name]
