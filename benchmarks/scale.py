@@ -178,6 +178,15 @@ def measure_config(name: str, work: Path, args, acceptance: dict) -> dict:
         row["kinds"][kind] = entry
         shutil.rmtree(ckpt, ignore_errors=True)
         print(f"{name} {kind}: {json.dumps(entry)}", flush=True)
+    # each slice's time also holds what every slice runs once (embedding, final norm, a 1024-row head,
+    # the call): two MLP layers against one give it, taken off each layer in the projection
+    ckpt = work / f"{name}-two-mlp"
+    write_shaped_checkpoint(CONFIGS / f"{name}.json", ckpt, vocab_size=1024, pattern="--", mtp=False,
+                            quantize=quantize, log=lambda m: None)
+    row["two_mlp"] = {"steps": step_costs(ckpt, getattr(args, "device", "cpu"))}
+    if getattr(args, "graphs", False):
+        row["two_mlp"]["graph_steps"] = step_costs(ckpt, args.device, graphs=True)
+    shutil.rmtree(ckpt, ignore_errors=True)
     row["projection"] = project(config, raw, row, acceptance, getattr(args, "device", "cpu"))
     if all("error" not in k.get("graph_steps", {"error": None}) for k in row["kinds"].values()):
         row["graph_projection"] = project(config, raw, row, acceptance, args.device, "graph_steps")
@@ -190,13 +199,19 @@ def project(config, raw: dict, row: dict, acceptance: dict, device="cpu", steps:
     kinds = row["kinds"]
     linear = functools.partial(linear_cost, device=device)
     out = {}
+    two = row.get("two_mlp", {}).get(steps)
     for b in BATCHES:
+        def fixed(t):   # what a one-layer slice runs besides its layer: 2 x (one MLP) - (two MLPs)
+            if not two or "error" in two or "mlp" not in kinds:
+                return 0.0
+            return max(0.0, 2 * kinds["mlp"][steps][str(b)][str(t)] - two[str(b)][str(t)])
+
         def block(kind, t):
-            return kinds[kind][steps][str(b)][str(t)]
+            return kinds[kind][steps][str(b)][str(t)] - fixed(t)
         counts = row["pattern_counts"]
         body = {t: sum(counts[k] * block(k, t) for k in counts if counts[k]) for t in (1, K + 1)}
-        decode = body[1] + linear(b, H, V)
-        verify = body[K + 1] + linear(b * (K + 1), H, V)
+        decode = body[1] + fixed(1) + linear(b, H, V)
+        verify = body[K + 1] + fixed(K + 1) + linear(b * (K + 1), H, V)
         attn_mlp = {t: block("attention", t) + block("mlp", t) for t in (1, K + 1)}
         drafts = {"eagle3": K * (linear(b, 3 * H, H) + attn_mlp[1] + linear(b, H, DRAFT_VOCAB)),
                   "dflash": 2 * attn_mlp[K + 1] + linear(b * (K + 1), 5 * H, H) + linear(b * K, H, DRAFT_VOCAB)}

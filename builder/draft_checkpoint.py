@@ -108,6 +108,10 @@ def _load(checkpoint_dir, read: bool):
         data, where = mistral.read_params(directory)
         return reader.load(directory, mistral.NATIVE_LAYOUT, data, where, read, quantized=False)
     data, where = reader.read_config(directory)
+    quant = directory / "hf_quant_config.json"
+    if quant.is_file() or isinstance(data.get("quantization_config"), dict):   # a shape error named a packed tensor
+        raise DraftError(f"{quant if quant.is_file() else where}: a quantized EAGLE draft; nemospec reads EAGLE and "
+                         "EAGLE-3 drafts in bf16/fp16/fp32 (NVFP4 applies to the block drafts dflash, dspark, peagle)")
     stored = set(reader.headers(reader.checkpoint_files(directory)))
     layout = _layout(Fields(data, where), stored)
     return reader.load(directory, layout, data, where, read, quantized=False)

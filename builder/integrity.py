@@ -67,6 +67,10 @@ def verify_engine_dir(engine_dir, hashes: bool = True) -> str | None:
     except (OSError, ValueError) as e:
         raise NemospecError(f"{meta_path}: cannot read ({type(e).__name__}: {e}); is {engine_dir} an engine directory "
                             "built by `nemospec build`?") from None
+    if isinstance(meta, dict) and "engines" not in meta and "model_type" in meta:   # not two lines: a notice, then this
+        raise NemospecError(f"--engine_dir {engine_dir}: holds a checkpoint (config.json model_type "
+                            f"{meta['model_type']!r}), not an engine directory; pass it as --checkpoint_dir, or build "
+                            "one with `nemospec build`")
     table = meta.get("files") if isinstance(meta, dict) else None
     if not table:
         return (f"{meta_path} records no file sizes or sha256 hashes (built before nemospec recorded them): "

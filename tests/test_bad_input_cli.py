@@ -530,3 +530,24 @@ def test_generate_refuses_draft_flags_on_a_target_only_run(tmp_path, capsys, fla
     value = str(embedded.ROOT / "token_map.json") if value == "MAP" else value
     code, _, err = _run(capsys, "generate", "--input_ids", "1,2", "--max_new_tokens", 2, "--backend", "torch", flag, value)
     assert code == 2 and f"{flag}: applies to a draft; this run is target-only" in _one_error_line(err)
+
+
+def test_a_checkpoint_given_as_an_engine_directory_is_named_in_one_line(capsys):
+    """It printed a notice about unrecorded file hashes, then the error: two lines for one mistake."""
+    from builder import embedded
+    code, _, err = _run(capsys, "generate", "--engine_dir", embedded.target_dir(), "--input_ids", "1,2",
+                        "--max_new_tokens", 2)
+    line = _one_error_line(err)
+    assert code == 2 and "holds a checkpoint" in line and "--checkpoint_dir" in line and "warning" not in err
+
+
+def test_a_quantized_eagle3_draft_is_named_as_such(tmp_path, capsys):
+    """Its ModelOpt config was ignored and the error blamed a packed tensor's shape."""
+    from builder import embedded
+    draft = tmp_path / "eagle3"
+    shutil.copytree(embedded.draft_dir("eagle3"), draft)
+    (draft / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "NVFP4"}}))
+    code, _, err = _run(capsys, "generate", "--speculative_decoding_mode", "eagle3", "--draft_dir", draft,
+                        "--input_ids", "1,2", "--max_new_tokens", 2, "--backend", "torch")
+    line = _one_error_line(err)
+    assert code == 2 and "hf_quant_config.json: a quantized EAGLE draft" in line
