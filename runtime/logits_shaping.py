@@ -29,10 +29,12 @@ def _penalise(row: torch.Tensor, counts: torch.Tensor, p: SamplingParams, ignore
     if ignored is not None:
         counts = counts - ignored
     scale = p.temperature or 1.0
+    # where(), not a product with the 0/1 mask: a penalty scaled past fp32's range (temperature 1e38)
+    # made inf * 0 = NaN on every unseen token, and the NaN row failed the whole batch's draw
     if p.presence_penalty:
-        row = row - (scale * p.presence_penalty) * (counts > 0)
+        row = torch.where(counts > 0, row - scale * p.presence_penalty, row)
     if p.frequency_penalty:
-        row = row - (scale * p.frequency_penalty) * counts
+        row = torch.where(counts > 0, row - (scale * p.frequency_penalty) * counts, row)
     return row
 
 

@@ -173,6 +173,7 @@ class Scheduler:
                            max_draft=r.max_draft, admitted_ns=time.time_ns())
             group = self.spec if (r.speculative and self.spec is not None) else self.plain
             by_group.setdefault(id(group), (group, []))[1].append(seq)
+        failed = None
         for group, seqs in by_group.values():
             try:
                 emitted = group.add(seqs)
@@ -180,8 +181,11 @@ class Scheduler:
                     self._admitting -= len(seqs)   # in the group now: counted as active
             except Exception as error:   # their prefill failed: they hear it now (step fails the running)
                 self._fail([s for s in seqs if all(s is not g for g in group.seqs)], f"{type(error).__name__}: {error}")
-                raise
+                failed = failed or error
+                continue   # the other group's newcomers were taken off the queue too: they are added (or hear)
             self._deliver(seqs, emitted)
+        if failed is not None:
+            raise failed
 
     def _deliver(self, seqs, tokens):
         for seq, new in zip(seqs, tokens):

@@ -312,6 +312,32 @@ def test_a_failed_admission_answers_the_newcomers_and_keeps_serving(loaded, monk
     assert later.finished and [later.tokens] == want
 
 
+def test_a_failed_admission_in_one_group_still_answers_the_other_groups_newcomers(loaded, monkeypatch):
+    """One admission takes requests for both groups; when the first group's prefill raised, the other
+    group's newcomers, already off the queue, were never added nor failed: they hung with no answer."""
+    scheduler = Scheduler(loaded)
+    plain, spec = Collector(), Collector()
+    monkeypatch.setattr(scheduler.plain, "add", lambda seqs: (_ for _ in ()).throw(RuntimeError("out of memory")))
+    scheduler.submit(Request(PROMPTS[2], 20, speculative=False), plain)
+    scheduler.submit(Request(PROMPTS[1], 20), spec)
+    scheduler.step()
+    assert plain.finished and "out of memory" in plain.info["error"], plain.info
+    assert spec.finished and spec.calls >= 1, "the speculative newcomer was never answered"
+
+
+def test_a_penalty_scaled_past_fp32_fails_no_one(loaded):
+    """temperature 1e38 with frequency_penalty 4: the scaled penalty overflowed to inf and inf * 0 put
+    NaN on every unseen token, whose draw raised and failed every request in flight with it."""
+    want = generate(loaded.runner, PROMPTS[:1], 8).output_ids
+    scheduler = Scheduler(loaded)
+    odd, other = Collector(), Collector()
+    scheduler.submit(Request(PROMPTS[0], 8), other)
+    scheduler.submit(Request(PROMPTS[1], 8, temperature=1e38, top_k=40, frequency_penalty=4.0), odd)
+    _drain(scheduler)
+    assert "error" not in odd.info and odd.finished and len(odd.tokens) == 8, odd.info
+    assert other.finished and [other.tokens] == want
+
+
 def test_bad_words_of_one_and_two_tokens_are_never_generated(loaded):
     """A request's bad words: a one-token word is banned outright, a two-token one's second token
     right after its first; speculative and target-only requests answer alike, and each ban changes
