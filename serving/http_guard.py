@@ -22,12 +22,28 @@ import threading
 import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from serving import protocol
 from serving.generate_fields import GENERATE_PATH, check_generate_body
 
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade",
               "content-length", "expect"}   # (the guard answers 100-continue itself)
 CHUNK = 64 << 10
 BUSY = b"server busy: "   # runtime.scheduler's full queue (a retry can succeed): 429, as the OpenAI API answers it
+STOPPING = protocol.STOPPING.encode()   # the speculative model's answer to requests a stop cut short
+FAULT = protocol.FAULT.encode()   # a model failed through no fault of the request
+
+
+def _model_error_status(data: bytes) -> tuple[int, str]:
+    """A model error's status, which Triton's HTTP frontend answers 400 whatever it was: a full queue
+    429, a stopping server 503, a model's own failure 500 (clients retry those, never a 400); a
+    refused field stays 400."""
+    if BUSY in data:
+        return 429, "Too Many Requests"
+    if STOPPING in data:
+        return 503, "Service Unavailable"
+    if FAULT in data:
+        return 500, "Internal Server Error"
+    return 400, "Bad Request"
 DRAIN_BYTES = 256 << 20  # an oversized body is read and dropped up to this much, so the client sees the 413
 
 
@@ -151,8 +167,8 @@ def make_handler(upstream: tuple[str, int], max_body_bytes: int, alive=None):
                 # an error is read whole: Triton sends generate's answers chunked, errors included
                 if response.length is not None or self.command == "HEAD" or status >= 400:
                     data = response.read()
-                    if status == 400 and BUSY in data:   # Triton's HTTP answers every model error 400
-                        status, reason = 429, "Too Many Requests"
+                    if status == 400:   # Triton's HTTP answers every model error 400: the server's own are 5xx
+                        status, reason = _model_error_status(data)
                 self.send_response(status, reason)
                 started = True
                 for k, v in response.getheaders():

@@ -21,6 +21,8 @@ def fault(model: str, error: Exception) -> str:
 
 
 FAULT = ": internal error: "
+#: the speculative model's answer to the requests a stop cuts short (a 503 for the clients: retry)
+STOPPING = "the server is shutting down"
 
 
 def split_words(values) -> list[str]:

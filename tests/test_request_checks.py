@@ -11,6 +11,7 @@ import pytest
 from serving import limits
 from serving.generate_fields import GENERATE_PATH, check_generate_body
 from serving.http_guard import HttpGuard
+from serving.protocol import fault
 from serving.launch import free_port
 
 
@@ -100,7 +101,11 @@ class Upstream(BaseHTTPRequestHandler):
                             }).encode()
         if self.path.startswith("/busy"):   # what Triton's HTTP answers for the scheduler's full queue
             reply = b'{"error":"in ensemble \'ensemble\', server busy: 4 requests queued beyond the batch"}'
-        self.send_response(400 if self.path.startswith("/busy") else 200)
+        model_errors = {"/fault": fault("speculative", RuntimeError("boom")),    # Triton answers each 400
+                        "/stopping": "speculative: the server is shutting down", "/refused": "top_k: expected 0..100"}
+        if self.path in model_errors:
+            reply = json.dumps({"error": f"in ensemble 'ensemble', {model_errors[self.path]}"}).encode()
+        self.send_response(400 if self.path.startswith("/busy") or self.path in model_errors else 200)
         if self.path == "/busy_chunked":    # as Triton 2.51 sends generate's answers, errors too
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
@@ -149,6 +154,8 @@ def test_guard_forwards_caps_and_streams(guard):
         assert busy.status == 429 and busy.getheader("Retry-After") == "1" and b"server busy" in busy.read(), path
     status, body = _post(g, "/v2/models/ensemble/generate", b'{"text_input": "x", "stream": true}')
     assert status == 400 and "generate_stream" in json.loads(body)["error"]
+    # Triton's 400 for every model error: a model's own failure is the server's (500), a stop's 503
+    assert [_post(g, p, b"{}")[0] for p in ("/fault", "/stopping", "/refused")] == [500, 503, 400]
     upstream.shutdown()
     upstream.server_close()
     status, body = _post(g, "/v2/x", b"{}")

@@ -84,8 +84,8 @@ class TritonPythonModel:
         from runtime.scheduler import Request, Scheduler, SchedulerError
         from runtime.draft_policy import policy_from
         from serving.cancel import cancel_listener, request_key
-        from serving.protocol import FAULT, coalesce_events, fault, stream_window, unpack_word_ids
-        self.fault, self.FAULT = fault, FAULT
+        from serving.protocol import FAULT, STOPPING, coalesce_events, fault, stream_window, unpack_word_ids
+        self.fault, self.FAULT, self.STOPPING = fault, FAULT, STOPPING
         from serving.repository import decode_policy
         from serving import request_fields
         from serving.tensors import REQUEST_INPUTS
@@ -534,4 +534,4 @@ class TritonPythonModel:
             if entry.id is not None:
                 self.scheduler.cancel(entry.id)
             entry.done = True
-            self._refuse(entry.sender, "speculative: the server is shutting down", "failed")
+            self._refuse(entry.sender, f"speculative: {self.STOPPING}", "failed")
