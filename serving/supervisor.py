@@ -23,10 +23,14 @@ another process calls ``serving.health.is_ready("http://HOST:HEALTH_PORT/health/
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sys
+import tempfile
 import threading
 import time
 from collections import deque
+from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from builder.errors import NemospecError
@@ -34,6 +38,7 @@ from serving.health import Health, StallWatch, check_server
 
 EXIT_RESTART_FAILED = 1      # the server could not be started again within restart_timeout
 EXIT_CRASH_LOOP = 3          # more than max_restarts restarts within restart_window seconds
+KEPT_LOGS = 5                # the server logs of the last crashed runs kept (a restart removes its run dir)
 HTTP_GRACE_SECONDS = 15.0    # Triton's readiness failing this long with its processes alive: restart too
 _current = None              # the Supervisor started last in this process
 
@@ -173,7 +178,7 @@ class Supervisor:
     def _stalled(self) -> Health | None:
         try:
             text = self.handle.metrics()
-        except (OSError, ValueError):
+        except Exception:            # OSError, or http.client's IncompleteRead from a server dying mid-answer:
             return None              # Triton's readiness check covers an unreachable server
         reason = self._stall.update(text)
         return Health(False, reason) if reason else None
@@ -195,18 +200,22 @@ class Supervisor:
         self.restarts += 1
         self._log(f"supervisor: {cause}; restarting tritonserver on the same ports (restart {self.restarts})")
         tail = self.handle.log_tail(5)
+        kept = self._keep_log(self.handle)
         self.handle.kill()
         if tail.strip():
             self._log(f"supervisor: last server log lines:\n{tail}")
+        if kept:
+            self._log(f"supervisor: the crashed server's whole log: {kept}")
         deadline = detected + self.restart_timeout
         error = None
         while time.monotonic() < deadline and not self._stop.is_set():
             try:
                 self.handle = self._start(ready_timeout=max(1.0, deadline - time.monotonic()))
                 break
-            except NemospecError as e:      # e.g. a port not free yet: try again until the deadline
-                error = e
-                self._log(f"supervisor: restart failed: {str(e).splitlines()[0]}; retrying")
+            except (NemospecError, OSError) as e:   # a port not free yet, fork or disk failing under the
+                error = e                            # pressure that killed the server: again until the deadline
+                self._log(f"supervisor: restart failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}; "
+                          "retrying")
                 self._stop.wait(1.0)
         else:
             if self._stop.is_set():
@@ -220,8 +229,27 @@ class Supervisor:
             self.last_recovery_seconds = time.monotonic() - detected
             self._phase, self._health = "serving", Health(True)
         self._unready_since = None
-        self._log(f"supervisor: serving again {self.last_recovery_seconds:.1f} s after: {cause}")
+        where = getattr(self.handle, "log_path", None)
+        self._log(f"supervisor: serving again {self.last_recovery_seconds:.1f} s after: {cause}"
+                  + (f"; server log {where}" if where else ""))
         return None
+
+    def _keep_log(self, handle) -> Path | None:
+        """A copy of the crashed run's server log (its stub tracebacks too) outside the run directory,
+        which the kill removes, in the user's crash-log directory, which keeps the last KEPT_LOGS."""
+        source = getattr(handle, "log_path", None)
+        if source is None or not Path(source).is_file():
+            return None
+        where = Path(tempfile.gettempdir()) / f"nemospec-crash-logs-{os.getuid()}"
+        kept = where / f"{time.strftime('%Y%m%d-%H%M%S')}-pid{os.getpid()}-restart{self.restarts}.log"
+        try:
+            where.mkdir(mode=0o700, exist_ok=True)
+            shutil.copyfile(source, kept)
+            for old in sorted(where.glob("*.log"), key=lambda p: p.stat().st_mtime)[:-KEPT_LOGS]:
+                old.unlink(missing_ok=True)
+        except OSError:
+            return None
+        return kept
 
     def stop(self):
         self._stop.set()

@@ -6,6 +6,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -92,6 +93,61 @@ def test_restart_that_keeps_failing_exits_1():
     start_time = time.monotonic()
     assert s.run() == supervisor.EXIT_RESTART_FAILED
     assert 1.4 < time.monotonic() - start_time < 5 and len(calls) >= 2 and s.state()["phase"] == "failed"
+
+
+def test_a_metrics_read_cut_short_or_a_failed_fork_does_not_end_the_supervisor():
+    """A server dying mid-answer to the metrics scrape raised http.client.IncompleteRead (not an
+    OSError), and a restart's fork failing (EAGAIN under the memory pressure that killed the server)
+    raised OSError: each ended `serve` with a traceback instead of a restart."""
+    import http.client
+    calls, logs = [], []
+
+    class Cut(FakeHandle):
+        def metrics(self):
+            raise http.client.IncompleteRead(b"nemo")
+
+    def start(ready_timeout=None):
+        calls.append(1)
+        if len(calls) == 2:
+            raise BlockingIOError(11, "Resource temporarily unavailable")
+        return Cut(dead_after=0.05 if len(calls) == 1 else 1e9)
+
+    s = supervisor.Supervisor(start, check_interval=0.01, restart_timeout=5, check=check, log=logs.append)
+    thread = threading.Thread(target=s.run)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while s.restarts < 1 and time.monotonic() < deadline or len(calls) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    s.request_stop()
+    thread.join(10)
+    assert len(calls) >= 3 and s.state()["phase"] != "failed", logs
+    assert any("restart failed: [Errno 11]" in line for line in logs), logs
+
+
+def test_a_crashed_servers_log_is_kept_and_the_new_one_named(tmp_path):
+    """A restart removed the crashed run's directory, its whole server log (the stub tracebacks) with
+    it, and the log path printed at start then named nothing."""
+    handles, logs = [], []
+
+    def start(ready_timeout=None):
+        h = FakeHandle(dead_after=0.05 if not handles else 1e9)
+        h.log_path = tmp_path / f"tritonserver.{len(handles)}.log"
+        h.log_path.write_text(f"run {len(handles)}: Traceback (most recent call last)\n")
+        handles.append(h)
+        return h
+
+    s = supervisor.Supervisor(start, check_interval=0.01, check=check, log=logs.append)
+    thread = threading.Thread(target=s.run)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while s.restarts < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    s.request_stop()
+    thread.join(10)
+    kept = [line.split(": ", 2)[-1] for line in logs if "the crashed server's whole log" in line]
+    assert kept and open(kept[0]).read() == "run 0: Traceback (most recent call last)\n", logs
+    assert any(f"server log {handles[1].log_path}" in line for line in logs), logs
+    assert len(list(Path(kept[0]).parent.glob("*.log"))) <= supervisor.KEPT_LOGS
 
 
 def test_readiness_endpoint_and_is_ready():
