@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import threading
 
 from builder.errors import NemospecError
 from builder.integrity import verify_engine_dir
@@ -151,9 +152,14 @@ def cmd_serve(args, out=print) -> int:
     finally:
         for s in previous:               # a second signal must not cut the stop short
             signal.signal(s, signal.SIG_IGN)
+        # Triton drains (and the supervisor's readiness says stopping) while the OpenAI frontend, which
+        # stops taking connections at once, lets its requests in flight end as Triton ends them: it
+        # was stopped first, and cut them after 3 s with uvicorn's plain 500 whatever --shutdown_timeout said
+        stopper = threading.Thread(target=supervisor.stop, name="nemospec-stop")
+        stopper.start()
         if frontend is not None:
-            frontend.stop()
-        supervisor.stop()
+            frontend.stop(timeout=args.shutdown_timeout + 10)
+        stopper.join()
         health.shutdown()
         health.server_close()
         for s, h in previous.items():
@@ -198,4 +204,5 @@ def start_openai(args, handle, ready=None, cancel_dir=None):
     headers = {GRPC_API_KEY_HEADER: args.api_key} if args.api_key else None
     return OpenAIFrontend(args.engine_dir, handle.grpc_url, args.host, args.openai_port, args.api_key, headers,
                           ready=ready, model_name=args.served_model_name, cancel_dir=cancel_dir,
-                          limits={flag: getattr(args, flag, None) for flag in LIMITS}).start()
+                          limits={flag: getattr(args, flag, None) for flag in LIMITS},
+                          graceful_seconds=args.shutdown_timeout + 5).start()

@@ -14,8 +14,11 @@ from serving.openai.backend import TritonBackend
 class OpenAIFrontend:
     def __init__(self, engine_dir, grpc_url: str, host: str = "127.0.0.1", port: int = 9000,
                  api_key: str | None = None, grpc_headers: dict | None = None, ready=None, model_name=None,
-                 cancel_dir=None, limits=None):
+                 cancel_dir=None, limits=None, graceful_seconds: float = 3.0):
+        """``graceful_seconds``: how long a stop lets requests in flight end (``serve`` gives Triton's
+        drain, --shutdown_timeout, and a margin: its requests end as Triton ends them)."""
         self.info = model_info(engine_dir, model_name)
+        self.graceful_seconds = graceful_seconds
         self.app = create_app(self.info, TritonBackend(grpc_url, headers=grpc_headers, cancel_dir=cancel_dir),
                               api_key, ready, limits)
         self.host = host
@@ -33,7 +36,8 @@ class OpenAIFrontend:
 
     def start(self, timeout: float = 30.0) -> "OpenAIFrontend":
         import uvicorn
-        config = uvicorn.Config(self.app, log_level="warning", lifespan="on", timeout_graceful_shutdown=3)
+        config = uvicorn.Config(self.app, log_level="warning", lifespan="on",
+                                timeout_graceful_shutdown=self.graceful_seconds)
         self._server = uvicorn.Server(config)
         self._server.install_signal_handlers = lambda: None   # `nemospec serve` owns the signals
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self.socket]},
