@@ -69,7 +69,10 @@ class Scheduler:
         self.metrics = {"active_sequences": 0, "queued": 0, "steps": 0, "generated_tokens": 0,
                         "accepted_tokens": 0, "verify_rows": 0, "draft_seconds": 0.0, "verify_seconds": 0.0,
                         "spec_steps": 0,   # steps of the speculative group (draft and verify seconds are its)
-                        "max_batch_seen": 0, "requests_completed": 0, "requests_cancelled": 0}
+                        "max_batch_seen": 0, "requests_completed": 0, "requests_cancelled": 0,
+                        # steps that raised since the last one that did not: a device error that repeats
+                        # fails every request while the process lives (the supervisor reads it)
+                        "failed_steps_in_a_row": 0}
         self.batch_sizes: Counter = Counter()
 
     # --- requests --------------------------------------------------------------------------------
@@ -236,8 +239,10 @@ class Scheduler:
                     seqs = list(group.seqs)
                     self._deliver(seqs, group.step())
             self.metrics["steps"] += 1
+            self.metrics["failed_steps_in_a_row"] = 0
             self._sweep()
         except Exception as error:  # fail the running requests, keep serving
+            self.metrics["failed_steps_in_a_row"] += 1
             self._fail_all(f"{type(error).__name__}: {error}")
         if self.spec is not None:
             self.metrics.update(spec_steps=self.spec.steps,

@@ -142,6 +142,9 @@ def check_server(handle, stubs: dict[int, str], timeout: float = 2.0) -> Health:
     return Health(True)
 
 
+FAILING_STEPS = 3   # scheduler steps raising in a row that say the model cannot serve (restart it)
+
+
 class StallWatch:
     """A stub that is alive but stuck (a deadlocked scheduler; a stopped one is dead, ``what_died``): requests are in
     flight and ``nemospec_steps_total`` has not moved for ``timeout`` seconds. No request in flight:
@@ -162,6 +165,11 @@ class StallWatch:
         self._since = None
 
     @classmethod
+    def failed_steps(cls, metrics_text: str) -> float:
+        return sum(float(v) for name, labels, v in cls.LINE.findall(metrics_text)
+                   if name == "nemospec_failed_steps_in_a_row" and cls.MODEL.search(labels))
+
+    @classmethod
     def in_flight(cls, metrics_text: str) -> tuple[float | None, float]:
         """(scheduler steps, requests in flight) of the speculative model; steps None: no metrics yet."""
         values: dict[str, float] = {}
@@ -173,11 +181,16 @@ class StallWatch:
         return values.get("nemospec_steps_total"), max(gauges, counted)
 
     def update(self, metrics_text: str, now: float | None = None) -> str | None:
-        """The stall's reason, or None."""
+        """The stall's reason, or None. Also a stub whose every step raises (a device error that sticks):
+        FAILING_STEPS in a row fail every request while the process lives and answers ready."""
         now = time.monotonic() if now is None else now
         steps, busy = self.in_flight(metrics_text)
         if steps is None:
             return None
+        failed = self.failed_steps(metrics_text)
+        if failed >= FAILING_STEPS:
+            return (f"the speculative model is failing: its last {failed:.0f} scheduler steps raised, each failing "
+                    "every request in flight")
         if not busy or steps != self._steps:
             self._steps, self._since = steps, now
             return None

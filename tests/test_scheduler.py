@@ -306,10 +306,12 @@ def test_a_failed_admission_answers_the_newcomers_and_keeps_serving(loaded, monk
     scheduler.step()
     for c in (running, newcomer):
         assert c.finished and c.calls >= 1 and "out of memory" in c.info["error"], c.info
+    assert scheduler.metrics["failed_steps_in_a_row"] == 1     # the supervisor restarts a model past 3
     monkeypatch.undo()
     scheduler.submit(Request(PROMPTS[0], 8), later)
     _drain(scheduler)
     assert later.finished and [later.tokens] == want
+    assert scheduler.metrics["failed_steps_in_a_row"] == 0
 
 
 def test_a_failed_admission_in_one_group_still_answers_the_other_groups_newcomers(loaded, monkeypatch):

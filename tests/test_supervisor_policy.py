@@ -222,6 +222,16 @@ def _metrics(steps, active, queued=0):
                       ("nemospec_queued_requests", queued))) + "\n"
 
 
+def test_a_model_whose_every_step_raises_is_not_ready():
+    """A device error that sticks fails every request quickly: steps_total never moves but nothing is
+    in flight for long, so the stall watch saw no stall and every readiness endpoint said 200."""
+    w = health.StallWatch(120)
+    failing = _metrics(10, 0) + 'nemospec_failed_steps_in_a_row{model="speculative"} %d\n'
+    assert w.update(failing % 2, now=0) is None
+    assert "failing: its last 3 scheduler steps raised" in w.update(failing % 3, now=1)
+    assert w.update(failing % 0, now=2) is None
+
+
 def test_stall_watch_needs_requests_in_flight_and_no_step():
     w = health.StallWatch(5)
     assert w.update(_metrics(10, 1), now=0) is None

@@ -168,6 +168,7 @@ class TritonPythonModel:
             "queued": metric("nemospec_queued_requests", "Requests waiting for a batch slot", MF.GAUGE),
             "max_batch_seen": metric("nemospec_max_batch_seen", "Largest batch a step has run", MF.GAUGE),
             "mean_accepted": metric("nemospec_mean_accepted_tokens", "Tokens gained per verify row since start", MF.GAUGE),
+            "failed_steps": metric("nemospec_failed_steps_in_a_row", "Scheduler steps that raised since the last that did not", MF.GAUGE),
             # histograms: one observation per metrics update (<= every METRICS_SECONDS), the mean per
             # step over the steps since the previous one
             "accepted_per_step": metric("nemospec_accepted_tokens_per_step", "Tokens gained per verify row (mean per step over each update interval)",
@@ -243,7 +244,7 @@ class TritonPythonModel:
         self._rows_before, self._accepted_before = s.get("verify_rows", 0), s.get("accepted_tokens", 0)
         self._draft_before, self._verify_before = s.get("draft_seconds", 0.0), s.get("verify_seconds", 0.0)
         gauges = {"active_sequences": s.get("active_sequences", 0), "queued": s.get("queued", 0),
-                  "max_batch_seen": s.get("max_batch_seen", 0),
+                  "max_batch_seen": s.get("max_batch_seen", 0), "failed_steps": s.get("failed_steps_in_a_row", 0),
                   "mean_accepted": (s["accepted_tokens"] / s["verify_rows"]) if s.get("verify_rows") else 0.0}
         for key, value in gauges.items():
             if self._gauges.get(key) != value:
