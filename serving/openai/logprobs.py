@@ -39,7 +39,9 @@ def _anchor(tokenizer, added) -> int | None:
     """A plain word token (its text alone is itself, twice is twice) to decode a token after: a
     SentencePiece-style decoder strips the text's first space, so a lone '\u2581the' reads 'the'."""
     for token_id in range(min(tokenizer.get_vocab_size(), 4096)):
-        text = tokenizer.decode([token_id]) if token_id not in added else ""
+        if token_id in added or BYTE_TOKEN.fullmatch(tokenizer.id_to_token(token_id) or ""):
+            continue   # a byte token joins a run of byte tokens after it, which decodes as a whole
+        text = tokenizer.decode([token_id])
         if text.isalnum() and tokenizer.decode([token_id, token_id]) == text * 2:
             return token_id
     return None
