@@ -58,6 +58,10 @@ def accept(draft_tokens, draft_probs, target_logits, params: list[SamplingParams
     for row, prm in enumerate(params):
         if prm.temperature:
             n = draft_tokens.shape[1] if lengths is None else int(lengths[row])
+            if n == 0:   # it proposed nothing (its own K = 0, or under the acceptance floor): a decode's draw
+                p0 = probabilities(target_logits[row, 0], prm.temperature, prm.top_p, prm.top_k).cpu()
+                m[row], nxt[row] = 0, torch.multinomial(p0, 1, generator=prm.generator)[0].to(nxt.device)
+                continue
             r = slice(row, row + 1)
             m_r, t_r = rejection(draft_tokens[r, :n], draft_probs[r, :n], target_logits[r, :n + 1], prm.temperature,
                                  prm.top_p, prm.generator, prm.top_k)

@@ -414,3 +414,19 @@ def test_raw_logprobs_are_the_models_own_log_softmax(loaded, speculative):
 def test_an_unknown_logprobs_mode_is_refused(loaded):
     with pytest.raises(SchedulerError, match="--logprobs_mode: expected one of processed_logprobs, raw_logprobs"):
         Scheduler(loaded, logprobs_mode="raw")
+
+
+def test_a_sampled_request_with_its_own_k_0_beside_a_speculating_one_is_served(loaded):
+    """A sampled row that proposed nothing (its own num_draft_tokens 0, or under the acceptance floor)
+    went through rejection sampling with no drafts: a TypeError or IndexError that failed every request
+    in the batch. It draws its token as a decode does; both requests finish, the greedy one as alone."""
+    want = generate(loaded.runner, PROMPTS[:1], 12).output_ids
+    for first in (Request(PROMPTS[0], 12), Request(PROMPTS[0], 12, temperature=0.8, seed=1)):
+        scheduler, a, b = Scheduler(loaded), Collector(), Collector()
+        scheduler.submit(first, a)
+        scheduler.submit(Request(PROMPTS[1], 12, temperature=1.0, seed=3, max_draft=0), b)
+        _drain(scheduler)
+        for c in (a, b):
+            assert c.finished and "error" not in c.info and len(c.tokens) == 12, c.info
+        if not first.temperature:
+            assert [a.tokens] == want
