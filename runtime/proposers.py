@@ -417,8 +417,12 @@ class BlockDraftProposer(_AuxProposer):
         block = block or self.draft.logits_and_state
         while True:
             context = [_joined(c) for c in self.context]
-            take = [min(len(c), self.prefill_chunk) for c in context]
-            last = all(len(c) <= self.prefill_chunk for c in context)
+            # every row is padded to the widest: a newcomer's long context beside a row near the cache's
+            # end wrote past it, so a call writes at most what the nearest row has room for (an early
+            # call one row less: its throwaway block writes one row past its chunk)
+            limit = min(self.prefill_chunk, max(1, self.capacity - max(self.context_start)))
+            last = all(len(c) <= limit for c in context)
+            take = [min(len(c), limit if last else max(1, limit - 1)) for c in context]
             width = max(1, max(take))
             pad = getattr(self.draft, "pad_to", 0)  # one context width per step (a compiled draft's graph);
             if last and width < pad <= k + 1:        # the padded rows' slots are the block's, overwritten by it
@@ -501,6 +505,7 @@ class ParallelDraftProposer(_AuxProposer):
 
     def start(self, prompts, first_tokens, features, capacity):
         self.state = self.draft.new_state(len(prompts), capacity)
+        self.capacity = capacity
         self.rows = [p[1:] + [t] for p, t in zip(prompts, first_tokens)]
         self.feats = [[f] for f in features["aux_hidden"]]          # queued feature rows: chunks, per sequence
         self.start_pos = [0] * len(prompts)
@@ -509,8 +514,15 @@ class ParallelDraftProposer(_AuxProposer):
         """Writes the queued rows (in chunks) and runs K placeholders: their logits [B, k, V]."""
         m, dev = self.module, self.draft.device
         while True:
-            take = [min(len(r), self.prefill_chunk) for r in self.rows]
-            last = all(len(r) <= self.prefill_chunk for r in self.rows)
+            # every row is padded to the widest (its rows, then K-1 placeholders): a call writes at most
+            # what the row nearest the cache's end has room for. An early call leaves each row at least
+            # one row for the last, whose output is its first proposal (a row with none read a padded
+            # row's logits)
+            room = max(1, self.capacity - max(self.start_pos))
+            limit = max(1, min(self.prefill_chunk, room - k + 1))
+            last = all(len(r) <= limit for r in self.rows)
+            take = [min(len(r), limit) if last else max(0, min(len(r) - 1, self.prefill_chunk, room))
+                    for r in self.rows]
             placeholders = k if last else 1
             feats = [_joined(c) for c in self.feats]
             ids, aux, is_mask, pos, lengths, index = m.step_inputs(

@@ -430,3 +430,41 @@ def test_a_sampled_request_with_its_own_k_0_beside_a_speculating_one_is_served(l
             assert c.finished and "error" not in c.info and len(c.tokens) == 12, c.info
         if not first.temperature:
             assert [a.tokens] == want
+
+
+@pytest.mark.parametrize("mode", ["dflash", "peagle"])
+def test_a_newcomer_beside_a_request_near_the_caches_end_is_served(mode):
+    """A block or parallel draft writes every row's pending context padded to the widest: a newcomer's
+    8-token prompt beside a request 5 slots from max_seq_len wrote past the draft's cache, an
+    IndexError that failed both. A call now writes what the nearest row has room for."""
+    import dataclasses
+
+    from builder import embedded
+    from runtime.loading import open_checkpoint
+    loaded = dataclasses.replace(open_checkpoint(embedded.target_dir(), mode=mode, draft_dir=embedded.draft_dir(mode),
+                                                 backend="torch"), max_seq_len=24, max_input_len=8)
+    old, new = [5, 9, 17], [100, 200, 300, 400, 500, 600, 700, 800]
+    scheduler, a, b = Scheduler(loaded), Collector(), Collector()
+    scheduler.submit(Request(old, 21), a)
+    while len(a.tokens) < 16:
+        scheduler.step()
+    scheduler.submit(Request(new, 16), b)
+    _drain(scheduler)
+    assert "error" not in a.info and "error" not in b.info, (a.info, b.info)
+    assert [a.tokens, b.tokens] == [generate(loaded.runner, [p], n).output_ids[0] for p, n in ((old, 21), (new, 16))]
+
+
+def test_a_parallel_drafts_first_proposal_does_not_depend_on_a_long_prompt_beside_it():
+    """P-EAGLE beside a prompt longer than its chunk: a row whose rows were all written in an early
+    call proposed its first token from a padded row's logits (264 alone, 65 in the batch)."""
+    from builder import embedded
+    from runtime.loading import open_checkpoint
+    from runtime.speculative import speculative_generate
+    loaded = open_checkpoint(embedded.target_dir(), mode="peagle", draft_dir=embedded.draft_dir("peagle"), backend="torch")
+    short, long_ = [5, 9, 17], (list(range(100, 1100)) * 2)[:600]
+    first = []
+    for prompts in ([short], [short, long_]):
+        trace = []
+        speculative_generate(loaded.runner, loaded.proposer(), prompts, 8, 4, trace=trace.append)
+        first.append(next(t["proposed"] for t in trace if t["sequence"] == 0))
+    assert first[0] == first[1]
