@@ -244,9 +244,14 @@ class SpeculativeGroup(PlainGroup):
         return emitted
 
     def _draft_len(self) -> int:
+        """The step's K: the most any speculating sequence drafts (a sequence under the acceptance
+        floor, or asking K = 0, drafts nothing, so it no longer makes the others draft for it)."""
         n = len(self.seqs)
+        drafting = [s for s in self.seqs if s.acceptance.speculating]
+        if not drafting:
+            return 0
         k = min(self.draft_len, self.policy.k_for_batch(n), self.capacity - 1 - max(s.position for s in self.seqs),
-                max(self.draft_len if s.max_draft is None else s.max_draft for s in self.seqs))
+                max(self.draft_len if s.max_draft is None else s.max_draft for s in drafting))
         if k > 0 and self.step_costs is not None:   # each sequence's own K from its acceptance; the step drafts the most
             candidates = candidate_lengths(k, getattr(self.target, "verify_buckets", ()))
             for s in self.seqs:
@@ -254,8 +259,8 @@ class SpeculativeGroup(PlainGroup):
                 rates = sequence_rates(s.acceptance.rate.rate, self.position_factors, k)
                 s.adaptive_k = best_length(rates, [c for c in candidates if c <= own] or [own],
                                            lambda kk: self.step_costs.cost(n, kk))
-            k = max(s.adaptive_k for s in self.seqs)
-        return k if any(s.acceptance.speculating for s in self.seqs) else 0
+            k = max(s.adaptive_k for s in drafting)
+        return k
 
     def _own_k(self, s: Sequence, k: int) -> int:
         """A sequence's K this step: the step's, capped by its request's and its adaptive choice."""
