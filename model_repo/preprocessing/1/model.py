@@ -27,7 +27,7 @@ class TritonPythonModel:
 
         from serving import limits
         from serving.protocol import fault, pack_word_ids, split_words
-        self._pack, self._split = pack_word_ids, split_words
+        self._pack, self._split, self._fault = pack_word_ids, split_words, fault
         self._limits, self.limits = limits, limits.decode_limits(_param(config, "limits", ""))
         engine_dir = Path(_param(config, "engine_dir"))
         meta = json.loads((engine_dir / "config.json").read_text())
