@@ -33,8 +33,8 @@ from builder.models.nemotron_h import NemotronH  # noqa: E402
 from builder.random_checkpoint import write_layer_subset_draft, write_random_checkpoint  # noqa: E402
 from runtime.drafts import EagerDraft  # noqa: E402
 from runtime.generation import generate  # noqa: E402
-from runtime.proposers import (BlockDraftProposer, FeatureDraftProposer, ModelDraftProposer,  # noqa: E402
-                               ParallelDraftProposer)
+from runtime.block_proposers import BlockDraftProposer, ParallelDraftProposer  # noqa: E402
+from runtime.proposers import FeatureDraftProposer, ModelDraftProposer  # noqa: E402
 from runtime.runner import TorchRunner  # noqa: E402
 from runtime.speculative import speculative_generate  # noqa: E402
 

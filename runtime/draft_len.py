@@ -108,7 +108,7 @@ def costs_from(speculative: dict, target_only: dict, k_max: int, block: bool, bu
 
 def is_block_draft(proposer) -> bool:
     """Whether the proposer drafts its whole block in one call (DFlash, DSpark, P-EAGLE)."""
-    from runtime.proposers import BlockDraftProposer, ParallelDraftProposer
+    from runtime.block_proposers import BlockDraftProposer, ParallelDraftProposer
     return isinstance(proposer, (BlockDraftProposer, ParallelDraftProposer))
 
 

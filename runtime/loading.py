@@ -19,7 +19,8 @@ from builder.models.nemotron_h import NemotronH
 from runtime.draft_policy import policy_from
 from runtime.drafts import EagerDraft
 from runtime.engine_runner import EngineDraft, EngineRunner, InterpretedExecutor, TensorRTExecutor
-from runtime.proposers import BlockDraftProposer, FeatureDraftProposer, ModelDraftProposer, ParallelDraftProposer
+from runtime.block_proposers import BlockDraftProposer, ParallelDraftProposer
+from runtime.proposers import FeatureDraftProposer, ModelDraftProposer
 from runtime.placement import place
 from runtime.runner import TorchRunner
 

@@ -12,7 +12,8 @@ from builder.models.mtp import MTPDraft
 from builder.models.nemotron_h import NemotronH
 from builder.random_checkpoint import add_mtp_layers, write_layer_subset_draft
 from runtime.drafts import EagerDraft
-from runtime.proposers import BlockDraftProposer, FeatureDraftProposer, ModelDraftProposer, ParallelDraftProposer
+from runtime.block_proposers import BlockDraftProposer, ParallelDraftProposer
+from runtime.proposers import FeatureDraftProposer, ModelDraftProposer
 from runtime.runner import TorchRunner
 
 
