@@ -40,6 +40,18 @@ class FakeHandle:
         pass
 
 
+def _run_until_restarted(s, restarts: int = 1, until=lambda: True):
+    """Runs the supervisor in a thread until it has restarted ``restarts`` times and ``until()``
+    holds (10 s at most), then stops it."""
+    thread = threading.Thread(target=s.run)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while (s.restarts < restarts or not until()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    s.request_stop()
+    thread.join(10)
+
+
 def check(handle, stubs, timeout):
     return health.Health(False, DIED) if handle.dead() else health.Health(True)
 
@@ -113,13 +125,7 @@ def test_a_metrics_read_cut_short_or_a_failed_fork_does_not_end_the_supervisor()
         return Cut(dead_after=0.05 if len(calls) == 1 else 1e9)
 
     s = supervisor.Supervisor(start, check_interval=0.01, restart_timeout=5, check=check, log=logs.append)
-    thread = threading.Thread(target=s.run)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while s.restarts < 1 and time.monotonic() < deadline or len(calls) < 3 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    s.request_stop()
-    thread.join(10)
+    _run_until_restarted(s, until=lambda: len(calls) >= 3)
     assert len(calls) >= 3 and s.state()["phase"] != "failed", logs
     assert any("restart failed: [Errno 11]" in line for line in logs), logs
 
@@ -137,13 +143,7 @@ def test_a_crashed_servers_log_is_kept_and_the_new_one_named(tmp_path):
         return h
 
     s = supervisor.Supervisor(start, check_interval=0.01, check=check, log=logs.append)
-    thread = threading.Thread(target=s.run)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while s.restarts < 1 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    s.request_stop()
-    thread.join(10)
+    _run_until_restarted(s)
     kept = [line.split(": ", 2)[-1] for line in logs if "the crashed server's whole log" in line]
     assert kept and open(kept[0]).read() == "run 0: Traceback (most recent call last)\n", logs
     assert any(f"server log {handles[1].log_path}" in line for line in logs), logs
@@ -260,13 +260,7 @@ def test_a_stub_stuck_with_requests_in_flight_is_restarted_as_stalled():
 
     s = supervisor.Supervisor(start, check_interval=0.02, stall_timeout=0.2, max_restarts=1, restart_window=60,
                               check=check, log=logs.append)
-    thread = threading.Thread(target=s.run)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while s.restarts < 1 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    s.request_stop()
-    thread.join(10)
+    _run_until_restarted(s)
     assert s.restarts >= 1 and handles[0].killed and "stalled: 1 requests in flight" in s.last_cause, logs
 
 
