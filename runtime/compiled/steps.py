@@ -21,13 +21,19 @@ from runtime.compiled import cpp_keys, direct_call, store
 from runtime.compiled.small_linear import install as install_small_linear
 
 def device_options(device) -> dict:
-    """Compile options for where the steps run: on a CUDA device inductor replays each step as a CUDA
-    graph (what ``mode="reduce-overhead"`` sets), so a step costs its kernels rather than their
-    launches (the embedded model's compiled decode on an H200 without graphs: 1.03 ms of host launch
-    time for microseconds of GPU work). ``NEMOSPEC_CUDA_GRAPHS=0`` turns them off."""
-    if torch.device(device).type == "cuda" and os.environ.get("NEMOSPEC_CUDA_GRAPHS", "1") not in ("", "0"):
-        return {"triton.cudagraphs": True}
-    return {}
+    """Compile options for where the steps run.
+
+    On a CUDA device inductor replays each step as a CUDA graph (what ``mode="reduce-overhead"``
+    sets), so a step costs its kernels rather than their launches (the embedded model's compiled
+    decode on an H200 without graphs: 1.03 ms of host launch time for microseconds of GPU work).
+    ``NEMOSPEC_CUDA_GRAPHS=0`` turns them off.
+
+    On the CPU the C++ wrapper (allocations and calls) is built at -O1 apart from the kernels (-O3):
+    built as one file at -O3, g++ took 5-12 s a step on the embedded model's verify and draft chains,
+    apart 2-3.5 s, with the steps' times unchanged within noise (benchmarks/compiled_step.py)."""
+    if torch.device(device).type == "cuda":
+        return {"triton.cudagraphs": True} if os.environ.get("NEMOSPEC_CUDA_GRAPHS", "1") not in ("", "0") else {}
+    return {"cpp_wrapper_build_separate": True}
 
 
 def _known_options(options: dict) -> dict:
