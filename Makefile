@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml scripts/venv_install.py
 	touch $(STAMP)
 
 test: setup
-	$(BIN)/python -m pytest -q -n auto --dist loadfile --durations=15
+	$(BIN)/python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=15
 
 demo: setup
 	MODE=$(MODE) EMBEDDED=$(EMBEDDED) $(BIN)/python -m nemospec.demo --workdir $(DEMO)

@@ -64,6 +64,22 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+# --- the order files start in: longest first ----------------------------------------------------------
+# xdist hands each worker whole files (--dist loadfile), and one more file whenever it has two tests
+# left. Its own order (most tests first) starts the heavy files of 1-5 tests (compiled steps, a server,
+# the aiperf venv) last, so one worker ran on ~40 s after the other stopped (a run's 1489 test-seconds
+# replayed through xdist's rule: 765 s for the later worker, against 744 longest first). `make test`
+# passes --no-loadscope-reorder so that this order stands; file_seconds.json holds a cold run's
+# seconds per file (NEMOSPEC_WRITE_FILE_SECONDS=FILE writes a run's), a file it lacks starts last.
+FILE_SECONDS = Path(__file__).parent / "file_seconds.json"
+
+
+def pytest_collection_modifyitems(session, config, items):
+    import json
+    seconds = json.loads(FILE_SECONDS.read_text())
+    items.sort(key=lambda item: -seconds.get(item.location[0], 0.0))   # stable: a file's own order kept
+
+
 # --- where the suite's time goes, by test file (make test prints it beside --durations) -------------
 _compile_seconds: dict = {}   # test file -> [seconds compiling or loading steps, steps compiled, loaded]
 _file_seconds: dict = {}      # test file -> [seconds in setup/call/teardown, workers that ran it]
@@ -122,3 +138,7 @@ def pytest_terminal_summary(terminalreporter):
                                     f"{compiled[0]:.1f}s, {compiled[1]} steps compiled, {compiled[2]} loaded")
     terminalreporter.write_line(f"{sum(r[0] for _, r in rows):8.1f}s  all {len(rows)} files; compiling "
                                 f"{sum(r[0] for r in _compile_seconds.values()):.1f}s")
+    if os.environ.get("NEMOSPEC_WRITE_FILE_SECONDS"):
+        import json
+        Path(os.environ["NEMOSPEC_WRITE_FILE_SECONDS"]).write_text(
+            json.dumps({path: round(seconds, 1) for path, (seconds, _) in rows}, indent=0) + "\n")
