@@ -484,3 +484,20 @@ def test_a_step_saved_by_one_venv_loads_in_another_without_building_again(tmp_pa
     assert done.stdout.strip() != torch.__file__, "the other process imported torch from the same path"
     assert "loaded relu step" in done.stderr and "compiling" not in done.stderr, done.stderr
     assert sorted(store.rglob("*.main.so")) == built, "a library was built again"
+
+
+def test_a_step_met_after_the_warm_up_runs_eagerly_counted_and_said_once(monkeypatch, capsys):
+    """After stop_compiling (a server's warm-up is done) a key without a graph runs the function
+    eagerly: its output exact, nothing compiled, every call counted by label (the server's
+    nemospec_eager_steps_total) and the label said once on stderr."""
+    from collections import Counter
+    from runtime.compiled import steps as steps_module
+    monkeypatch.setitem(steps_module._COMPILING, "on", False)
+    monkeypatch.setattr(steps_module, "EAGER_AFTER_WARM_UP", Counter())
+    steps = steps_module._Steps(functools.partial(_toy, scale=2.0), "toy")
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 8, generator=g), torch.randn(8, 5, generator=g)
+    outs = [steps(("rows", 3), "toy step (3 rows)", 1, x, w) for _ in range(3)]
+    assert all(torch.equal(out, _toy(x, w, 2.0)) for out in outs) and not steps.ready
+    assert steps_module.EAGER_AFTER_WARM_UP == {"toy step (3 rows)": 3}
+    assert capsys.readouterr().err.count("toy step (3 rows) runs eagerly: the warm-up did not compile it") == 1

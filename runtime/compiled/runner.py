@@ -223,8 +223,8 @@ def warm_up(loaded, prompts, draft_len: int = 0, tree=None, policy=None, **gener
     shape ``tree`` if given, then target-only on the same prompts, as the CLI's cost line runs it) so
     that the steps a timed run of them uses are compiled, or loaded from the cache, before it starts.
     ``policy``: the run's draft policy (default ``loaded.draft_policy``): a confidence stop verifies
-    shorter chunks, whose buckets are warmed too, and an adaptive K drafts each of its candidate
-    lengths, which are warmed as runs of their own. Several prompts are warmed as a batch and, first,
+    shorter chunks, whose buckets are warmed too, and an adaptive K (each of its candidate lengths) or
+    a ``--draft_len_schedule`` (its K for each batch size) drafts other lengths, warmed as runs of their own. Several prompts are warmed as a batch and, first,
     the first alone (the batch's tail). Returns the seconds it took (0 when ``loaded`` is not on the
     compiled path)."""
     if not isinstance(loaded.runner, CompiledRunner):
@@ -237,7 +237,6 @@ def warm_up(loaded, prompts, draft_len: int = 0, tree=None, policy=None, **gener
 def _warm_batch(loaded, prompts, draft_len: int, tree, policy, **generate_args) -> float:
     """``warm_up`` at one batch size (``prompts`` as one batch); returns the seconds it took."""
     from runtime.generation import generate
-    from runtime.adaptive_draft_len import candidate_lengths
     start = time.perf_counter()
     if draft_len > 0:
         _warm_speculative(loaded, prompts, draft_len, tree, **generate_args)
@@ -246,15 +245,25 @@ def _warm_batch(loaded, prompts, draft_len: int, tree, policy, **generate_args) 
             for tokens in loaded.runner.verify_buckets:    # and the whole K, which a warm-up trimming every step misses
                 if tokens <= draft_len + 1:
                     loaded.runner.warm_verify(tokens, len(prompts))
-        if tree is None and policy is not None and policy.adaptive:
-            for k in candidate_lengths(draft_len, loaded.runner.verify_buckets):
-                if k != draft_len:
-                    _warm_speculative(loaded, prompts, k, None, **generate_args)
+        if tree is None and policy is not None:   # the other K an adaptive K or a schedule by batch size drafts
+            for k in sorted(_other_lengths(loaded, policy, draft_len), reverse=True):
+                _warm_speculative(loaded, prompts, k, None, **generate_args)
     # a prompt chunk compiles (or loads) on its STEP_CALLS-th call: the speculative run above made one,
     # so a target-only warm-up prefills that often itself (one prefill loaded its chunk in the timed run)
     for _ in range(STEP_CALLS - 1 if draft_len > 0 else STEP_CALLS):
         generate(loaded.runner, prompts, STEP_CALLS + 2, **generate_args)
     return time.perf_counter() - start
+
+
+def _other_lengths(loaded, policy, draft_len: int) -> set:
+    """The draft lengths besides ``draft_len`` that ``policy`` makes steps draft: an adaptive K's
+    candidates, and a ``--draft_len_schedule``'s K for other batch sizes (a batch shrinks as its
+    sequences finish)."""
+    from runtime.adaptive_draft_len import candidate_lengths
+    from runtime.draft_len import scheduled_lengths
+    lengths = set(candidate_lengths(draft_len, loaded.runner.verify_buckets)) if policy.adaptive else set()
+    lengths.update(scheduled_lengths(policy.schedule, draft_len) if policy.schedule else ())
+    return lengths - {draft_len, 0}
 
 
 def _warm_speculative(loaded, prompts, draft_len: int, tree, **generate_args) -> None:
@@ -285,18 +294,17 @@ def warm_up_for_serving(loaded, draft_len: int, log=None, sampled: bool = True, 
                         also=()) -> float:
     """What a server's requests run, compiled (or loaded from the cache) before it reports ready:
     greedy and (with ``sampled``) sampled, one sequence and (with ``batched``) two (batch 1 and the
-    batch-2+ graphs), speculative at ``draft_len`` and at each length in ``also`` (those a
-    ``--draft_len_schedule`` uses), and target-only; then ``stop_compiling`` (what was not warmed runs
+    batch-2+ graphs), speculative at ``draft_len``, at each length in ``also`` and at those the
+    loaded draft policy's adaptive K or ``--draft_len_schedule`` uses, and target-only; then ``stop_compiling`` (what was not warmed runs
     eagerly: exact, slower). Returns the seconds it took (0 off the compiled path)."""
     if not isinstance(loaded.runner, CompiledRunner):
         return 0.0
     prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
     seconds = 0.0
     policy = getattr(loaded, "draft_policy", None)
-    if draft_len > 0 and policy is not None and policy.adaptive:   # every K a sequence may pick
-        from runtime.adaptive_draft_len import candidate_lengths
-        also = (*also, *candidate_lengths(draft_len, loaded.runner.verify_buckets))
-        policy = replace(policy, adaptive=False)                   # each K is warmed once, below
+    if draft_len > 0 and policy is not None:   # every K a sequence may pick, or its batch size gives it
+        also = (*also, *_other_lengths(loaded, policy, draft_len))
+        policy = replace(policy, adaptive=False, schedule={})      # each K is warmed once, below
     for k in sorted({draft_len, *also}, reverse=True) if draft_len > 0 else [0]:
         for batch in (prompts[:1], prompts)[:2 if batched else 1]:
             for sampling in ({}, {"temperature": 0.8, "seed": 0})[:2 if sampled else 1]:

@@ -207,6 +207,8 @@ class _Steps:
             return out
         self.calls[key] += 1
         if self.broken or self.calls[key] < min_calls or not _COMPILING["on"]:
+            if not _COMPILING["on"] and not self.broken:
+                _ran_eagerly(label)
             with torch_backend.product_form(self.product_form):   # eager, in the graphs' precision
                 return self.fn(*args, **kwargs)
         start = time.perf_counter()
@@ -272,6 +274,16 @@ class _Steps:
 
 _COMPILING = {"on": True}
 COMPILE_LOG: list[str] = []   # every step this process compiled or loaded, in order (a timed run checks none was)
+EAGER_AFTER_WARM_UP: Counter = Counter()   # label -> calls run eagerly after stop_compiling (no graph for them)
+
+
+def _ran_eagerly(label: str) -> None:
+    """A step the warm-up did not compile, met after it: exact but several times slower, for the life
+    of the process. Counted (a server exports the total as nemospec_eager_steps_total) and said once
+    per label, so that an operator learns which requests the warm-up missed."""
+    if not EAGER_AFTER_WARM_UP[label]:
+        print(f"nemospec: {label} runs eagerly: the warm-up did not compile it", file=sys.stderr, flush=True)
+    EAGER_AFTER_WARM_UP[label] += 1
 
 
 def stop_compiling() -> None:

@@ -169,6 +169,7 @@ class TritonPythonModel:
             "max_batch_seen": metric("nemospec_max_batch_seen", "Largest batch a step has run", MF.GAUGE),
             "mean_accepted": metric("nemospec_mean_accepted_tokens", "Tokens gained per verify row since start", MF.GAUGE),
             "failed_steps": metric("nemospec_failed_steps_in_a_row", "Scheduler steps that raised since the last that did not", MF.GAUGE),
+            "eager_steps": metric("nemospec_eager_steps_total", "Compiled-path steps run eagerly (exact, several times slower) because the warm-up did not compile their shape; the log names each shape once", MF.COUNTER),
             # histograms: one observation per metrics update (<= every METRICS_SECONDS), the mean per
             # step over the steps since the previous one
             "accepted_per_step": metric("nemospec_accepted_tokens_per_step", "Tokens gained per verify row (mean per step over each update interval)",
@@ -226,6 +227,11 @@ class TritonPythonModel:
                 if key == "verify_rows":
                     self.m["spec_drafts"].increment(delta)
             last[key] = s.get(key, 0)
+        steps_module = sys.modules.get("runtime.compiled.steps")   # imported only on the compiled path
+        eager = sum(steps_module.EAGER_AFTER_WARM_UP.values()) if steps_module else 0
+        if eager > self._eager_before:
+            self.m["eager_steps"].increment(eager - self._eager_before)
+            self._eager_before = eager
         for j, count in (s.get("accepted_at") or {}).items():
             if j < len(self.per_position) and count > self._last_at[j]:
                 self.per_position[j].increment(count - self._last_at[j])
@@ -251,7 +257,7 @@ class TritonPythonModel:
                 self.m[key].set(value)
                 self._gauges[key] = value
 
-    _rows_before = _accepted_before = _spec_steps_before = 0
+    _rows_before = _accepted_before = _spec_steps_before = _eager_before = 0
     _draft_before = _verify_before = 0.0
 
     # --- requests ----------------------------------------------------------------------------------
