@@ -316,9 +316,12 @@ class SpeculativeGroup(PlainGroup):
         lengths = torch.full((n,), k + 1, dtype=torch.int32, device=dev)
         watch.lap()
         limit = None if all(p == k for p in proposed) else torch.tensor(proposed)
-        if limit is None and hasattr(self.target, "verify_greedy") and all(p.plain_greedy for p in params):
-            # plain greedy rows: verify, accept and roll back in one call (accept time is in verify)
-            m, nxt, logits, self.state, features = self.target.verify_greedy(ids, pos, lengths, rows, self.state)
+        if hasattr(self.target, "verify_greedy") and all(p.plain_greedy for p in params):
+            # plain greedy rows: verify, accept and roll back in one call (accept time is in verify); a
+            # row that verifies fewer drafts than the step (its own K, a confidence stop, a row under
+            # the acceptance floor) has the rest as padding past its length, which caps its accept
+            own = lengths if limit is None else (limit + 1).to(lengths.dtype).to(dev)
+            m, nxt, logits, self.state, features = self.target.verify_greedy(ids, pos, own, rows, self.state)
             verify, accept, raw = watch.lap(), 0.0, None   # unshaped: the raw rows themselves
         else:
             raw, new_state, features = self.target.forward(ids, pos, lengths, rows, self.state, verify=True)

@@ -468,3 +468,33 @@ def test_a_parallel_drafts_first_proposal_does_not_depend_on_a_long_prompt_besid
         speculative_generate(loaded.runner, loaded.proposer(), prompts, 8, 4, trace=trace.append)
         first.append(next(t["proposed"] for t in trace if t["sequence"] == 0))
     assert first[0] == first[1]
+
+
+def test_greedy_rows_verifying_different_numbers_of_drafts_take_the_fused_verify(loaded, monkeypatch):
+    """Greedy requests with their own num_draft_tokens (1, 2, the engine's 3) in one batch: each row
+    verifies its own drafts in the one-call greedy verify (a row's other rows are padding past its
+    length), not the separate verify, accept and rollback (which on the compiled path is a graph the
+    server's warm-up never compiles); outputs equal target-only greedy."""
+    runner = loaded.runner
+    unfused, fused = [], []
+    forward, verify_greedy = runner.forward, runner.verify_greedy
+
+    def counting_forward(*args, verify=False, **kwargs):
+        unfused.append(verify)
+        return forward(*args, verify=verify, **kwargs)
+
+    def counting_verify(input_ids, positions, lengths, logit_index, state):
+        fused.append(sorted(set(lengths.tolist())))
+        return verify_greedy(input_ids, positions, lengths, logit_index, state)
+    monkeypatch.setattr(runner, "forward", counting_forward)
+    monkeypatch.setattr(runner, "verify_greedy", counting_verify)
+    scheduler = Scheduler(loaded)
+    prompts, own_k = PROMPTS[:3], (1, 2, 3)
+    collectors = [Collector() for _ in prompts]
+    for p, k, c in zip(prompts, own_k, collectors):
+        scheduler.submit(Request(p, 12, max_draft=k), c)
+    _drain(scheduler)
+    monkeypatch.undo()
+    assert [c.tokens for c in collectors] == [generate(loaded.runner, [p], 12).output_ids[0] for p in prompts]
+    assert not any(unfused), "a greedy step verified through the separate forward"
+    assert any(len(lengths) > 1 for lengths in fused), fused   # rows of different lengths in one call
