@@ -66,6 +66,25 @@ def test_eagle3_greedy_ids_equal_eager(models, k, monkeypatch):
     assert compiled.runner._verify_greedy.ready                       # verify + accept + rollback: one graph
 
 
+def test_served_rows_of_their_own_k_verify_in_the_compiled_greedy_graph(models, monkeypatch):
+    """Served greedy requests with their own num_draft_tokens (4, 1, 2) in one batch: every step
+    verifies in the batch-2+ greedy graph the K=4 test compiled, each row's rows past its own drafts
+    padding (no separate verify graph, which a server's warm-up does not compile); ids equal eager."""
+    import dataclasses
+    from runtime.compiled.runner import CompiledRunner
+    from runtime.scheduler import Request, Scheduler
+    from test_scheduler import Collector, _drain
+    eager, compiled = models
+    loaded = dataclasses.replace(compiled, max_seq_len=128, max_input_len=16)
+    monkeypatch.setattr(CompiledRunner, "rollback", lambda *a: pytest.fail("unfused verify"))
+    scheduler, collectors = Scheduler(loaded), [Collector() for _ in RAGGED]
+    for prompt, k, collector in zip(RAGGED, (4, 1, 2), collectors):
+        scheduler.submit(Request(prompt, NEW, max_draft=k), collector)
+    _drain(scheduler)
+    assert [c.tokens for c in collectors] == generate(eager.runner, RAGGED, NEW).output_ids
+    assert (False, 5) in compiled.runner._verify_greedy.ready
+
+
 def _proposals(loaded, prompts, k, fused, monkeypatch):
     """Every step's proposed ids (the speculation trace), with the one-call chain on or off."""
     from runtime import proposers
