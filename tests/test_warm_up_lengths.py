@@ -45,3 +45,19 @@ def test_a_timed_run_warms_each_k_its_schedule_or_adaptive_k_drafts(recorded):
     runs.clear()
     compiled_runner.warm_up(loaded, [[5, 9, 17]], 4, policy=DraftPolicy(4, adaptive=True))
     assert {k for k, _ in runs if k} == {4, *[b - 1 for b in loaded.runner.verify_buckets if 1 <= b - 1 <= 4]}
+
+
+def test_a_server_with_a_confidence_stop_warms_each_shorter_verify_greedy_and_sampled(recorded, monkeypatch):
+    """A confidence stop trims a step to a shorter verify: a greedy step runs it in the greedy graph
+    (warmed before), a sampled one in the verify forward and rollback, which were met only after the
+    warm-up (eagerly). Each length up to K+1, at batch 1 and 2."""
+    loaded, runs = recorded
+    greedy, sampled = [], []
+    monkeypatch.setattr(loaded.runner, "warm_verify", lambda tokens, batch: greedy.append((tokens, batch)))
+    monkeypatch.setattr(loaded.runner, "warm_sampled_verify", lambda tokens, batch: sampled.append((tokens, batch)),
+                        raising=False)
+    loaded.draft_policy = DraftPolicy(4, confidence_threshold=0.5)
+    compiled_runner.warm_up_for_serving(loaded, 4)
+    lengths = {(t, b) for t in loaded.runner.verify_buckets if t <= 5 for b in (1, 2)}
+    assert set(greedy) == lengths
+    assert set(sampled) == lengths

@@ -198,6 +198,16 @@ class CompiledRunner(TorchRunner):
         for _ in range(STEP_CALLS):
             self.verify_greedy(ids, positions, lengths, positions.contiguous(), state)
 
+    def warm_sampled_verify(self, tokens: int, batch: int = 1) -> None:
+        """Runs the verify forward and the rollback of a ``tokens``-token chunk on a scratch state until
+        their graphs are compiled (or loaded): a sampled step a confidence stop trims to a shorter
+        length verifies through these, not the greedy graph."""
+        state, ids, positions, lengths = self._scratch_chunk(tokens, batch)
+        accepted = torch.zeros(batch, dtype=torch.long, device=self.device)
+        for _ in range(STEP_CALLS):
+            _, verified, _ = self.forward(ids, positions, lengths, positions.contiguous(), state, verify=True)
+            state = self.rollback(state, verified, accepted)
+
     def _scratch_chunk(self, tokens: int, batch: int):
         """A scratch state and a ``tokens``-token chunk of zeros at positions 0.. for each sequence."""
         ids = torch.zeros(batch, tokens, dtype=torch.int32, device=self.device)
@@ -243,8 +253,10 @@ def _warm_batch(loaded, prompts, draft_len: int, tree, policy, **generate_args) 
         policy = policy if policy is not None else getattr(loaded, "draft_policy", None)
         if tree is None and policy is not None and policy.confidence_threshold:   # steps trimmed to fewer drafts,
             for tokens in loaded.runner.verify_buckets:    # and the whole K, which a warm-up trimming every step misses
-                if tokens <= draft_len + 1:
+                if tokens <= draft_len + 1:                # (a sampled step's: its verify forward and rollback)
                     loaded.runner.warm_verify(tokens, len(prompts))
+                    if generate_args.get("temperature"):
+                        loaded.runner.warm_sampled_verify(tokens, len(prompts))
         if tree is None and policy is not None:   # the other K an adaptive K or a schedule by batch size drafts
             for k in sorted(_other_lengths(loaded, policy, draft_len), reverse=True):
                 _warm_speculative(loaded, prompts, k, None, **generate_args)
