@@ -256,5 +256,6 @@ class CompiledDraft(EagerDraft):
             feeds = _pad_rows(feeds, batch, rows, width)
         shapes = tuple((k, tuple(v.shape[1:])) for k, v in feeds.items()
                        if isinstance(v, torch.Tensor) and k not in self.capacity_dims)
-        return self._steps((batch == 1, shapes), f"{self.kind} draft step ({width} rows, {_batch_label(batch)})",
+        drafts = feeds["logit_index"].shape[1]   # K: one graph per K (its logit rows), all of one width
+        return self._steps((batch == 1, shapes), f"{self.kind} draft step ({width} rows, K={drafts}, {_batch_label(batch)})",
                            STEP_CALLS, _prepare(feeds, batch, self.capacity_dims))
