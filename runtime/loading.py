@@ -109,7 +109,7 @@ def _eager_proposer(draft, vocab_size: int, device, chunk: int, compiled: bool =
         from runtime.compiled.runner import CompiledRunner
         draft = quantization.dequantized_module(draft)   # FP4 weights once, not per call: one graph per step
     if _draft_kind(draft) == "draft_target":
-        runner = (CompiledRunner(draft, device, weight_dtype=weight_dtype, matmul_precision=matmul_precision)
+        runner = (CompiledRunner(draft, device, weight_dtype=weight_dtype, matmul_precision=matmul_precision, role="draft")
                   if compiled else TorchRunner(draft, device))
         return lambda: ModelDraftProposer(runner, chunk)
     stepper = (CompiledDraft(draft, vocab_size, device, max_draft_len, weight_dtype, matmul_precision) if compiled

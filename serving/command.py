@@ -46,9 +46,10 @@ def add_serve_args(p) -> None:
                    help="CPU threads of the speculative model's steps (0: a quarter of the cores, at least one)")
     p.add_argument("--warm_up", default="all", choices=list(WARM_UPS),
                    help="compiled path: the steps compiled before the server is ready; all: greedy and sampled, "
-                        "one sequence and batches; greedy: greedy only (about half the first-time compile); "
-                        "single: greedy, one sequence at a time (a quarter). A request outside what was warmed "
-                        "runs its steps eagerly: exact, slower")
+                        "one sequence and batches; greedy: greedy requests without penalties, min_tokens or bad "
+                        "words (about half the first-time compile); single: those, one sequence at a time (a "
+                        "quarter). A request outside what was warmed runs its steps eagerly: exact, slower "
+                        "(nemospec_eager_steps_total counts them; the log names each once)")
     p.add_argument("--max_batch_size", type=int, default=None, help="sequences per step (default: the engine's)")
     p.add_argument("--max_queue", type=int, default=64, help="requests waiting beyond the batch; more are refused")
     p.add_argument("--logprobs_mode", default="processed_logprobs", choices=list(LOGPROBS_MODES),

@@ -501,3 +501,44 @@ def test_a_step_met_after_the_warm_up_runs_eagerly_counted_and_said_once(monkeyp
     assert all(torch.equal(out, _toy(x, w, 2.0)) for out in outs) and not steps.ready
     assert steps_module.EAGER_AFTER_WARM_UP == {"toy step (3 rows)": 3}
     assert capsys.readouterr().err.count("toy step (3 rows) runs eagerly: the warm-up did not compile it") == 1
+
+
+def test_a_greedy_verify_past_every_bucket_caps_each_row_at_its_length(tmp_path):
+    """K >= 16: a verify of K+1 tokens fits no compiled bucket and runs verify, accept and rollback
+    apart, where the accept took no limit: a row verifying fewer drafts than the step (its rows past
+    its length padding) accepted padding rows and took its next token from one. Drafts here are the
+    target's own greedy continuation (all agree); a row of length 1 accepts none, as the eager path."""
+    from runtime.generation import generate
+    from runtime.loading import open_checkpoint
+    from runtime.runner import TorchRunner
+    from tiny_models import DENSE, make_checkpoint
+    loaded = open_checkpoint(make_checkpoint(tmp_path / "dense", DENSE, 0), backend="compiled", max_draft_len=16)
+    runner, tokens = loaded.runner, 17
+    assert tokens > max(runner.verify_buckets)
+    eager = TorchRunner(runner.module)
+    prompts = [[5], [9]]
+    out = generate(eager, prompts, tokens).output_ids
+    ids = torch.tensor([p + o[:tokens - 1] for p, o in zip(prompts, out)], dtype=torch.int32)
+    pos = torch.arange(tokens, dtype=torch.int32).expand(2, -1).contiguous()
+    lengths = torch.tensor([tokens, 1], dtype=torch.int32)
+    want = eager.verify_greedy(ids, pos, lengths, pos.clone(), eager.new_state(2, 64))[:2]
+    got = runner.verify_greedy(ids, pos, lengths, pos.clone(), runner.new_state(2, 64))[:2]
+    assert [t.tolist() for t in got] == [t.tolist() for t in want] and want[0].tolist() == [16, 0]
+
+
+def test_a_draft_models_steps_are_named_as_the_drafts(monkeypatch):
+    """A draft_target draft is a NemotronH with a compiled runner of its own: its steps' labels (the
+    compile log, the eager-after-warm-up line and count) say "draft", so that a step the warm-up
+    missed is not mistaken for the target's of the same shape."""
+    from collections import Counter
+    from builder import embedded
+    from runtime.compiled import steps as steps_module
+    from runtime.loading import open_checkpoint
+    monkeypatch.setitem(steps_module._COMPILING, "on", False)
+    monkeypatch.setattr(steps_module, "EAGER_AFTER_WARM_UP", Counter())
+    loaded = open_checkpoint(embedded.target_dir(), mode="draft_target", draft_dir=embedded.draft_dir("draft_target"),
+                             backend="compiled")
+    for runner in (loaded.runner, loaded.proposer().runner):
+        ids = torch.tensor([[5]], dtype=torch.int32)
+        runner.forward(ids, ids * 0, torch.ones(1, dtype=torch.int32), ids * 0, runner.new_state(1, 8))
+    assert steps_module.EAGER_AFTER_WARM_UP == {"decode step (batch 1)": 1, "draft decode step (batch 1)": 1}

@@ -54,19 +54,21 @@ class CompiledRunner(TorchRunner):
     ones ``new_state`` allocates, and a mix would compile every step twice."""
 
     def __init__(self, module, device="cpu", max_draft_len: int = 4, weight_dtype: str = "auto",
-                 matmul_precision: str = "highest"):
+                 matmul_precision: str = "highest", role: str = "target"):
         super().__init__(module, device)
         self.verify_buckets = sorted(t for t in {2, 3, 5, 9, max_draft_len + 1} if 1 < t <= MAX_TOKENS)
         self.step_chunks = {2}     # chunk lengths compiled as steps (2nd call), not as other short chunks
         self.capacity_dims = _dims(module.state_spec)
         # --matmul_precision, and a draft_target draft's --draft_weight_dtype
         self.product_form = product_form(weight_dtype, matmul_precision)
-        steps = functools.partial(_Steps, product_form=self.product_form, options=device_options(device))
-        self._forward = steps(module.forward, "target forward")
-        self._rollback = steps(module.rollback, "target rollback") if hasattr(module, "rollback") else None
-        self._tree_rollback = steps(module.tree_rollback, "target tree rollback")
-        self._verify_greedy = steps(functools.partial(verify_greedy, module), "target greedy verify")
-        self._verify_tree_greedy = steps(functools.partial(verify_tree_greedy, module), "target greedy tree verify")
+        # a draft_target draft (``role="draft"``) labels its steps "draft decode step (batch 1)" etc.
+        steps = functools.partial(_Steps, product_form=self.product_form, options=device_options(device),
+                                  label_prefix="" if role == "target" else f"{role} ")
+        self._forward = steps(module.forward, f"{role} forward")
+        self._rollback = steps(module.rollback, f"{role} rollback") if hasattr(module, "rollback") else None
+        self._tree_rollback = steps(module.tree_rollback, f"{role} tree rollback")
+        self._verify_greedy = steps(functools.partial(verify_greedy, module), f"{role} greedy verify")
+        self._verify_tree_greedy = steps(functools.partial(verify_tree_greedy, module), f"{role} greedy tree verify")
 
     def new_state(self, batch, capacity):
         return super().new_state(batch, capacity + HEADROOM)
@@ -145,7 +147,7 @@ class CompiledRunner(TorchRunner):
         pad = next((b for b in self.verify_buckets if b >= tokens), None)
         if pad is None or logit_index.shape[1] != tokens:
             logits, verified, features = self.forward(input_ids, positions, lengths, logit_index, state, verify=True)
-            m, nxt = greedy(input_ids[:, 1:].long(), logits)
+            m, nxt = greedy(input_ids[:, 1:].long(), logits, lengths - 1)   # a row's rows past its length: padding
             return m, nxt, logits, self.rollback(state, verified, m), features
         input_ids, positions, logit_index = _padded_verify_feeds(input_ids, positions, logit_index, pad)
         m, nxt, logits, state, features = self._verify_greedy(

@@ -147,9 +147,11 @@ class _Steps:
     ``NEMOSPEC_CHECK_GUARDS=1`` to run the steps through dynamo's frame evaluation instead, every
     guard checked on every call (a mismatch recompiles)."""
 
-    def __init__(self, fn, what: str, options: dict | None = None, product_form: str = "float32"):
+    def __init__(self, fn, what: str, options: dict | None = None, product_form: str = "float32",
+                 label_prefix: str = ""):
         _configure()
         self.fn, self.what, self.product_form = fn, what, product_form
+        self.label_prefix = label_prefix   # "draft " for a draft_target draft's steps: its logs name it
         func, self.lead, self.keywords = _unbind(fn)
         self.check_guards = not _skip_guards()
         options = _known_options({"cpp_wrapper": True, **(options or {})})
@@ -188,6 +190,7 @@ class _Steps:
             return None
 
     def __call__(self, key, label: str, min_calls: int, *args, **kwargs):
+        label = self.label_prefix + label
         graph = self.graphs.get(key)
         if graph is not None:
             direct = self.direct.get(key)
