@@ -498,3 +498,27 @@ def test_greedy_rows_verifying_different_numbers_of_drafts_take_the_fused_verify
     assert [c.tokens for c in collectors] == [generate(loaded.runner, [p], 12).output_ids[0] for p in prompts]
     assert not any(unfused), "a greedy step verified through the separate forward"
     assert any(len(lengths) > 1 for lengths in fused), fused   # rows of different lengths in one call
+
+
+def test_a_sequence_under_the_acceptance_floor_does_not_make_the_others_draft_for_it(loaded, monkeypatch):
+    """A step drafts the most any speculating sequence asks for: beside a request of its own K 1, a
+    request at the engine's K 3 that fell under the acceptance floor (it drafts nothing) once made
+    every step draft 3, two of them verified by no one. Outputs equal target-only greedy."""
+    scheduler = Scheduler(loaded)
+    short, floored = Collector(), Collector()
+    scheduler.submit(Request(PROMPTS[0], 12, max_draft=1), short)
+    scheduler.submit(Request(PROMPTS[2], 12), floored)
+    scheduler.step()                                   # admitted and prefilled
+    group = scheduler.spec
+    assert len(group.seqs) == 2
+    group.seqs[1].acceptance.speculating = False       # as the floor leaves it, for good
+    asked = []
+    propose = group.proposer.propose
+
+    def recording(k, *args, **kwargs):
+        asked.append(k)
+        return propose(k, *args, **kwargs)
+    monkeypatch.setattr(group.proposer, "propose", recording)
+    _drain(scheduler)
+    assert asked and set(asked) == {1}, asked
+    assert [short.tokens, floored.tokens] == [generate(loaded.runner, [p], 12).output_ids[0] for p in (PROMPTS[0], PROMPTS[2])]
