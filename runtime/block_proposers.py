@@ -79,8 +79,8 @@ class BlockDraftProposer(_AuxProposer):
             if last:
                 return logits
 
-    def _greedy_width(self, k: int) -> int:
-        """Draft rows a greedy block runs for a step of K: a compiled draft's whole width, its one graph
+    def _block_width(self, k: int) -> int:
+        """Draft rows a block runs for a step of K: a compiled draft's whole width, its one graph
         (a shorter block would run eagerly: 3-4 ms against 1 ms on the wide embedded model), wherever
         the block's slots fit in the cache. One forward drafts the whole block whatever K, so a step
         of a shorter K (an adaptive or per-request K, a batch size's schedule) pays the same draft and
@@ -91,10 +91,12 @@ class BlockDraftProposer(_AuxProposer):
     def propose(self, k, params, stop_below=0.0, caps=None):
         if hasattr(self.draft, "block_chain") and all(p.argmax for p in params):
             anchor = torch.tensor(self.anchor, dtype=torch.long, device=self.draft.device)
-            tokens, conf = self._run(self._greedy_width(k),
+            tokens, conf = self._run(self._block_width(k),
                                      lambda feeds, state: self.draft.block_chain(feeds, state, anchor))
             return tokens, None, conf.cpu() if stop_below else None
-        base = self._run(k)                                          # [B, k, Vd]
+        # a compiled draft's block at its one width (its graph; a shorter block ran eagerly every step),
+        # of which the first k rows are drawn: the draws' q is that block's, so the accept stays exact
+        base = self._run(self._block_width(k))                      # [B, >= k, Vd]
         chain = _Chain(params, self.draft.target_vocab, stop_below, caps)
         prev = torch.tensor(self.anchor, dtype=torch.long)[:, None]
         for j in range(k):

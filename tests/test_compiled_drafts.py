@@ -100,3 +100,26 @@ def test_block_chain_proposes_what_row_by_row_proposes(mode, one_thread, monkeyp
     assert proposals(eager, RAGGED, True) == want and any(len(p) == 4 for *_, p in want[1])
     got, _ = proposals(compiled, RAGGED[:1], True)
     assert got == generate(eager.runner, RAGGED[:1], NEW).output_ids and compiled.proposer().draft._chains.ready
+
+
+@pytest.mark.parametrize("mode", ["dflash", "dspark"])
+def test_a_sampled_block_of_a_shorter_k_runs_at_the_graphs_width(mode, monkeypatch):
+    """Sampled requests at a K below the compiled draft's (an adaptive K, a schedule, a request's
+    own): the block ran unpadded, a shape no graph has, so every step drafted eagerly (36 of 36 in a
+    run at K 2 and 1 after a warm-up at K 4); now it runs at the one width (each step's context
+    padded to pad_to) and draws its first K rows (their q is that block's: rejection sampling stays
+    exact). Compiling is off here: the steps run eagerly through the graph's key."""
+    from runtime.compiled import steps as steps_module
+    from runtime.compiled.draft import CompiledDraft
+    monkeypatch.setitem(steps_module._COMPILING, "on", False)
+    loaded = open_checkpoint(embedded.target_dir(), mode=mode, draft_dir=embedded.draft_dir(mode), backend="compiled")
+    widths = []
+    run_block = CompiledDraft._run_block
+
+    def recording(self, feeds):
+        widths.append(feeds["aux"].shape[1] == self.pad_to)
+        return run_block(self, feeds)
+    monkeypatch.setattr(CompiledDraft, "_run_block", recording)
+    out = speculative_generate(loaded.runner, loaded.proposer(), [[5, 9, 17, 33]], 12, 2, temperature=0.8, seed=1)
+    assert len(out.output_ids[0]) == 12
+    assert len(widths) > 1 and all(widths), widths
