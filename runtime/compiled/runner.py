@@ -236,9 +236,9 @@ def warm_up(loaded, prompts, draft_len: int = 0, tree=None, policy=None, **gener
     that the steps a timed run of them uses are compiled, or loaded from the cache, before it starts.
     ``policy``: the run's draft policy (default ``loaded.draft_policy``): a confidence stop verifies
     shorter chunks, whose buckets are warmed too, and an adaptive K (each of its candidate lengths) or
-    a ``--draft_len_schedule`` (its K for each batch size) drafts other lengths, warmed as runs of their own. Several prompts are warmed as a batch and, first,
-    the first alone (the batch's tail). Returns the seconds it took (0 when ``loaded`` is not on the
-    compiled path)."""
+    a ``--draft_len_schedule`` (its K for each batch size) drafts other lengths, warmed as runs of
+    their own. Several prompts are warmed as a batch and, first, the first alone (the batch's tail).
+    Returns the seconds it took (0 when ``loaded`` is not on the compiled path)."""
     if not isinstance(loaded.runner, CompiledRunner):
         return 0.0
     # a batch's sequences finish at different steps, so its last one runs alone: batch 1 first
@@ -309,8 +309,9 @@ def warm_up_for_serving(loaded, draft_len: int, log=None, sampled: bool = True, 
     """What a server's requests run, compiled (or loaded from the cache) before it reports ready:
     greedy and (with ``sampled``) sampled, one sequence and (with ``batched``) two (batch 1 and the
     batch-2+ graphs), speculative at ``draft_len``, at each length in ``also`` and at those the
-    loaded draft policy's adaptive K or ``--draft_len_schedule`` uses, and target-only; then ``stop_compiling`` (what was not warmed runs
-    eagerly: exact, slower). Returns the seconds it took (0 off the compiled path)."""
+    loaded draft policy's adaptive K or ``--draft_len_schedule`` uses, and target-only; then
+    ``stop_compiling`` (what was not warmed runs eagerly: exact, slower, and counted:
+    ``steps.EAGER_AFTER_WARM_UP``). Returns the seconds it took (0 off the compiled path)."""
     if not isinstance(loaded.runner, CompiledRunner):
         return 0.0
     prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
