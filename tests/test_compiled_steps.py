@@ -486,14 +486,22 @@ def test_a_step_saved_by_one_venv_loads_in_another_without_building_again(tmp_pa
     assert sorted(store.rglob("*.main.so")) == built, "a library was built again"
 
 
-def test_a_step_met_after_the_warm_up_runs_eagerly_counted_and_said_once(monkeypatch, capsys):
-    """After stop_compiling (a server's warm-up is done) a key without a graph runs the function
-    eagerly: its output exact, nothing compiled, every call counted by label (the server's
-    nemospec_eager_steps_total) and the label said once on stderr."""
+@pytest.fixture
+def after_warm_up(monkeypatch):
+    """This process as a server after its warm-up (compiling stopped), with a fresh count of the steps
+    run eagerly since; both restored after the test (stop_compiling is process-wide)."""
     from collections import Counter
     from runtime.compiled import steps as steps_module
     monkeypatch.setitem(steps_module._COMPILING, "on", False)
     monkeypatch.setattr(steps_module, "EAGER_AFTER_WARM_UP", Counter())
+    return steps_module
+
+
+def test_a_step_met_after_the_warm_up_runs_eagerly_counted_and_said_once(after_warm_up, capsys):
+    """After stop_compiling (a server's warm-up is done) a key without a graph runs the function
+    eagerly: its output exact, nothing compiled, every call counted by label (the server's
+    nemospec_eager_steps_total) and the label said once on stderr."""
+    steps_module = after_warm_up
     steps = steps_module._Steps(functools.partial(_toy, scale=2.0), "toy")
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(3, 8, generator=g), torch.randn(8, 5, generator=g)
@@ -526,16 +534,13 @@ def test_a_greedy_verify_past_every_bucket_caps_each_row_at_its_length(tmp_path)
     assert [t.tolist() for t in got] == [t.tolist() for t in want] and want[0].tolist() == [16, 0]
 
 
-def test_a_draft_models_steps_are_named_as_the_drafts(monkeypatch):
+def test_a_draft_models_steps_are_named_as_the_drafts(after_warm_up):
     """A draft_target draft is a NemotronH with a compiled runner of its own: its steps' labels (the
     compile log, the eager-after-warm-up line and count) say "draft", so that a step the warm-up
     missed is not mistaken for the target's of the same shape."""
-    from collections import Counter
     from builder import embedded
-    from runtime.compiled import steps as steps_module
     from runtime.loading import open_checkpoint
-    monkeypatch.setitem(steps_module._COMPILING, "on", False)
-    monkeypatch.setattr(steps_module, "EAGER_AFTER_WARM_UP", Counter())
+    steps_module = after_warm_up
     loaded = open_checkpoint(embedded.target_dir(), mode="draft_target", draft_dir=embedded.draft_dir("draft_target"),
                              backend="compiled")
     for runner in (loaded.runner, loaded.proposer().runner):
