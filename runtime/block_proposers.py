@@ -143,9 +143,18 @@ class ParallelDraftProposer(_AuxProposer):
         self.feats = [[f] for f in features["aux_hidden"]]          # queued feature rows: chunks, per sequence
         self.start_pos = [0] * len(prompts)
 
+    def _width(self, k: int, free: int) -> int:
+        """Drafts one forward computes for a step of K: a compiled draft's own K (its one graph per K:
+        another K ran eagerly after a server's warm-up), where its placeholders fit the ``free`` slots
+        past the rows; the step uses the first k. Placeholder rows attend causally, so the first k
+        rows' drafts are those of a forward of k (within float reordering; the target verifies)."""
+        full = getattr(self.draft, "parallel_width", 0) // 2
+        return full if k < full <= free + 1 else k
+
     def _logits(self, k):
         """Writes the queued rows (in chunks) and runs K placeholders: their logits [B, k, V]."""
         m, dev = self.module, self.draft.device
+        want = k
         while True:
             # every row is padded to the widest (its rows, then K-1 placeholders): a call writes at most
             # what the row nearest the cache's end has room for. An early call leaves each row at least
@@ -156,6 +165,8 @@ class ParallelDraftProposer(_AuxProposer):
             last = all(len(r) <= limit for r in self.rows)
             take = [min(len(r), limit) if last else max(0, min(len(r) - 1, self.prefill_chunk, room))
                     for r in self.rows]
+            if last:
+                k = self._width(want, room - max(take))
             placeholders = k if last else 1
             feats = [_joined(c) for c in self.feats]
             ids, aux, is_mask, pos, lengths, index = m.step_inputs(
@@ -170,7 +181,7 @@ class ParallelDraftProposer(_AuxProposer):
             self.feats = [[f[n:]] for f, n in zip(feats, take)]
             self.start_pos = [s + n for s, n in zip(self.start_pos, take)]
             if last:
-                return self.draft.to_target_vocab(logits)
+                return self.draft.to_target_vocab(logits)[:, :want]
 
     def propose(self, k, params, stop_below=0.0, caps=None):
         logits = self._logits(k)

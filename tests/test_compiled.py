@@ -85,6 +85,35 @@ def test_served_rows_of_their_own_k_verify_in_the_compiled_greedy_graph(models, 
     assert (False, 5) in compiled.runner._verify_greedy.ready
 
 
+def test_a_request_of_a_shorter_k_alone_runs_the_warmed_graphs_after_the_warm_up(models, monkeypatch):
+    """A served request whose own num_draft_tokens (2) is below the K the server warmed (4), alone in
+    its batch: its chain of 2 and its verify of 3 have no graph, and after the warm-up they ran
+    eagerly for the life of the server. It now drafts through the chain of 4 (the first 2 tokens are
+    the chain of 2) and verifies in the graph of 5 (its rows past 3 padding): nothing runs eagerly,
+    ids equal eager. The graphs of K = 2 that other tests here compile are set aside."""
+    import dataclasses
+    from collections import Counter
+    from runtime.compiled import steps as steps_module
+    from runtime.compiled.runner import warm_up
+    from runtime.scheduler import Request, Scheduler
+    from test_scheduler import Collector, _drain
+    eager, compiled = models
+    warm_up(compiled, RAGGED[:1], 4)
+    chains, verifies = compiled.proposer().draft._chains, compiled.runner._verify_greedy
+    assert (True, 4, 2) in chains.ready and (True, 5) in verifies.ready
+    monkeypatch.setattr(chains, "graphs", {key: g for key, g in chains.graphs.items() if key[1] in (4,)})
+    monkeypatch.setattr(verifies, "graphs", {key: g for key, g in verifies.graphs.items() if key[1] != 3})
+    monkeypatch.setitem(steps_module._COMPILING, "on", False)
+    monkeypatch.setattr(steps_module, "EAGER_AFTER_WARM_UP", Counter())
+    scheduler, collector = Scheduler(dataclasses.replace(compiled, max_seq_len=128, max_input_len=16)), Collector()
+    scheduler.submit(Request(RAGGED[0], NEW, max_draft=2), collector)
+    _drain(scheduler)
+    assert collector.tokens == generate(eager.runner, RAGGED[:1], NEW).output_ids[0]
+    spec = collector.info["speculation"]        # 2 drafts a step at most, some accepted
+    assert spec["accepted_draft_tokens"] > 0 and len(spec["histogram"]) == 3, spec
+    assert steps_module.EAGER_AFTER_WARM_UP == {}
+
+
 def _proposals(loaded, prompts, k, fused, monkeypatch):
     """Every step's proposed ids (the speculation trace), with the one-call chain on or off."""
     from runtime import proposers

@@ -34,10 +34,14 @@ def test_dflash_block_draft_compiles_one_graph_per_step(one_thread):
     assert [k for k in trees.ready if dict(k[1])["aux"][0] == 5], trees.ready
 
 
-def test_peagle_parallel_draft_compiles_one_graph_per_k(one_thread):
+def test_peagle_parallel_draft_compiles_one_graph_per_k(one_thread, monkeypatch):
     """P-EAGLE's steady step (1..K+1 verified rows and K-1 placeholders, right-padded to 2K rows)
     runs as one graph (it ran eagerly: 2.8 ms a step, 0.39x target-only in the bench); greedy ids
-    equal the eager path's on a ragged batch and on one prompt, chains and trees."""
+    equal the eager path's on a ragged batch and on one prompt, chains and trees. A step of a
+    shorter K (a tree's depth, a request's own K after a server's warm-up) runs K's graph and uses
+    its first rows: it had a graph of its own, and after the warm-up ran eagerly."""
+    from collections import Counter
+    from runtime.compiled import steps as steps_module
     target, draft = embedded.target_dir(), embedded.draft_dir("peagle")
     eager = open_checkpoint(target, mode="peagle", draft_dir=draft, backend="torch")
     compiled = open_checkpoint(target, mode="peagle", draft_dir=draft, backend="compiled")
@@ -50,6 +54,11 @@ def test_peagle_parallel_draft_compiles_one_graph_per_k(one_thread):
     # 6 nodes, depth 3: its 7-row verify is the eagle3 tree's graph (same captured layers; test_compiled_trees.py)
     tree = speculative_generate(compiled.runner, compiled.proposer(), RAGGED[:1], NEW, 4, tree=TreeShape(6, 2, 3))
     assert tree.output_ids == want
+    monkeypatch.setitem(steps_module._COMPILING, "on", False)
+    monkeypatch.setattr(steps_module, "EAGER_AFTER_WARM_UP", Counter())
+    assert speculative_generate(compiled.runner, compiled.proposer(), RAGGED[:1], NEW, 2).output_ids == want
+    assert steps_module.EAGER_AFTER_WARM_UP == {}
+    assert {dict(key[1])["logit_index"][0] for key in steps.ready} == {4}, steps.ready
 
 
 def test_nvfp4_block_draft_compiles_with_its_weights_dequantized_once(one_thread):

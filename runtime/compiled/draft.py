@@ -80,8 +80,29 @@ class CompiledDraft(EagerDraft):
         """The whole greedy proposal (``EagerDraft.chain``) as one graph per k and catch-up bucket:
         the catch-up chunk padded to the next of ``catch_up_rows``."""
         self._saw(features)
-        return self._catch_up_graph(self._chains, self._chain, k, f"chain ({k} tokens", self.catch_up_rows,
-                                    ids, features, positions, lengths, state)
+        run = self._warmed_chain_length(k, ids, positions, lengths, state)
+        tokens, conf, *rest = self._catch_up_graph(self._chains, self._chain, run, f"chain ({run} tokens",
+                                                   self.catch_up_rows, ids, features, positions, lengths, state)
+        return (tokens[:, :k], conf[:, :k], *rest)
+
+    def _warmed_chain_length(self, k: int, ids, positions, lengths, state) -> int:
+        """The chain length to run for a proposal of ``k``: ``k``, or after a server's warm-up, when
+        no graph of ``k`` was warmed (a request's own num_draft_tokens below the engine's K), the
+        shortest longer chain that was, where the draft's cache has room for its rows. A greedy
+        chain's first k tokens are the chain of k (the same argmaxes in the same order), and the rows
+        past them lie past every position the next catch-up reads, so it overwrites them first."""
+        batch, rows = ids.shape
+        if (self.kind not in FEATURE_DRAFTS or rows > self.catch_up_rows[-1]
+                or not all(self._state_dims().values())):   # a state without slots (a recurrent one)
+            return k
+        pad = next(r for r in self.catch_up_rows if r >= rows)
+        longer = sorted(key[1] for key in self._chains.ready if key[0] == (batch == 1) and key[2] == pad and key[1] > k)
+        run = self._chains.first_compiled([k, *longer], lambda n: (batch == 1, n, pad))
+        if run == k:
+            return k
+        room = min((state[n].shape[d] for n, dims in self._state_dims().items() if n in state for d in dims),
+                   default=0)
+        return run if int((positions[:, 0] + lengths).max()) + run - 1 <= room else k
 
     def catch_up_width(self, rows: int, tree_depth: int = 0) -> int:
         """The bucket a catch-up chunk of ``rows`` rows runs as (the proposer builds it that wide,

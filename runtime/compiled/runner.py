@@ -93,7 +93,11 @@ class CompiledRunner(TorchRunner):
             return self._prompt_chunks(input_ids, positions, lengths, logit_index, state)
         if tokens > MAX_TOKENS:
             return self._eager(input_ids, positions, lengths, logit_index, state, verify)
-        pad = next((b for b in self.verify_buckets if b >= tokens), tokens) if verify else tokens
+        pad = tokens
+        if verify:   # the next bucket (after the warm-up: the next warmed one), else unpadded
+            rows = logit_index.shape[1]   # logit rows that cover every row cover the padding too
+            pad = self._forward.first_compiled((b for b in self.verify_buckets if b >= tokens),
+                                               lambda b: (batch == 1, b, b if rows == tokens else rows, True)) or tokens
         if pad > tokens:
             return self._padded_verify(input_ids, positions, lengths, logit_index, state, pad)
         key = (batch == 1, tokens, logit_index.shape[1], bool(verify))
@@ -140,11 +144,12 @@ class CompiledRunner(TorchRunner):
     @torch.no_grad()
     def verify_greedy(self, input_ids, positions, lengths, logit_index, state):
         """Verify + greedy accept + rollback as one graph per chunk length. A length between buckets
-        (K = 3 where the engine's K is 4) is right-padded to the next bucket past ``lengths``, which
-        caps the accept at the real drafts; one with fewer logit rows, or past every bucket, runs
+        (K = 3 where the engine's K is 4) is right-padded to the next bucket past ``lengths`` (after a
+        server's warm-up, the next one warmed), which caps the accept at the real drafts; one with fewer logit rows, or past every bucket, runs
         the three as separate steps."""
         batch, tokens = input_ids.shape
-        pad = next((b for b in self.verify_buckets if b >= tokens), None)
+        pad = self._verify_greedy.first_compiled((b for b in self.verify_buckets if b >= tokens),
+                                                 lambda b: (batch == 1, b))
         if pad is None or logit_index.shape[1] != tokens:
             logits, verified, features = self.forward(input_ids, positions, lengths, logit_index, state, verify=True)
             m, nxt = greedy(input_ids[:, 1:].long(), logits, lengths - 1)   # a row's rows past its length: padding

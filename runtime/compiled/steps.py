@@ -178,6 +178,15 @@ class _Steps:
         """The keys that run compiled."""
         return self.graphs.keys()
 
+    def first_compiled(self, buckets, key_of):
+        """The first of ``buckets`` (ascending) whose key ``key_of(bucket)`` runs a graph, or would be
+        compiled; else the first. After a server's warm-up a shape it did not warm then takes the
+        next larger one it did (more padding rows, the same output) rather than running eagerly for
+        the life of the process. None when ``buckets`` is empty."""
+        buckets = list(buckets)
+        compiles = _COMPILING["on"] and not self.broken
+        return next((b for b in buckets if compiles or key_of(b) in self.graphs), buckets[0] if buckets else None)
+
     def _saved_path(self, key, args, kwargs):
         """Where this step is saved (``runtime.compiled.store``); None when it cannot be named (then it
         compiles in memory only)."""
