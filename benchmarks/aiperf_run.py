@@ -18,6 +18,7 @@ server's ``nemospec_mean_accepted_tokens`` measures), ``spec_decode_overall_draf
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -80,7 +81,10 @@ def profile(binary: Path, url: str, model: str, tokenizer: Path, concurrency: in
            "--extra-inputs", "ignore_eos:true", "--extra-inputs", f"max_tokens:{output_tokens}",
            "--artifact-dir", str(artifact_dir), *extra_args]
     # (no HF_HUB_OFFLINE: aiperf 0.13 then looks a local tokenizer directory up in the hub cache)
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    # its dataset's memory-mapped files among the artifacts: by default a directory per run in the
+    # temporary directory, left behind (empty) by every run
+    env = {**os.environ, "AIPERF_DATASET_MMAP_BASE_PATH": str((artifact_dir / "dataset_mmap").resolve())}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     found = sorted(artifact_dir.rglob("profile_export_aiperf.json"))
     if done.returncode or not found:
         raise RuntimeError(f"aiperf failed ({done.returncode}): {done.stderr[-2000:] or done.stdout[-2000:]}")

@@ -124,6 +124,8 @@ def test_aiperf_reports_the_servers_acceptance(aiperf, stack, engine, tmp_path):
                             extra_args=["--ui-type", "none", "--random-seed", "0", "--workers-max", "1"],
                             timeout=240)
     assert result["errors"] == 0, result
+    # its dataset's files among the artifacts (each run left a directory in the temporary directory)
+    assert list((tmp_path / "artifacts" / "dataset_mmap").glob("aiperf_mmap_*")), "aiperf's dataset files elsewhere"
     spec = result["speculation"]
     assert spec is not None, f"no speculation section in aiperf's export {result['export']}"
     served = _server_figures(server)
