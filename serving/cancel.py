@@ -60,10 +60,20 @@ def notify_shutdown(cancel_dir, pid: int) -> bool:
     return _send(cancel_dir, pid, SHUTDOWN)
 
 
-def cancel_listener(cancel_dir, on_cancel, on_shutdown=None, on_stopped=None) -> "callable":
+#: the datagram that tells a speculative instance the server is about to stop: refuse new requests
+#: with the stop's error, serve those already held (``serving.launch.ServerHandle.stop`` sends it
+#: before it signals Triton)
+DRAIN = b"drain"
+
+
+def notify_drain(cancel_dir, pid: int) -> bool:
+    return _send(cancel_dir, pid, DRAIN)
+
+
+def cancel_listener(cancel_dir, on_cancel, on_shutdown=None, on_stopped=None, on_drain=None) -> "callable":
     """Binds this process's cancel socket and calls ``on_cancel(request_id)`` for each datagram from
-    a daemon thread (``on_shutdown()`` for SHUTDOWN, ``on_stopped(request_id)`` for STOPPED).
-    Returns a function that closes it."""
+    a daemon thread (``on_shutdown()`` for SHUTDOWN, ``on_drain()`` for DRAIN, ``on_stopped(request_id)``
+    for STOPPED). Returns a function that closes it."""
     import threading
     path = cancel_socket_path(cancel_dir, os.getpid())
     Path(cancel_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -85,6 +95,10 @@ def cancel_listener(cancel_dir, on_cancel, on_shutdown=None, on_stopped=None) ->
             try:
                 if data == SHUTDOWN and on_shutdown is not None:
                     on_shutdown()
+                    continue
+                if data == DRAIN:
+                    if on_drain is not None:
+                        on_drain()
                     continue
                 if data.startswith(STOPPED):
                     if on_stopped is not None:

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from builder.errors import NemospecError
-from serving.cancel import notify_shutdown
-from serving.health import shared_memory_files, start_time, stub_processes, triton_ready, what_died
+from serving.cancel import notify_drain, notify_shutdown
+from serving.health import StallWatch, shared_memory_files, start_time, stub_processes, triton_ready, what_died
 from serving.http_guard import HttpGuard
 from serving.limits import limits_from
 from serving.repository import fill_model_repo
@@ -38,6 +38,7 @@ API_KEY_HEADER = "api-key"                              # HTTP header for --api_
 GRPC_API_KEY_HEADER = "triton-grpc-protocol-api-key"    # the same as gRPC metadata (Triton adds the prefix)
 RESTRICTED = "model-repository,shared-memory"           # what --api_key protects
 ABORT_SECONDS = 2.5      # the last part of a stop: requests still in flight are ended with an error
+DRAIN_SETTLE = 0.2       # after the model's last final response of a drain, before Triton is signalled
 
 
 _handed_out: collections.deque = collections.deque(maxlen=256)   # free_port's recent answers
@@ -232,24 +233,23 @@ class ServerHandle:
         return self.stop()
 
     def stop(self, timeout: float | None = None) -> int | None:
-        """SIGTERM (Triton refuses new requests, finishes those in flight), after ``timeout`` minus
-        ABORT_SECONDS seconds (default ``shutdown_timeout``) the speculative model ends the rest with
-        an error, after ``timeout`` SIGKILL of the process group. Idempotent."""
+        """Drains, then SIGTERM, within ``timeout`` seconds (default ``shutdown_timeout``), then SIGKILL
+        of the process group. Idempotent.
+
+        Draining comes before Triton is signalled: Triton 2.51's gRPC endpoint delivers no stream
+        response once it is (the OpenAI frontend's streams, and a gRPC client's, hung until the kill,
+        then read as a crash), while its HTTP endpoint goes on. The speculative model refuses new
+        requests with the stop's error and serves those it holds; ABORT_SECONDS before the end it
+        ends what is left with that error, while every endpoint still delivers it."""
         timeout = self.shutdown_timeout if timeout is None else timeout
         if self.process.poll() is None:
+            end = time.monotonic() + timeout
+            self._drain(end - ABORT_SECONDS)
             try:
-                self.process.send_signal(signal.SIGTERM)
-                self.process.wait(timeout=max(0.0, timeout - ABORT_SECONDS))
+                self.process.send_signal(signal.SIGTERM)   # what the drain left: other models' requests
+                self.process.wait(timeout=max(0.0, end - time.monotonic()))
             except subprocess.TimeoutExpired:
-                # still draining: the speculative stubs answer what is left with an error, so Triton
-                # (whose own exit timeout, once expired, left it hanging in 2.51) exits by itself
-                for pid, model in self.stubs.items():
-                    if model == "speculative":
-                        notify_shutdown(self.run_dir / "cancel", pid)
-                try:
-                    self.process.wait(timeout=min(ABORT_SECONDS, timeout))
-                except subprocess.TimeoutExpired:
-                    pass
+                pass
             except ProcessLookupError:
                 pass
         self._kill_group()       # stubs left behind (e.g. after the server was killed) go too
@@ -268,6 +268,36 @@ class ServerHandle:
             self._temp = False
         atexit.unregister(self.stop)
         return self.process.returncode
+
+    def _drain(self, until: float) -> None:
+        """Tells the speculative stubs to refuse new requests and waits until they hold none, or until
+        ``until``; then tells them to end what is left with the stop's error and waits for that, up to
+        ABORT_SECONDS / 2 more. Returns at once when the metrics do not answer (a server that cannot
+        serve)."""
+        stubs = [pid for pid in self._own_stubs() if self.stubs[pid] == "speculative"]
+        cancel_dir = self.run_dir / "cancel"
+
+        def held() -> float | None:
+            try:
+                return StallWatch.in_flight(self.metrics())[1]
+            except OSError:
+                return None
+        for pid in stubs:
+            notify_drain(cancel_dir, pid)
+        busy = held()
+        if not busy:
+            return
+        while busy and time.monotonic() < until:
+            time.sleep(0.05)
+            busy = held()
+        if busy:
+            for pid in stubs:
+                notify_shutdown(cancel_dir, pid)
+            until += ABORT_SECONDS / 2
+            while busy and time.monotonic() < until:
+                time.sleep(0.05)
+                busy = held()
+        time.sleep(DRAIN_SETTLE)   # the last responses pass postprocessing to their clients
 
     def __enter__(self):
         return self

@@ -19,16 +19,15 @@ from serving_helpers import (NEEDS_TRITON, OPTIONS, PROMPTS, draft_target_engine
 pytestmark = NEEDS_TRITON
 
 
-def test_cli_serve_draft_target_engine_and_sigint(draft_target_engine_dir, tmp_path):
-    """`nemospec serve` as a user runs it, on a draft_target engine directory: the served greedy
-    output equals offline generation; SIGINT stops the server and exits 0."""
-    engine_dir = draft_target_engine_dir
+def _serve(engine_dir, tmp_path, *flags):
+    """`nemospec serve` in a subprocess with an OpenAI frontend, as a user runs it, read up to its
+    ready line: (the process, the endpoints it printed, its http/grpc/metrics ports)."""
     for attempt in range(3):  # retried only if a port picked free was taken before the server bound it
         ports = [launch.free_port() for _ in range(3)]
         cmd = [sys.executable, "-m", "nemospec.cli", "serve", "--engine_dir", str(engine_dir),
                "--http_port", str(ports[0]), "--grpc_port", str(ports[1]), "--metrics_port", str(ports[2]),
-               "--max_batch_size", "2", "--model_repo_dir", str(tmp_path / "repo"), "--openai_port", "0",
-               "--backend", "torch", "--endpoints_json", str(tmp_path / "endpoints.json")]
+               "--model_repo_dir", str(tmp_path / "repo"), "--openai_port", "0",
+               "--backend", "torch", "--endpoints_json", str(tmp_path / "endpoints.json"), *flags]
         process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         lines = []
         for line in process.stdout:
@@ -39,13 +38,31 @@ def test_cli_serve_draft_target_engine_and_sigint(draft_target_engine_dir, tmp_p
             break
         stderr = process.communicate(timeout=60)[1]
         assert "already in use" in " ".join(stderr.split()), stderr  # (rich wraps long lines)
+    assert any(f"127.0.0.1:{ports[0]}" in line for line in lines), (lines, process.poll())
+    for line in process.stderr:   # the ready line comes after the endpoints (stdout, the JSON file)
+        if line.startswith("ready;"):
+            break
+    return process, dict(line.split() for line in lines), ports
+
+
+def _stop(process):
+    """A server a failed assertion left running: stopped the clean way first."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def test_cli_serve_draft_target_engine_and_sigint(draft_target_engine_dir, tmp_path):
+    """`nemospec serve` as a user runs it, on a draft_target engine directory: the served greedy
+    output equals offline generation; SIGINT stops the server and exits 0."""
+    engine_dir = draft_target_engine_dir
+    process, printed, ports = _serve(engine_dir, tmp_path, "--max_batch_size", "2")
     try:
-        assert any(f"127.0.0.1:{ports[0]}" in line for line in lines), (lines, process.poll())
-        openai_url = next(line.split()[1] for line in lines if line.startswith("openai"))
-        for line in process.stderr:   # the ready line comes after the endpoints (stdout, the JSON file)
-            if line.startswith("ready;"):
-                break
-        printed = dict(line.split() for line in lines)
+        openai_url = printed["openai"]
         assert json.loads((tmp_path / "endpoints.json").read_text()) == printed
         assert {"http", "grpc", "ready", "openai"} <= set(printed)
         with urllib.request.urlopen(f"{openai_url}/models", timeout=10) as r:
@@ -67,13 +84,58 @@ def test_cli_serve_draft_target_engine_and_sigint(draft_target_engine_dir, tmp_p
         with pytest.raises(OSError):
             urllib.request.urlopen(f"http://127.0.0.1:{ports[0]}/v2/health/ready", timeout=2)
     finally:
-        if process.poll() is None:  # a failed assertion: stop it the clean way first
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        _stop(process)
+
+
+def test_sigterm_lets_openai_streams_in_flight_end_whole(engine_dir, tmp_path):
+    """SIGTERM with OpenAI streams running and queued behind them (one sequence at a time, so the
+    last ends seconds after the signal): each ends whole, every token and [DONE], and serve exits 0;
+    a request sent meanwhile is refused (503, "the server is shutting down"). Before: Triton 2.51's
+    gRPC endpoint, once signalled, delivered no stream response, so every stream but the one ending
+    hung until the server was killed at --shutdown_timeout and then read as a crash (and before
+    that, the frontend was stopped first: uvicorn cut every request 3 s after the signal)."""
+    import threading
+    import openai
+    process, printed, _ = _serve(engine_dir, tmp_path, "--max_batch_size", "1", "--shutdown_timeout", "20")
+    client = openai.OpenAI(base_url=printed["openai"], api_key="none", max_retries=0, timeout=90)
+    model, tokens, streams = client.models.list().data[0].id, 150, 16
+    first, ends = threading.Event(), {}
+
+    def stream(i):
+        try:
+            chunks = list(client.completions.create(
+                model=model, prompt=f"x{i} =", max_tokens=tokens, temperature=0, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True}, timeout=90))
+            first.set()
+            ends[i] = (time.monotonic(), [c.choices[0].finish_reason for c in chunks if c.choices][-1],
+                       chunks[-1].usage.completion_tokens)
+        except Exception as e:   # what the old order gave: the stream cut
+            ends[i] = (time.monotonic(), f"{type(e).__name__}: {e}", 0)
+            first.set()
+
+    try:
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(streams)]
+        for t in threads:
+            t.start()
+        assert first.wait(60)       # the first sequence has ended; the others run or wait their turn
+        process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        time.sleep(0.5)             # a new request meanwhile is refused: 503, the stop's message
+        late = urllib.request.Request(printed["generate"], method="POST",
+                                      data=json.dumps({"text_input": "y =", "max_tokens": 4}).encode())
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(late, timeout=60)
+        assert refused.value.code == 503 and "shutting down" in refused.value.read().decode()
+        for t in threads:
+            t.join(120)
+        assert process.wait(timeout=120) == 0
+        assert sorted(ends) == list(range(streams))
+        assert [(reason, n) for _, reason, n in ends.values()] == [("length", tokens)] * streams, \
+            {i: (round(end - signalled, 1), reason[:60], n) for i, (end, reason, n) in sorted(ends.items())}
+        last = max(end for end, _, _ in ends.values()) - signalled
+        assert last > 3.5, f"every stream ended {last:.1f} s after the signal: not long enough to tell"
+    finally:
+        _stop(process)
 
 
 def test_a_triton_port_taken_while_the_models_load_is_picked_again(engine_dir, monkeypatch):

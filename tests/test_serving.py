@@ -142,6 +142,16 @@ def test_cancel_channel(tmp_path):
         finally:
             close()
     assert got == [41, 41]
+    drained = []                      # a stop's first word: refuse new requests, serve those held
+    close = cancel.cancel_listener(tmp_path / "c", got.append, on_drain=lambda: drained.append(True))
+    try:
+        assert cancel.notify_drain(tmp_path / "c", os.getpid())
+        deadline = time.monotonic() + 5
+        while not drained and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        close()
+    assert drained == [True] and got == [41, 41]
     assert cancel.split_request_key(cancel.request_key(123456, 2**32 + 5)) == (123456, 5)
     assert not cancel.notify_cancel(tmp_path / "c", cancel.request_key(os.getpid(), 1)), "listener closed"
 

@@ -133,6 +133,7 @@ class TritonPythonModel:
         self.lock = threading.Lock()
         self.live = {}
         self._stopping = False
+        self._draining = False   # the server is about to stop: new requests are refused (``_drain``)
         self._init_metrics()
         self.scheduler.start()
         self.dispatcher = threading.Thread(target=self._dispatch, name="nemospec-dispatch", daemon=True)
@@ -140,7 +141,8 @@ class TritonPythonModel:
         cancel_dir = _param(config, "cancel_dir")
         self._close_listener = cancel_listener(cancel_dir, lambda rid: self.events.put(("cancel", rid, True, {})),
                                                lambda: self.events.put(("shutdown", None, True, {})),
-                                               lambda rid: self.events.put(("stopped", rid, True, {}))) if cancel_dir else None
+                                               lambda rid: self.events.put(("stopped", rid, True, {})),
+                                               self._drain) if cancel_dir else None
         pb_utils.Logger.log_info(f"nemospec speculative: {self.loaded.backend} backend, mode "
                                  f"{(self.loaded.speculative or {}).get('mode', 'none')}, "
                                  f"max_batch_size {self.scheduler.max_batch_size}, max_queue {self.scheduler.max_queue}")
@@ -295,6 +297,9 @@ class TritonPythonModel:
         for request in requests:
             self.m["received"].increment(1)   # before any response: the supervisor's stall check counts on it
             sender = request.get_response_sender()
+            if self._draining:
+                self._refuse(sender, f"speculative: {self.STOPPING}")
+                continue
             try:
                 r, options = self._parse(request)
                 entry = _Live(request, sender, options, r.prompt_ids)
@@ -524,6 +529,12 @@ class TritonPythonModel:
                     self._sweep()
             except Exception as e:  # keep dispatching whatever one response did
                 pb_utils.Logger.log_error(f"nemospec dispatcher: {type(e).__name__}: {e}")
+
+    def _drain(self):
+        """The server is about to stop (``serving.launch.ServerHandle.stop``, before it signals Triton):
+        new requests are refused with the stop's error, those held are served (the server reads when
+        none is left from the request counters: ``serving.health.StallWatch.in_flight``)."""
+        self._draining = True
 
     def finalize(self):
         self._stopping = True
