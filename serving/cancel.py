@@ -27,8 +27,11 @@ def cancel_socket_path(cancel_dir, pid: int) -> str:
 
 
 def _send(cancel_dir, pid: int, data: bytes) -> bool:
+    """One datagram, never waiting: a hung listener's full queue (10 datagrams here) made sendto
+    block for good, and with it a server's stop."""
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.setblocking(False)
             s.sendto(data, cancel_socket_path(cancel_dir, pid))
         return True
     except OSError:

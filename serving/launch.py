@@ -272,32 +272,33 @@ class ServerHandle:
     def _drain(self, until: float) -> None:
         """Tells the speculative stubs to refuse new requests and waits until they hold none, or until
         ``until``; then tells them to end what is left with the stop's error and waits for that, up to
-        ABORT_SECONDS / 2 more. Returns at once when the metrics do not answer (a server that cannot
-        serve)."""
-        stubs = [pid for pid in self._own_stubs() if self.stubs[pid] == "speculative"]
+        ABORT_SECONDS / 2 more. Returns at once when no stub took the word or the metrics do not
+        answer (a server that cannot serve); each scrape waits at most until the deadline."""
         cancel_dir = self.run_dir / "cancel"
+        stubs = [pid for pid in self._own_stubs() if self.stubs[pid] == "speculative" and notify_drain(cancel_dir, pid)]
 
-        def held() -> float | None:
+        def held(deadline: float) -> float | None:
             try:
-                return StallWatch.in_flight(self.metrics())[1]
-            except OSError:
+                with urllib.request.urlopen(self.metrics_url, timeout=min(1.0, max(0.1, deadline - time.monotonic()))) as r:
+                    return StallWatch.in_flight(r.read().decode())[1]
+            except Exception:   # refused, timed out, cut mid-answer: nothing to wait for
                 return None
-        for pid in stubs:
-            notify_drain(cancel_dir, pid)
-        busy = held()
-        if not busy:
+        busy = held(until) if stubs else None
+        if busy is None:
             return
         while busy and time.monotonic() < until:
             time.sleep(0.05)
-            busy = held()
+            busy = held(until)
         if busy:
             for pid in stubs:
                 notify_shutdown(cancel_dir, pid)
             until += ABORT_SECONDS / 2
             while busy and time.monotonic() < until:
                 time.sleep(0.05)
-                busy = held()
-        time.sleep(DRAIN_SETTLE)   # the last responses pass postprocessing to their clients
+                busy = held(until)
+        # the last responses pass postprocessing to their clients, and a request that reached Triton
+        # just before the word gets its refusal, before Triton stops delivering gRPC responses
+        time.sleep(DRAIN_SETTLE)
 
     def __enter__(self):
         return self

@@ -156,6 +156,22 @@ def test_cancel_channel(tmp_path):
     assert not cancel.notify_cancel(tmp_path / "c", cancel.request_key(os.getpid(), 1)), "listener closed"
 
 
+def test_a_datagram_to_a_listener_that_does_not_read_never_waits(tmp_path):
+    """A hung stub's socket fills (10 datagrams here) and a blocking send then waited for good: a
+    server's stop, which sends one to each stub first, never ended. A send now fails at once."""
+    import os
+    import socket
+    import threading
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as hung:
+        hung.bind(cancel.cancel_socket_path(tmp_path, os.getpid()))
+        sent = []
+        sender = threading.Thread(target=lambda: sent.extend(cancel.notify_drain(tmp_path, os.getpid()) for _ in range(64)),
+                                  daemon=True)
+        sender.start()
+        sender.join(10)
+        assert not sender.is_alive() and len(sent) == 64 and sent[0] and not sent[-1], sent
+
+
 def test_fill_model_repo(engine_dir, tmp_path):
     repo = repository.fill_model_repo(engine_dir, tmp_path / "repo", max_batch_size=2, max_queue=5,
                                  cancel_dir=tmp_path / "c")
