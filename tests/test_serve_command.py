@@ -93,10 +93,12 @@ def test_sigterm_lets_openai_streams_in_flight_end_whole(engine_dir, tmp_path):
     a request sent meanwhile is refused (503, "the server is shutting down"). Before: Triton 2.51's
     gRPC endpoint, once signalled, delivered no stream response, so every stream but the one ending
     hung until the server was killed at --shutdown_timeout and then read as a crash (and before
-    that, the frontend was stopped first: uvicorn cut every request 3 s after the signal)."""
+    that, the frontend was stopped first: uvicorn cut every request 3 s after the signal); and the
+    frontend cancelled each stream after its final response, which left its ensemble request held
+    in Triton, whose exit then waited for the kill."""
     import threading
     import openai
-    process, printed, _ = _serve(engine_dir, tmp_path, "--max_batch_size", "1", "--shutdown_timeout", "20")
+    process, printed, _ = _serve(engine_dir, tmp_path, "--max_batch_size", "1", "--shutdown_timeout", "40")
     client = openai.OpenAI(base_url=printed["openai"], api_key="none", max_retries=0, timeout=90)
     model, tokens, streams = client.models.list().data[0].id, 150, 16
     first, ends = threading.Event(), {}
@@ -129,11 +131,13 @@ def test_sigterm_lets_openai_streams_in_flight_end_whole(engine_dir, tmp_path):
         for t in threads:
             t.join(120)
         assert process.wait(timeout=120) == 0
+        exited = time.monotonic() - signalled
         assert sorted(ends) == list(range(streams))
         assert [(reason, n) for _, reason, n in ends.values()] == [("length", tokens)] * streams, \
             {i: (round(end - signalled, 1), reason[:60], n) for i, (end, reason, n) in sorted(ends.items())}
         last = max(end for end, _, _ in ends.values()) - signalled
         assert last > 3.5, f"every stream ended {last:.1f} s after the signal: not long enough to tell"
+        assert exited < last + 15, f"serve exited {exited:.1f} s after the signal, its last stream ended at {last:.1f} s"
     finally:
         _stop(process)
 

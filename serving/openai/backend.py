@@ -140,6 +140,24 @@ def ensemble_inputs(g: Generation, max_tokens: int):
     return inputs
 
 
+async def _ended(call, timeout: float = 2.0) -> bool:
+    """Reads a stream whose request has had its final response until Triton ends the call (the
+    client sent its one request and closed its side). Cancelled after its final response instead,
+    the call left its ensemble request held in Triton 2.51 (3 of 3 runs; read to the end, 0 of 3), and
+    a stop then waited for that model until the server was killed at --shutdown_timeout. False when
+    it does not end within ``timeout`` seconds."""
+    import asyncio
+
+    async def rest():
+        async for _ in call:
+            pass
+    try:
+        await asyncio.wait_for(rest(), timeout)
+        return True
+    except Exception:
+        return False
+
+
 class TritonBackend:
     """``cancel_dir``: a callable giving the served model's side-channel directory (it moves when the
     supervisor restarts the server), through which a request ended at a stop string is reported
@@ -195,13 +213,15 @@ class TritonBackend:
             call = self.client.stream_infer(requests(), headers=self.headers)
         except Exception as e:
             raise APIError(503, f"the Triton server cannot be reached: {e}") from None
+        finished = False
         try:
             async for result, error in call:
                 if error is not None:
                     raise from_triton(error.message() if hasattr(error, "message") else str(error))
                 delta = read_response(result)
+                finished = bool(delta.finish_reason)   # before the yield: a reader may stop at it
                 yield delta
-                if delta.finish_reason:
+                if finished:
                     return
         except APIError:
             raise
@@ -210,4 +230,9 @@ class TritonBackend:
                 raise
             raise from_triton(grpc_text(e)) from None
         finally:
-            call.cancel()
+            ended = False
+            try:
+                ended = finished and await _ended(call)
+            finally:
+                if not ended:
+                    call.cancel()
