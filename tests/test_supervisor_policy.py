@@ -143,7 +143,10 @@ def test_a_crashed_servers_log_is_kept_and_the_new_one_named(tmp_path):
         return h
 
     s = supervisor.Supervisor(start, check_interval=0.01, check=check, log=logs.append)
-    _run_until_restarted(s)
+    # until the new server is up and named: the restart is counted before it starts (a loaded run's
+    # stop came between the two, and no second server was ever started)
+    _run_until_restarted(s, until=lambda: len(handles) > 1 and any(f"server log {handles[1].log_path}" in line
+                                                                 for line in logs))
     kept = [line.split(": ", 2)[-1] for line in logs if "the crashed server's whole log" in line]
     assert kept and open(kept[0]).read() == "run 0: Traceback (most recent call last)\n", logs
     assert any(f"server log {handles[1].log_path}" in line for line in logs), logs
