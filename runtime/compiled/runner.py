@@ -145,8 +145,8 @@ class CompiledRunner(TorchRunner):
     def verify_greedy(self, input_ids, positions, lengths, logit_index, state):
         """Verify + greedy accept + rollback as one graph per chunk length. A length between buckets
         (K = 3 where the engine's K is 4) is right-padded to the next bucket past ``lengths`` (after a
-        server's warm-up, the next one warmed), which caps the accept at the real drafts; one with fewer logit rows, or past every bucket, runs
-        the three as separate steps."""
+        server's warm-up, the next one warmed), which caps the accept at the real drafts; one with
+        fewer logit rows, or past every bucket, runs the three as separate steps."""
         batch, tokens = input_ids.shape
         pad = self._verify_greedy.first_compiled((b for b in self.verify_buckets if b >= tokens),
                                                  lambda b: (batch == 1, b))
