@@ -195,8 +195,8 @@ class ServerHandle:
             errors, "the end of its log:", self.log_tail(15)]))
         return f"tritonserver exited with {how} before it was ready:\n{detail}"
 
-    def metrics(self) -> str:
-        with urllib.request.urlopen(self.metrics_url, timeout=10) as r:
+    def metrics(self, timeout: float = 10.0) -> str:
+        with urllib.request.urlopen(self.metrics_url, timeout=timeout) as r:
             return r.read().decode()
 
     def _own_stubs(self) -> list[int]:
@@ -279,8 +279,7 @@ class ServerHandle:
 
         def held(deadline: float) -> float | None:
             try:
-                with urllib.request.urlopen(self.metrics_url, timeout=min(1.0, max(0.1, deadline - time.monotonic()))) as r:
-                    return StallWatch.in_flight(r.read().decode())[1]
+                return StallWatch.in_flight(self.metrics(timeout=min(1.0, max(0.1, deadline - time.monotonic()))))[1]
             except Exception:   # refused, timed out, cut mid-answer: nothing to wait for
                 return None
         busy = held(until) if stubs else None

@@ -95,7 +95,7 @@ class CompiledDraft(EagerDraft):
         if (self.kind not in FEATURE_DRAFTS or rows > self.catch_up_rows[-1]
                 or not all(self._state_dims().values())):   # a state without slots (a recurrent one)
             return k
-        pad = next(r for r in self.catch_up_rows if r >= rows)
+        pad = self.catch_up_width(rows)
         longer = sorted(key[1] for key in self._chains.ready if key[0] == (batch == 1) and key[2] == pad and key[1] > k)
         run = self._chains.first_compiled([k, *longer], lambda n: (batch == 1, n, pad))
         if run == k:
