@@ -430,9 +430,11 @@ def cmd_generate(args):
                 trace_file.close()
             except OSError as e:
                 trace_failed.append(e)
-    # an end id ends the ids but not the text, as the server answers (serving.md, `end_id`)
-    texts = ([tokenizer.decode(o[:-1] if o and o[-1] in end_ids else o) for o in result.output_ids]
-             if tokenizer else None)
+    # an end id ends the ids but not the text, and the text reads as it does after the prompt, as
+    # the server answers (serving.md, `end_id` and `text_output`)
+    from serving.protocol import answer_text
+    texts = ([answer_text(tokenizer, p, o[:-1] if o and o[-1] in end_ids else o)
+              for p, o in zip(prompts, result.output_ids)] if tokenizer else None)
     if not args.json:
         for i, ids in enumerate(result.output_ids):
             print(texts[i] if texts else ",".join(map(str, ids)))

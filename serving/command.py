@@ -175,6 +175,7 @@ def fill_only(args, backend: str, limits: dict, out=print) -> int:
     import shlex
     from pathlib import Path
 
+    from serving.launch import restricted_api_args
     from serving.repository import ROOT, fill_model_repo
     if not args.model_repo_dir:
         raise NemospecError("--fill_only: needs --model_repo_dir DIR, the directory to write the model repository to")
@@ -183,7 +184,9 @@ def fill_only(args, backend: str, limits: dict, out=print) -> int:
                            max_queue=args.max_queue, logprobs_mode=args.logprobs_mode,
                            draft_policy={f: getattr(args, f, None) for f in POLICY_FLAGS}, limits=limits)
     out(f"model repository {repo} (models preprocessing, speculative, postprocessing, ensemble; nemospec from {ROOT})")
-    out(f"tritonserver --model-repository {shlex.quote(str(repo))} --model-control-mode none --strict-model-config true")
+    restricted = "".join(" " + shlex.quote(a) for a in restricted_api_args(args.api_key))   # --api_key's
+    out(f"tritonserver --model-repository {shlex.quote(str(repo))} --model-control-mode none --strict-model-config true"
+        f"{restricted}")
     return 0
 
 

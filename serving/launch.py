@@ -319,10 +319,16 @@ def _triton_command(server, repo_dir, backend_dir, triton_http: int, host: str, 
            "--allow-gpu-metrics", "true" if gpu_present() else "false", "--log-verbose", "0"]
     if backend_dir is not None:
         cmd += ["--backend-directory", str(backend_dir)]
-    if api_key:
-        cmd += [f"--http-restricted-api={RESTRICTED}:{API_KEY_HEADER}={api_key}",
-                f"--grpc-restricted-protocol={RESTRICTED}:{API_KEY_HEADER}={api_key}"]
-    return cmd + list(extra_args)
+    return cmd + restricted_api_args(api_key) + list(extra_args)
+
+
+def restricted_api_args(api_key: str | None) -> list[str]:
+    """tritonserver's flags that ask for the key on the endpoints it protects (``RESTRICTED``), over
+    HTTP and gRPC."""
+    if not api_key:
+        return []
+    return [f"--http-restricted-api={RESTRICTED}:{API_KEY_HEADER}={api_key}",
+            f"--grpc-restricted-protocol={RESTRICTED}:{API_KEY_HEADER}={api_key}"]
 
 
 TRITON_PORT_TRIES = 3   # launches of Triton when the loopback port picked for its HTTP was taken meanwhile

@@ -138,6 +138,29 @@ def stream_window(emitted, new, byte_ids=()) -> tuple[list[int], int]:
     return context + list(new), len(context)
 
 
+def text_history(prompt, emitted) -> list[int]:
+    """The ids a response's window (``stream_window``) is cut from: the emitted ones, after the
+    prompt's last ids while the window could still reach into the prompt. The first tokens then
+    read as they do after the prompt, as vLLM primes its detokenizer with the prompt: a
+    SentencePiece-style decoder strips a text's first space, so 'the cat' + '▁a' decoded alone
+    read 'a' where the text says ' a'."""
+    if len(emitted) >= MAX_RUN_CONTEXT:
+        return emitted
+    return list(prompt[-MAX_RUN_CONTEXT:]) + list(emitted)
+
+
+def prompt_context(prompt, byte_ids=()) -> list[int]:
+    """The prompt's last ids that a whole answer's text is decoded after (``text_history``'s window
+    of the prompt alone)."""
+    return stream_window(text_history(prompt, ()), (), byte_ids)[0]
+
+
+def answer_text(tokenizer, prompt, ids) -> str:
+    """The whole text of ``ids`` generated after ``prompt``, as the server answers it."""
+    before = prompt_context(prompt, byte_fallback_ids(tokenizer))
+    return stream_text(tokenizer, before + [int(t) for t in ids], len(before), finished=True)
+
+
 def _incomplete_tail(ids, byte_ids) -> int:
     """How many of the trailing byte-fallback tokens of ``ids`` are a character still missing bytes."""
     n = 0

@@ -213,38 +213,91 @@ def test_logprobs_of_tokens_that_split_a_character():
         assert status == 200 and [o for c in chunks for o in c["text_offset"]] == want, stream
 
 
-def test_logprobs_of_a_sentencepiece_tokenizer_read_as_the_text_does():
-    """A SentencePiece-style decoder strips the text's first space, so every token decoded alone lost
-    its space: 'the', 'cat', 'the' with text_offset [0, 3, 6] for 'the cat the', and chat bytes that
-    joined to 'thecatthe'. Each token now reads as it does in the text, the first as the text begins;
-    across a stream's responses too, and with byte-fallback tokens splitting a character."""
+def _as_the_server_sends(tokenizer, prompt_ids, groups, finish="length"):
+    """Responses holding ``groups`` of ids, each with the text the speculative model and the
+    postprocessing model give it (its window of the prompt and the ids sent before)."""
+    from serving import protocol
+    byte_ids, responses, emitted = protocol.byte_fallback_ids(tokenizer), [], []
+    for i, group in enumerate(groups):
+        last = i == len(groups) - 1
+        context, prefix = protocol.stream_window(protocol.text_history(prompt_ids, emitted), group, byte_ids)
+        responses.append(ScriptedDelta(group, finish if last else ""))
+        responses[-1].text = protocol.stream_text(tokenizer, context, prefix, finished=last)
+        emitted += group
+    return responses
+
+
+def test_a_sentencepiece_answer_reads_as_it_does_after_the_prompt():
+    """A SentencePiece-style decoder strips a text's first space, so the answer's first token decoded
+    alone lost it: 'the cat' + '\u2581a \u2581cat' answered 'a cat' (the prompt and the answer then
+    join as 'the cata cat'). The server's text is now the answer as it reads after the prompt,
+    streamed or whole, as vLLM primes its detokenizer with the prompt (the oracle: the decode of
+    prompt + answer less the prompt's)."""
     from sentencepiece_tokenizer import sentencepiece_tokenizer
     from serving import protocol
     tokenizer = sentencepiece_tokenizer()
-    text = "the cat the \u3042 cat"
-    ids = tokenizer.encode(text).ids
-    responses, emitted = [], []
-    for group, finish in ((ids[:2], ""), (ids[2:5], ""), (ids[5:], "length")):   # the second ends mid-character
-        context, prefix = protocol.stream_window(emitted, group)
-        responses.append(ScriptedDelta(group, finish))
-        responses[-1].text = protocol.stream_text(tokenizer, context, prefix, finished=bool(finish))  # as the server's
-        emitted += group
-    assert "".join(d.text for d in responses) == text
+    prompt = tokenizer.encode("the cat").ids
+    answer = tokenizer.encode("a cat the \u3042 cat", add_special_tokens=False).ids
+    want = tokenizer.decode(prompt + answer)[len(tokenizer.decode(prompt)):]
+    assert want.startswith(" a cat")
+    for groups in ([answer], [answer[:1], answer[1:5], answer[5:]], [[t] for t in answer]):
+        assert "".join(d.text for d in _as_the_server_sends(tokenizer, prompt, groups)) == want, groups
+    before = protocol.prompt_context(prompt, protocol.byte_fallback_ids(tokenizer))    # a whole answer
+    assert protocol.stream_text(tokenizer, before + answer, len(before), finished=True) == want
+    assert protocol.answer_text(tokenizer, prompt, answer) == want                     # nemospec generate's
+    assert tokenizer.decode(answer) == want[1:]   # what it answered before
+
+
+def test_logprobs_of_a_sentencepiece_tokenizer_read_as_the_text_does():
+    """Decoded alone, every SentencePiece token lost its space: 'the', 'cat', 'the' with text_offset
+    [0, 3, 6] for 'the cat the', and chat bytes that joined to 'thecatthe'. Each token now reads as
+    it does in the answer, the first too (it follows the prompt); across a stream's responses too,
+    and with byte-fallback tokens splitting a character."""
+    from sentencepiece_tokenizer import sentencepiece_tokenizer
+    tokenizer = sentencepiece_tokenizer()
+    text = " the cat the \u3042 cat"
+    ids = tokenizer.encode(text[1:]).ids
     info = ModelInfo("m", tokenizer, 256, 4, ChatTemplate("{{ messages[0]['content'] }}"), 0)
-    want = [len(tokenizer.decode(ids[:i]).rstrip("\ufffd")) for i in range(len(ids))]
+    want = [len(tokenizer.decode(ids[:i]).rstrip("\ufffd")) + (i > 0) for i in range(len(ids))]
     for stream in (False, True):
-        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 64, "logprobs": True, "stream": stream}
+        responses = _as_the_server_sends(tokenizer, tokenizer.encode("cat").ids, (ids[:2], ids[2:5], ids[5:]))
+        assert "".join(d.text for d in responses) == text   # the second response ends mid-character
+        chat = {"messages": [{"role": "user", "content": "cat"}], "max_tokens": 64, "logprobs": True, "stream": stream}
         status, raw = _post(create_app(info, ScriptedBackend(responses)), chat, "/v1/chat/completions")
         content = ([c for e in _events(raw) for ch in e["choices"] if ch.get("logprobs") for c in ch["logprobs"]["content"]]
                    if stream else json.loads(raw)["choices"][0]["logprobs"]["content"])
         assert status == 200 and b"".join(bytes(c["bytes"]) for c in content).decode("utf-8") == text, stream
-        assert [c["token"] for c in content[:3]] == ["the", " cat", " the"], stream
+        assert [c["token"] for c in content[:3]] == [" the", " cat", " the"], stream
         status, raw = _post(create_app(info, ScriptedBackend(responses)),
-                            {"prompt": "p", "max_tokens": 64, "logprobs": 0, "stream": stream})
+                            {"prompt": "cat", "max_tokens": 64, "logprobs": 0, "stream": stream})
         chunks = ([json.loads(raw)["choices"][0]["logprobs"]] if not stream else
                   [c["logprobs"] for e in _events(raw) for c in e["choices"] if c["logprobs"]])
         assert [o for c in chunks for o in c["text_offset"]] == want, stream
-        assert [t for c in chunks for t in c["tokens"]][:3] == ["the", " cat", " the"], stream
+        assert [t for c in chunks for t in c["tokens"]][:3] == [" the", " cat", " the"], stream
+
+
+def test_a_stop_after_a_long_run_of_byte_tokens_counts_the_same_in_any_responses():
+    """The frontend decoded a response's tokens after the last 4 responses only; a run of byte
+    tokens that began before them then read as U+FFFD, the stop was not found among the tokens, and
+    usage counted the whole response (11 tokens for a stop completed by the 10th: one token a
+    response, then the 10th with the 11th). It now decodes after the ids themselves, as the server does."""
+    from sentencepiece_tokenizer import sentencepiece_tokenizer
+    tokenizer = sentencepiece_tokenizer()
+    ids = tokenizer.encode("\u65e5\u672c\u8a9e a cat").ids     # '\u2581' then 9 byte tokens: 3 characters
+    through = next(n for n in range(len(ids) + 1) if "\u8a9e" in tokenizer.decode(ids[:n]))
+    info = ModelInfo("m", tokenizer, 256, 4, None, 0)
+    for groups in ([[t] for t in ids[:through - 1]] + [ids[through - 1:through + 1], ids[through + 1:]],
+                   [ids[:7], ids[7:through], ids[through:through + 2], ids[through + 2:]]):
+        for stream in (False, True):
+            responses = _as_the_server_sends(tokenizer, tokenizer.encode("p").ids, groups)
+            body = {"prompt": "p", "max_tokens": 64, "stop": "\u8a9e", "logprobs": 0, "stream": stream,
+                    **({"stream_options": {"include_usage": True}} if stream else {})}
+            status, raw = _post(create_app(info, ScriptedBackend(responses)), body)
+            out = _events(raw) if stream else [json.loads(raw)]
+            tokens = [t for e in out for c in e["choices"] if c.get("logprobs") for t in c["logprobs"]["tokens"]]
+            text = "".join(c["text"] for e in out for c in e["choices"])
+            assert (status, text, out[-1]["usage"]["completion_tokens"], len(tokens)) == (
+                200, " \u65e5\u672c", through, through), (groups, stream)
 
 
 def test_min_tokens_arms_stop_strings_at_a_token_whatever_the_responses_hold():

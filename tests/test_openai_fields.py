@@ -131,6 +131,12 @@ def test_n_and_best_of_must_be_integers():
     ("/v1/chat/completions", {"continue_final_message": True}, "continue_final_message"),
     ("/v1/chat/completions", {"chat_template": "{{ messages }}"}, "chat_template"),
     ("/v1/chat/completions", {"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+    ("/v1/completions", {"stop_regex": "wor"}, "stop_regex"),                      # SGLang's
+    ("/v1/completions", {"custom_logit_processor": "{}"}, "custom_logit_processor"),
+    ("/v1/chat/completions", {"thinking_token_budget": 8}, "thinking_token_budget"),   # vLLM's
+    ("/v1/chat/completions", {"repetition_detection": {"max_pattern_size": 4}}, "repetition_detection"),
+    ("/v1/completions", {"prompt_embeds": "AAAA"}, "prompt_embeds"),
+    ("/v1/completions", {"vllm_xargs": {"k": 1}}, "vllm_xargs"),
 ])
 def test_fields_the_server_cannot_honour_are_refused(path, extra, param):
     """Each was accepted and dropped: a 200 answering a different request than the one sent."""

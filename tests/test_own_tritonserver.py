@@ -38,6 +38,15 @@ def test_fill_only_needs_a_directory_the_python_backend_can_load_from(engine_dir
     assert {p: p.read_bytes() for p in TEMPLATES.rglob("*") if p.is_file() and "__pycache__" not in p.parts} == before
 
 
+def test_the_printed_command_asks_for_the_api_key(engine_dir, tmp_path):  # noqa: F811
+    """``--api_key`` was dropped without a word: the printed tritonserver served every caller."""
+    code, out, _ = _fill("--engine_dir", str(engine_dir), "--model_repo_dir", str(tmp_path / "repo"), "--fill_only",
+                         "--api_key", "s3 cret")
+    command = shlex.split(out.strip().splitlines()[-1])
+    assert code == 0 and command[-2:] == launch.restricted_api_args("s3 cret"), out
+    assert any(a.startswith("--grpc-restricted-protocol=") and a.endswith("=s3 cret") for a in command), out
+
+
 def test_a_filled_repository_serves_under_a_tritonserver_of_its_own(engine_dir, tmp_path):  # noqa: F811
     """The printed command, run as it is (the wheel's binary standing for the user's, with the
     Python backend a tritonserver brings and no PYTHONPATH), serves the ensemble: greedy ids equal

@@ -7,7 +7,6 @@ import json
 import logging
 import time
 import uuid
-from collections import deque
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -23,7 +22,7 @@ from serving.openai.protocol import (StopMatcher, chat_options, completion_promp
                                      speculative_metrics, usage)
 from serving.http_guard import DRAIN_BYTES
 from serving.limits import limits_from
-from serving.protocol import CONTEXT_TOKENS, byte_fallback_ids, stream_text, stream_window
+from serving.protocol import MAX_RUN_CONTEXT, byte_fallback_ids, stream_text, stream_window, text_history
 
 READY_SECONDS = 0.5
 DISCONNECT_POLL_SECONDS = 0.25   # how often a non-streamed request looks for its client having gone
@@ -230,16 +229,17 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
             raise APIError(400, f"{field}: prompt of {size} bytes exceeds --max_prompt_bytes {limits['max_prompt_bytes']}",
                            field)
         g = generation(body, prompt, chat)
-        prompt_tokens = len(info.tokenizer.encode(prompt, add_special_tokens=g.add_special_tokens).ids)
+        prompt_ids = info.tokenizer.encode(prompt, add_special_tokens=g.add_special_tokens).ids
+        prompt_tokens = len(prompt_ids)
         stream = backend.generate(g, budget(g, prompt_tokens, field))
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         base = {"id": rid, "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": info.name}
         if g.stream:
             first = await _first(stream)      # errors before the first byte keep their status
-            return StreamingResponse(_events(first, stream, g, base, chat, prompt_tokens),
+            return StreamingResponse(_events(first, stream, g, base, chat, prompt_ids),
                                      media_type="text/event-stream")
-        return await unless_gone(request, _whole(stream, g, base, chat, prompt_tokens))
+        return await unless_gone(request, _whole(stream, g, base, chat, prompt_ids))
 
     async def unless_gone(request: Request, work):
         """Awaits ``work``, or cancels it once the client has disconnected (a client's timeout left a
@@ -254,13 +254,27 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
                 await asyncio.gather(task, return_exceptions=True)
                 return Response(status_code=499)   # nobody reads it: nginx's "client closed request"
 
-    async def _whole(stream, g, base, chat: bool, prompt_tokens: int) -> dict:
+    def _history(prompt_ids) -> list[int]:
+        """The ids the next response's first tokens decode after (``text_history``): the prompt's
+        last ones, as the server decodes them, then each response's."""
+        return text_history(prompt_ids, ())
+
+    def _context(history) -> list[int]:
+        return stream_window(history, (), byte_fallback_ids(info.tokenizer))[0]
+
+    def _offsets(history) -> TextOffsets:
+        """Log-probability offsets for a text that begins after the prompt: its first token reads
+        as the text's beginning only where the prompt's context reads as nothing (a lone BOS)."""
+        return TextOffsets(info.tokenizer, begins_text=not info.tokenizer.decode(_context(history)))
+
+    async def _whole(stream, g, base, chat: bool, prompt_ids) -> dict:
         """A non-streamed answer: every response of ``stream`` read, stop strings applied."""
         text, tokens, reason, last, ids, logprobs, alternatives = [], 0, "", None, [], [], []
-        stops, recent = StopMatcher(g.stop), deque(maxlen=CONTEXT_TOKENS)
+        stops, history = StopMatcher(g.stop), _history(prompt_ids)
+        offsets = _offsets(history)
         try:
             async for d in stream:
-                piece, n = _read(d, stops, g, tokens, recent)
+                piece, n = _read(d, stops, g, tokens, history)
                 text.append(piece)
                 tokens, reason, last = tokens + n, d.finish_reason, d
                 if g.logprobs:
@@ -277,31 +291,33 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
             raise _ended()
         text.append(stops.flush() if not stops.matched else "")
         out, stats = "".join(text), last.stats if last is not None else {}
-        chosen = _logprobs(chat, ids, logprobs, alternatives) if g.logprobs else None
+        chosen = _logprobs(chat, ids, logprobs, alternatives, offsets) if g.logprobs else None
         choice = ({"index": 0, "message": {"role": "assistant", "content": out}, "logprobs": chosen,
                    "finish_reason": reason or "stop"} if chat else
                   {"index": 0, "text": out, "logprobs": chosen, "finish_reason": reason or "stop"})
-        return {**base, "choices": [choice], "usage": usage(prompt_tokens, tokens),
+        return {**base, "choices": [choice], "usage": usage(len(prompt_ids), tokens),
                 "metrics": speculative_metrics(stats, info.draft_len) if stats else {}}
 
-    def _logprobs(chat: bool, ids, logprobs, alternatives, offsets: TextOffsets | None = None):
+    def _logprobs(chat: bool, ids, logprobs, alternatives, offsets: TextOffsets):
         if chat:
             return chat_logprobs(info.tokenizer, ids, logprobs, alternatives, offsets)
         return completion_logprobs(info.tokenizer, ids, logprobs, alternatives, offsets)
 
-    def _read(d, stops: StopMatcher, g, tokens: int, recent: deque):
+    def _read(d, stops: StopMatcher, g, tokens: int, history: list):
         """Response ``d`` after ``tokens`` generated: (its text that can be sent, its tokens counted):
         all of them, or where a stop string matched inside it, those up to the one that completes
         the match (a speculative response holds a whole step; vLLM counts up to the stop as well).
-        ``recent``: the last responses, whose ids decode ``d``'s first tokens in context."""
+        ``history``: the ids before ``d`` (``_history``), which decode its first tokens in context;
+        ``d``'s are added."""
         held = stops.held
-        text, unarmed_chars = _feed(d, stops, g, tokens, recent)
+        text, unarmed_chars = _feed(d, stops, g, tokens, history)
         if not stops.matched or not d.ids:
-            recent.append(d)
+            history.extend(d.ids or ())
+            del history[:-MAX_RUN_CONTEXT]
             return text, d.tokens
-        return text, _through_stop(d, held, stops, recent, unarmed_chars)
+        return text, _through_stop(d, held, stops, history, unarmed_chars)
 
-    def _feed(d, stops: StopMatcher, g, tokens: int, recent) -> tuple[str, int]:
+    def _feed(d, stops: StopMatcher, g, tokens: int, history) -> tuple[str, int]:
         """``d``'s text through the stop matcher, armed from the token past ``min_tokens`` on: a
         response that crosses it has its first tokens' text fed unarmed and the rest armed, so the
         answer does not depend on how tokens were grouped into responses (a speculative step's, or
@@ -309,16 +325,15 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
         Returns the text and how many characters of held + text were fed unarmed."""
         unarmed = g.min_tokens - tokens
         if g.min_tokens and stops.stops and d.ids and 0 < unarmed < d.tokens:
-            context = stream_window([t for r in recent for t in (r.ids or ())], (), byte_fallback_ids(info.tokenizer))[0]
+            context = _context(history)
             head = stream_text(info.tokenizer, context + list(d.ids[:unarmed]), len(context), finished=False)
             if d.text.startswith(head):
                 skip = len(stops.held) + len(head)
                 return stops.feed(head, armed=False) + stops.feed(d.text[len(head):], armed=True), skip
         return stops.feed(d.text, _armed(g, tokens + d.tokens)), 0
 
-    def _through_stop(d, held: str, stops: StopMatcher, recent, skip: int = 0) -> int:
-        context = stream_window([t for r in recent for t in (r.ids or ())], (), byte_fallback_ids(info.tokenizer))[0]
-        n = stops.tokens_through(info.tokenizer, held, context, d.ids, skip)
+    def _through_stop(d, held: str, stops: StopMatcher, history, skip: int = 0) -> int:
+        n = stops.tokens_through(info.tokenizer, held, _context(history), d.ids, skip)
         return d.tokens if n is None else n
 
     async def _first(stream):
@@ -327,7 +342,7 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
         except StopAsyncIteration:
             return None
 
-    async def _events(first, stream, g, base, chat, prompt_tokens):
+    async def _events(first, stream, g, base, chat, prompt_ids):
         chunk_object = "chat.completion.chunk" if chat else "text_completion"
 
         def event(choice, **extra):
@@ -344,8 +359,8 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
                         "finish_reason": reason}
             return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
-        stops, tokens, reason, last, offsets = StopMatcher(g.stop), 0, "", None, TextOffsets(info.tokenizer)
-        recent = deque(maxlen=CONTEXT_TOKENS)   # the last responses, for a stop's token count
+        stops, tokens, reason, last, history = StopMatcher(g.stop), 0, "", None, _history(prompt_ids)
+        offsets, prompt_tokens = _offsets(history), len(prompt_ids)
         # a text chunk is the same JSON every time but for its text: encoded once, the text spliced in
         # (not with usage in every chunk: that changes from chunk to chunk)
         head, _, tail = event(choice("\0")).partition(json.dumps("\0"))
@@ -356,7 +371,7 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
         try:
             d = first
             while d is not None:
-                text, n = _read(d, stops, g, tokens, recent)
+                text, n = _read(d, stops, g, tokens, history)
                 tokens, reason, last = tokens + n, d.finish_reason, d
                 if stops.matched:
                     reason = "stop"

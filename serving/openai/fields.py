@@ -80,12 +80,20 @@ REFUSED = {
     "logits_processors": (_empty, "custom logits processors are not supported", "null"),
     "return_tokens_as_token_ids": (_false, "tokens are returned as text", "false"),
     "return_token_ids": (_false, "token ids are not returned", "false"),
+    "thinking_token_budget": (_absent, "the server has no thinking-token budget", "null"),
+    "repetition_detection": (_absent, "repetition detection is not supported", "null"),
+    "prompt_embeds": (_absent, "prompts are text only", "null"),
+    "vllm_xargs": (_empty, "extra sampling arguments are not supported", "null"),
     # SGLang's extensions
     "regex": (_absent, _GUIDED, "null"),
     "ebnf": (_absent, _GUIDED, "null"),
     "json_schema": (_absent, _GUIDED, "null"),
     "no_stop_trim": (_false, "the matched stop string is never returned", "false"),
     "lora_path": (_absent, "LoRA adapters are not supported", "null"),
+    "stop_regex": (_empty, "stop regular expressions are not supported (use stop strings)", "null"),
+    "custom_logit_processor": (_absent, "custom logits processors are not supported", "null"),
+    "custom_params": (_absent, "custom logits processors are not supported", "null"),
+    "return_hidden_states": (_false, "hidden states are not returned", "false"),
 }
 
 #: fields of the other endpoint, which a client may send to this one expecting them to apply

@@ -86,16 +86,17 @@ def token_bytes(tokenizer, token_id: int, first: bool = False) -> bytes:
 
 class TextOffsets:
     """Characters of the decoded text before each token, across a response's chunks: a character
-    split over tokens counts once it is whole. ``tokens``: how many came before (the text's first
-    token reads as it begins the text)."""
+    split over tokens counts once it is whole. ``tokens``: how many came before. With
+    ``begins_text`` the first token reads as it begins a text (decoded alone); else as it reads
+    after the prompt (with its leading space), as the answer's text does."""
 
-    def __init__(self, tokenizer, offset: int = 0):
-        self.tokenizer, self.offset, self.tokens = tokenizer, offset, 0
+    def __init__(self, tokenizer, offset: int = 0, begins_text: bool = True):
+        self.tokenizer, self.offset, self.tokens, self.begins_text = tokenizer, offset, 0, begins_text
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def firsts(self, ids) -> list[bool]:
         """For each of ``ids``, the chunk's tokens, whether it is the text's first token; then counts them."""
-        out = [self.tokens + i == 0 for i in range(len(ids))]
+        out = [self.begins_text and self.tokens + i == 0 for i in range(len(ids))]
         self.tokens += len(ids)
         return out
 

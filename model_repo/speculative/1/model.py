@@ -84,7 +84,8 @@ class TritonPythonModel:
         from runtime.scheduler import Request, Scheduler, SchedulerError
         from runtime.draft_policy import policy_from
         from serving.cancel import cancel_listener, request_key
-        from serving.protocol import FAULT, STOPPING, coalesce_events, fault, stream_window, unpack_word_ids
+        from serving.protocol import (FAULT, STOPPING, coalesce_events, fault, prompt_context, stream_window,
+                                      text_history, unpack_word_ids)
         self.fault, self.FAULT, self.STOPPING = fault, FAULT, STOPPING
         from serving.repository import decode_policy
         from serving import request_fields
@@ -93,6 +94,7 @@ class TritonPythonModel:
         self.input_names = ("input_ids", "max_tokens") + tuple(t.name for t in REQUEST_INPUTS)
         self.Request, self.SchedulerError = Request, SchedulerError
         self.stream_window, self.unpack, self.request_key = stream_window, unpack_word_ids, request_key
+        self.text_history, self.prompt_context = text_history, prompt_context
         self.coalesce = coalesce_events
         self.pid = os.getpid()
         import torch
@@ -448,7 +450,8 @@ class TritonPythonModel:
         try:
             if entry.stream:
                 if new or finished:
-                    context, prefix_len = self.stream_window(entry.emitted, new, self.byte_ids)
+                    context, prefix_len = self.stream_window(self.text_history(entry.prompt, entry.emitted), new,
+                                                             self.byte_ids)
                     context = context[:len(context) - untext]
                     response = pb_utils.InferenceResponse(self._tensors(entry, new, context, prefix_len, finished, mean,
                                                                         logprobs, reason, alternatives))
@@ -457,10 +460,14 @@ class TritonPythonModel:
             else:
                 entry.emitted.extend(new)
                 if finished:
-                    ids = entry.emitted if entry.options.exclude_input_in_output else entry.prompt + entry.emitted
+                    if entry.options.exclude_input_in_output:   # its text as it reads after the prompt
+                        ids, before = entry.emitted, self.prompt_context(entry.prompt, self.byte_ids)
+                    else:
+                        ids, before = entry.prompt + entry.emitted, []
+                    text_ids = before + ids
                     response = pb_utils.InferenceResponse(
-                        self._tensors(entry, ids, ids[:len(ids) - untext], 0, True, mean, entry.logprobs, reason,
-                                      entry.alternatives))
+                        self._tensors(entry, ids, text_ids[:len(text_ids) - untext], len(before), True, mean,
+                                      entry.logprobs, reason, entry.alternatives))
                     entry.sender.send(response, flags=FINAL)
         except Exception:  # the client went away: free its sequence
             self._cancel(entry)
