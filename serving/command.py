@@ -131,7 +131,8 @@ def cmd_serve(args, out=print) -> int:
         started = True
         if not args.no_openai:
             frontend = start_openai(args, handle, supervisor.is_ready,
-                                    lambda: supervisor.handle.run_dir / "cancel" if supervisor.handle else None)
+                                    lambda: supervisor.handle.run_dir / "cancel" if supervisor.handle else None,
+                                    lambda: supervisor.handle.metrics_url if supervisor.handle else None)
         health_url = f"http://{_client_host(args.host)}:{args.health_port}"
         endpoints = handle.endpoints()
         endpoints = {**{k: v for k, v in endpoints.items() if k in ("http", "grpc", "metrics")},
@@ -200,13 +201,15 @@ def write_endpoints(path, endpoints: dict) -> None:
     os.replace(tmp, path)
 
 
-def start_openai(args, handle, ready=None, cancel_dir=None):
+def start_openai(args, handle, ready=None, cancel_dir=None, metrics_url=None):
     """The OpenAI frontend for a started server (sends its requests to the server's gRPC port, which a
     restart keeps); ``ready``: the supervisor's truthful readiness, which its /health/ready joins;
-    ``cancel_dir``: a callable giving the running server's side-channel directory (a restart moves it)."""
+    ``cancel_dir`` and ``metrics_url``: callables giving the running server's side-channel directory
+    and metrics URL (a restart moves the directory); ``metrics_url`` defaults to ``handle``'s."""
     from serving.openai.server import OpenAIFrontend
     headers = {GRPC_API_KEY_HEADER: args.api_key} if args.api_key else None
     return OpenAIFrontend(args.engine_dir, handle.grpc_url, args.host, args.openai_port, args.api_key, headers,
                           ready=ready, model_name=args.served_model_name, cancel_dir=cancel_dir,
                           limits={flag: getattr(args, flag, None) for flag in LIMITS},
-                          graceful_seconds=args.shutdown_timeout + 5).start()
+                          graceful_seconds=args.shutdown_timeout + 5,
+                          metrics_url=metrics_url or handle.metrics_url).start()

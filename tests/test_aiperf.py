@@ -20,9 +20,11 @@ aiperf==0.13.0`` from the configured package index) under ``~/.cache/nemospec/ai
 when it cannot be made.
 """
 import importlib.util
+import json
 import os
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -79,7 +81,7 @@ def stack(engine):
             if "already in use" not in str(e) or attempt == 2:
                 raise
     try:
-        frontend = OpenAIFrontend(engine, handle.grpc_url, port=0).start()
+        frontend = OpenAIFrontend(engine, handle.grpc_url, port=0, metrics_url=handle.metrics_url).start()
     except BaseException:
         handle.stop()
         raise
@@ -96,16 +98,16 @@ COUNTERS = {"rows": "nemospec_verify_rows_total", "gained": "nemospec_accepted_t
             "drafts": "nemospec_spec_decode_num_draft_tokens_total"}
 
 
-def _server_figures(server) -> dict:
-    """The server's own figures once every aiperf request is counted as completed (the model publishes
-    its metrics every 0.1 s)."""
+def _server_figures(server, requests: int = REQUESTS) -> dict:
+    """The server's own figures once ``requests`` are counted as completed (the model publishes its
+    metrics every 0.1 s)."""
     deadline = time.monotonic() + 15
     while True:
         done = metric(server, "nemospec_requests_total", outcome="completed")
         figures = {key: metric(server, name) for key, name in COUNTERS.items()}
-        if done >= REQUESTS and figures == {key: metric(server, name) for key, name in COUNTERS.items()}:
+        if done >= requests and figures == {key: metric(server, name) for key, name in COUNTERS.items()}:
             break
-        assert time.monotonic() < deadline, f"{done} of {REQUESTS} requests counted as completed"
+        assert time.monotonic() < deadline, f"{done} of {requests} requests counted as completed"
         time.sleep(0.3)
     figures["completed"] = done
     figures["received"] = metric(server, "nemospec_requests_received_total")
@@ -147,3 +149,44 @@ def test_aiperf_reports_the_servers_acceptance(aiperf, stack, engine, tmp_path):
     assert spec["draft_acceptance_rate"] == pytest.approx(served["accepted"] / served["drafts"], rel=1e-9)
     assert 1 <= spec["mean_acceptance_length_per_request"] <= K + 1, spec
     print(f"\naiperf: {spec}\nserver: {served}")
+
+
+def _vllm_metrics(frontend) -> dict:
+    """The frontend's /metrics as vLLM's clients read it: {(sample name, position): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(frontend.url.removesuffix("/v1") + "/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith("vllm:"):
+                assert sample.labels.get("model_name") == frontend.info.name, sample
+                out[sample.name, sample.labels.get("position")] = sample.value
+    return out
+
+
+def test_aiperf_reads_vllms_metrics_on_the_openai_port(aiperf, stack, engine, tmp_path):
+    """aiperf scrapes <its --url>/metrics, as vLLM serves it: its export holds vLLM's speculative
+    families there, with the server's own counts (a 404 before)."""
+    module, binary = aiperf
+    server, frontend = stack
+    before = _server_figures(server, requests=0)
+    module.profile(binary, frontend.url.removesuffix("/v1"), frontend.info.name, engine, CONCURRENCY, 2,
+                   INPUT_TOKENS, OUTPUT_TOKENS, tmp_path / "artifacts",
+                   extra_args=["--ui-type", "none", "--random-seed", "1", "--workers-max", "1"], timeout=240)
+    served = _server_figures(server, requests=before["completed"] + 2)
+    scraped = _vllm_metrics(frontend)
+    assert scraped["vllm:spec_decode_num_drafts_total", None] == served["steps"] > before["steps"], (scraped, served)
+    assert scraped["vllm:spec_decode_num_accepted_tokens_total", None] == served["accepted"]
+    assert scraped["vllm:spec_decode_num_draft_tokens_total", None] == served["drafts"]
+    assert [scraped["vllm:spec_decode_num_accepted_tokens_per_pos_total", str(j)] for j in range(K)] == served["per_position"]
+    assert scraped["vllm:num_requests_running", None] == 0 and scraped["vllm:e2e_request_latency_seconds_count", None] == served["completed"]
+    # aiperf's own export: each counter's growth over its run (its last scrape waits 2 s for the server's
+    # metrics to settle; ours publish every 0.1 s), from which it reads vLLM's acceptance
+    export = json.loads(next((tmp_path / "artifacts").rglob("server_metrics_export.json")).read_text())["metrics"]
+    grown = {name: sum(s["stats"]["total"] for s in export[name]["series"])
+             for name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens",
+                          "vllm:spec_decode_num_draft_tokens")}
+    assert grown == {"vllm:spec_decode_num_drafts": served["steps"] - before["steps"],
+                     "vllm:spec_decode_num_accepted_tokens": served["accepted"] - before["accepted"],
+                     "vllm:spec_decode_num_draft_tokens": served["drafts"] - before["drafts"]}, (grown, served, before)

@@ -324,3 +324,45 @@ def test_min_tokens_arms_stop_strings_at_a_token_whatever_the_responses_hold():
                     out = json.loads(raw)
                     answers.add((out["choices"][0]["text"], out["usage"]["completion_tokens"]))
         assert answers == {(text, used)}, (min_tokens, answers)
+
+
+def test_metrics_are_vllms_names_beside_the_servers_own_and_open_as_vllms_are():
+    """/metrics on the OpenAI port (a 404 before): Triton's text with the families that mean what
+    vLLM's do renamed; without an API key, as vLLM serves it; a 503 while Triton's cannot be read."""
+    import http.server
+    import threading
+    from prometheus_client.parser import text_string_to_metric_families
+    triton = ('# HELP nemospec_spec_decode_num_drafts_total Draft proposals\n'
+              '# TYPE nemospec_spec_decode_num_drafts_total counter\n'
+              'nemospec_spec_decode_num_drafts_total{model="speculative",version="1"} 12\n'
+              '# HELP nemospec_inter_token_latency_seconds ITL\n# TYPE nemospec_inter_token_latency_seconds histogram\n'
+              'nemospec_inter_token_latency_seconds_count{model="speculative",version="1"} 3\n'
+              'nemospec_inter_token_latency_seconds_sum{model="speculative",version="1"} 0.25\n'
+              'nemospec_inter_token_latency_seconds_bucket{model="speculative",version="1",le="+Inf"} 3\n')
+
+    class Triton(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(triton.encode())
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Triton)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        info = ModelInfo("mine", TOKENIZER, 256, 4, None, 0)
+        url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+        status, raw = _call(create_app(info, ScriptedBackend([]), api_key="k", metrics_url=lambda: url), "/metrics",
+                            method="GET")
+    finally:
+        server.shutdown()
+        server.server_close()
+    samples = {s.name: s for f in text_string_to_metric_families(raw.decode()) for s in f.samples}
+    assert status == 200 and raw.decode().endswith(triton)
+    assert samples["vllm:spec_decode_num_drafts_total"].value == 12
+    assert samples["vllm:spec_decode_num_drafts_total"].labels == {"model_name": "mine", "engine": "0"}
+    assert not any(n.startswith("vllm:inter_token") for n in samples)   # ours is per interval, vLLM's per token
+    status, raw = _call(create_app(info, ScriptedBackend([]), metrics_url=url), "/metrics", method="GET")
+    assert status == 503 and url in raw.decode()                           # Triton gone: the scrape fails

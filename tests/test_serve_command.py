@@ -2,6 +2,7 @@
 ports it picks and the errors that name a flag, the measured draft-length schedule, a tokenizer's BOS.
 Each test starts its own server on the engine directories of tests/serving_helpers.py."""
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -79,6 +80,9 @@ def test_cli_serve_draft_target_engine_and_sigint(draft_target_engine_dir, tmp_p
             got = json.loads(r.read())
         assert got["output_ids"] == want["output_ids"] and got["text_output"] == want["text"]
         assert got["mean_accepted_tokens"] == pytest.approx(want["acceptance"]["mean_accepted_tokens"])
+        with urllib.request.urlopen(openai_url.removesuffix("/v1") + "/metrics", timeout=10) as r:   # vLLM's names
+            text = r.read().decode()
+        assert re.search(r'^vllm:spec_decode_num_drafts_total\{engine="0",model_name="engine_dt"\} [1-9]', text, re.M), text
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=60) == 0
         with pytest.raises(OSError):

@@ -18,6 +18,7 @@ from serving.openai.backend import TritonBackend
 from serving.openai.chat_template import ChatTemplate
 from serving.openai.errors import APIError, shown
 from serving.openai.logprobs import TextOffsets, chat_logprobs, completion_logprobs
+from serving.openai.vllm_metrics import CONTENT_TYPE_LATEST, metrics_text
 from serving.openai.protocol import (StopMatcher, chat_options, completion_prompt, generation, lone_surrogate,
                                      speculative_metrics, usage)
 from serving.http_guard import DRAIN_BYTES
@@ -25,6 +26,7 @@ from serving.limits import limits_from
 from serving.protocol import MAX_RUN_CONTEXT, byte_fallback_ids, stream_text, stream_window, text_history
 
 READY_SECONDS = 0.5
+METRICS_SECONDS = 5.0            # the longest /metrics waits for Triton's
 DISCONNECT_POLL_SECONDS = 0.25   # how often a non-streamed request looks for its client having gone
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,12 @@ class ModelInfo:
     max_input_len: int = 0          # the engine's longest prompt (0: not known, not checked here)
 
 
+def _scrape(url: str) -> str:
+    import urllib.request
+    with urllib.request.urlopen(url, timeout=METRICS_SECONDS) as answer:
+        return answer.read().decode()
+
+
 def model_info(engine_dir, name: str | None = None) -> ModelInfo:
     from pathlib import Path
 
@@ -70,10 +78,13 @@ def model_info(engine_dir, name: str | None = None) -> ModelInfo:
                      int(build.get("max_input_len", 0) or 0))
 
 
-def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = None, ready=None, limits=None):
+def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = None, ready=None, limits=None,
+               metrics_url=None):
     """``ready``: an optional extra readiness check (a callable returning bool), e.g. the supervisor's;
     ``limits``: the request limits of ``serving.limits`` (the body's and the prompt's bytes apply here,
-    before anything is tokenized: tokenizing holds the GIL, so a 30 MB prompt stalled every endpoint)."""
+    before anything is tokenized: tokenizing holds the GIL, so a 30 MB prompt stalled every endpoint);
+    ``metrics_url``: Triton's metrics URL (or a callable giving it: a restart may move it), which
+    ``/metrics`` serves with vLLM's names added (``serving.openai.vllm_metrics``)."""
     limits = limits_from(limits)
     checked = {"at": -1.0, "ready": False, "refresh": None}   # Triton's readiness on file; its refresh task
 
@@ -176,6 +187,21 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
         if await is_ready(fresh=True):
             return JSONResponse({"status": "ready"})
         return JSONResponse({"status": "not ready"}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics():
+        """vLLM's ``/metrics`` on the same port (open, as vLLM's is): the server's metrics with the
+        families that mean what vLLM's do under vLLM's names. 503 while Triton's cannot be read
+        (a scrape then fails, as it should)."""
+        url = metrics_url() if callable(metrics_url) else metrics_url
+        if not url:
+            return Response("no metrics endpoint: the frontend was started without one\n", status_code=503,
+                            media_type="text/plain")
+        try:
+            text = await asyncio.to_thread(_scrape, url)
+        except OSError as e:
+            return Response(f"{url}: {e}\n", status_code=503, media_type="text/plain")
+        return Response(metrics_text(text, info.name), media_type=CONTENT_TYPE_LATEST)
 
     def model_card() -> dict:
         return {"id": info.name, "object": "model", "created": info.created, "owned_by": "nemospec",

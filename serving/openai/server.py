@@ -14,13 +14,15 @@ from serving.openai.backend import TritonBackend
 class OpenAIFrontend:
     def __init__(self, engine_dir, grpc_url: str, host: str = "127.0.0.1", port: int = 9000,
                  api_key: str | None = None, grpc_headers: dict | None = None, ready=None, model_name=None,
-                 cancel_dir=None, limits=None, graceful_seconds: float = 3.0):
+                 cancel_dir=None, limits=None, graceful_seconds: float = 3.0, metrics_url=None):
         """``graceful_seconds``: how long a stop lets requests in flight end (``serve`` gives Triton's
-        drain, --shutdown_timeout, and a margin: its requests end as Triton ends them)."""
+        drain, --shutdown_timeout, and a margin: its requests end as Triton ends them);
+        ``metrics_url``: Triton's metrics, which its ``/metrics`` serves with vLLM's names added (a
+        string, or a callable giving the running server's)."""
         self.info = model_info(engine_dir, model_name)
         self.graceful_seconds = graceful_seconds
         self.app = create_app(self.info, TritonBackend(grpc_url, headers=grpc_headers, cancel_dir=cancel_dir),
-                              api_key, ready, limits)
+                              api_key, ready, limits, metrics_url)
         self.host = host
         try:
             self.socket = socket.create_server((host, port), reuse_port=False)
