@@ -134,6 +134,20 @@ def test_completion_equals_offline_generate(client, stack, engine_dir, tokenizer
     assert off.model_extra["metrics"] == {}    # no speculative step ran: no spec-decode payload
 
 
+def test_n_choices_are_the_requests_of_their_seeds(client, stack, engine_dir):  # noqa: F811
+    """``n`` choices are a request each (vLLM's parallel sampling): greedy, each is the greedy answer;
+    sampled with a seed, choice i is the answer of the same request with seed + i alone."""
+    prompt, model = "def fibonacci(n):", _model(stack)
+    greedy = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0, n=2)
+    assert [c.text for c in greedy.choices] == [offline(engine_dir, prompt, 16)["text"]] * 2
+    assert greedy.usage.completion_tokens == 32
+    sampled = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=1.0, seed=7, n=3)
+    alone = [client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=1.0, seed=7 + i).choices[0]
+             for i in range(3)]
+    assert [(c.index, c.text) for c in sampled.choices] == [(i, c.text) for i, c in enumerate(alone)]
+    assert len({c.text for c in alone}) > 1, "seeds 7, 8, 9 sample alike"
+
+
 def test_stop_strings_and_ignore_eos(client, stack, engine_dir, tokenizer):  # noqa: F811
     """The text ends before the stop string, and usage counts the tokens up to the one that completes
     it, though a speculative response carries a whole step's tokens past it (as vLLM counts)."""
@@ -229,7 +243,7 @@ def test_chat_uses_the_template(client, stack, engine_dir):  # noqa: F811
 
 
 @pytest.mark.parametrize("kwargs,param", [
-    (dict(n=2), "n"), (dict(logprobs=21), "logprobs"), (dict(temperature=5.0), "temperature"),
+    (dict(n=129), "n"), (dict(n=2, best_of=3), "best_of"), (dict(logprobs=21), "logprobs"), (dict(temperature=5.0), "temperature"),
     (dict(max_tokens=100000), "max_seq_len"), (dict(stop=["a", "b", "c", "d", "e"]), "stop"),
     (dict(extra_body={"top_p": "high"}), "top_p"), (dict(extra_body={"tools": [{"type": "function"}]}), "tools"),
     (dict(prompt="x" * ((64 << 10) + 1)), "--max_prompt_bytes"),

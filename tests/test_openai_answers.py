@@ -26,7 +26,7 @@ class ScriptedDelta(Delta):
 
 class ScriptedBackend:
     def __init__(self, responses):
-        self.responses, self.stops = responses, []
+        self.responses, self.stops, self.calls = responses, [], []
 
     def stopped(self, delta):   # the response a stop string matched in: reported complete to the server
         self.stops.append(delta)
@@ -38,8 +38,14 @@ class ScriptedBackend:
         pass
 
     async def generate(self, g, max_tokens):
+        self.calls.append(g)
         for d in self.responses:
+            if d is FAIL:
+                raise RuntimeError("the stream broke")
             yield d
+
+
+FAIL = object()   # a scripted response that breaks the stream
 
 
 def _call(app, path="/v1/completions", body=None, method="POST", raw=None, swallow=False):
@@ -366,3 +372,40 @@ def test_metrics_are_vllms_names_beside_the_servers_own_and_open_as_vllms_are():
     assert not any(n.startswith("vllm:inter_token") for n in samples)   # ours is per interval, vLLM's per token
     status, raw = _call(create_app(info, ScriptedBackend([]), metrics_url=url), "/metrics", method="GET")
     assert status == 503 and url in raw.decode()                           # Triton gone: the scrape fails
+
+
+def test_n_choices_are_a_request_each_seeded_as_vllm_seeds_them():
+    """``n`` > 1 was a 400. Each choice is a request of its own (vLLM's parallel sampling), choice i
+    seeded seed + i; usage counts the prompt once and every choice's tokens; a stream carries each
+    choice's chunks under its index, each with one finish reason, then one usage chunk."""
+    ids = _ids("def f(x):\n    return x")
+    for stream in (False, True):
+        backend = ScriptedBackend([ScriptedDelta(ids[:3]), ScriptedDelta(ids[3:], "length")])
+        body = {"prompt": "p", "max_tokens": 64, "n": 3, "seed": 5, "stream": stream, "logprobs": 0,
+                **({"stream_options": {"include_usage": True}} if stream else {})}
+        status, raw = _post(create_app(ModelInfo("m", TOKENIZER, 256, 4, None, 0), backend), body)
+        assert status == 200 and [g.seed for g in backend.calls] == [5, 6, 7] and {g.n for g in backend.calls} == {3}
+        events = _events(raw) if stream else [json.loads(raw)]
+        texts, reasons, tokens = {}, {}, {}
+        for e in events:
+            for c in e["choices"]:
+                texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+                tokens[c["index"]] = tokens.get(c["index"], 0) + len((c["logprobs"] or {}).get("tokens", []))
+                if c["finish_reason"]:
+                    assert c["index"] not in reasons, "one finish reason a choice"
+                    reasons[c["index"]] = c["finish_reason"]
+        want = TOKENIZER.decode(ids)
+        assert texts == {i: want for i in range(3)} and reasons == {i: "length" for i in range(3)}, (texts, reasons)
+        assert tokens == {i: len(ids) for i in range(3)}
+        assert events[-1]["usage"]["completion_tokens"] == 3 * len(ids) and not (stream and events[-1]["choices"])
+    for chat in (False, True):    # one choice failing ends the answer with an error, never a whole-looking one
+        backend = ScriptedBackend([ScriptedDelta(ids[:3]), FAIL, ScriptedDelta(ids[3:], "length")])
+        body = {"max_tokens": 64, "n": 2, "stream": True,
+                **({"messages": [{"role": "user", "content": "p"}]} if chat else {"prompt": "p"})}
+        info = ModelInfo("m", TOKENIZER, 256, 4, ChatTemplate("{{ messages[0]['content'] }}"), 0)
+        status, raw = _call(create_app(info, backend), "/v1/chat/completions" if chat else "/v1/completions", body)
+        events = _events(raw)
+        assert status == 200 and "error" in events[-1] and not any(
+            c["finish_reason"] for e in events[:-1] for c in e.get("choices", [])), events
+    status, raw = _post(_app([ScriptedDelta(ids, "length")]), {"prompt": "p", "n": 2, "best_of": 2})
+    assert status == 200 and len(json.loads(raw)["choices"]) == 2

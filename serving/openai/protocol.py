@@ -23,6 +23,7 @@ from serving.protocol import stream_text
 
 MAX_STOPS = 4                 # OpenAI's limit on stop sequences
 MAX_TOP_LOGPROBS = 20   # vLLM's default max_logprobs (runtime.scheduler's, tested equal)
+MAX_CHOICES = 128       # OpenAI's most n; each choice is a request in the server's batch or queue
 INT32_MAX = (1 << 31) - 1     # the ensemble's INT32 inputs (max_tokens, top_k, min_length): a larger value wraps
 
 
@@ -48,6 +49,7 @@ class Generation:
     top_logprobs: int = 0             # and its this many most probable alternatives
     add_special_tokens: bool = True   # vLLM's: chat defaults to false (the template writes its own)
     limit_field: str = "max_tokens"   # the field max_tokens came from (chat: max_completion_tokens), for errors
+    n: int = 1                        # choices: a request each (vLLM's parallel sampling)
 
 
 def _number(body, name, default, low, high, integer=False, where=None):
@@ -75,9 +77,10 @@ def _flag(body, name, default=False, where=None):
 
 
 def _unsupported(body, chat: bool):
-    for name in ("n", "best_of"):      # typed first: JSON true is not 1 choice
-        if _number(body, name, 1, 1, INT32_MAX, integer=True) != 1:
-            raise bad(name, f"only {name} = 1 is supported, got {body.get(name)!r}")
+    n = _number(body, "n", 1, 1, MAX_CHOICES, integer=True)   # typed: JSON true is not 1 choice
+    if _number(body, "best_of", n, 1, INT32_MAX, integer=True) != n:
+        raise bad("best_of", f"only best_of = n ({n}) is supported (no ranking of extra choices), "
+                             f"got {body.get('best_of')!r}")
     logprobs = body.get("logprobs")
     if chat and not (logprobs is None or isinstance(logprobs, bool)):   # 1 == True: it passed, then was dropped
         raise bad("logprobs", f"expected true or false, got {logprobs!r}")
@@ -140,7 +143,7 @@ def generation(body, prompt: str, chat: bool) -> Generation:
         include_usage=_flag(options, "include_usage", where="stream_options.include_usage"),
         continuous_usage=_flag(options, "continuous_usage_stats", where="stream_options.continuous_usage_stats"),
         logprobs=_wants_logprobs(body.get("logprobs"), chat), top_logprobs=_top_logprobs(body, chat),
-        limit_field=name,
+        limit_field=name, n=_number(body, "n", 1, 1, MAX_CHOICES, integer=True),
         add_special_tokens=_flag(body, "add_special_tokens", not chat))
 
 
