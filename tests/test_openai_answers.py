@@ -409,3 +409,42 @@ def test_n_choices_are_a_request_each_seeded_as_vllm_seeds_them():
             c["finish_reason"] for e in events[:-1] for c in e.get("choices", [])), events
     status, raw = _post(_app([ScriptedDelta(ids, "length")]), {"prompt": "p", "n": 2, "best_of": 2})
     assert status == 200 and len(json.loads(raw)["choices"]) == 2
+
+
+def test_a_client_gone_mid_stream_closes_every_choices_stream():
+    """A client that leaves an ``n`` = 3 stream: each choice's Triton stream is closed (which cancels
+    its request on the server), none left reading."""
+    closed = []
+
+    class Endless(ScriptedBackend):
+        async def generate(self, g, max_tokens):
+            try:
+                while True:
+                    await asyncio.sleep(0.005)
+                    yield ScriptedDelta(_ids(" x"))
+            finally:
+                closed.append(g.seed)
+
+    sent, body = [], json.dumps({"prompt": "p", "n": 3, "seed": 1, "stream": True, "max_tokens": 100}).encode()
+
+    async def receive():
+        if not sent:
+            sent.append(True)
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.sleep(0.3)                   # chunks of every choice flow, then the client leaves
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "query_string": b"", "headers": [(b"content-type", b"application/json")], "http_version": "1.1",
+             "scheme": "http", "server": ("test", 80), "client": ("test", 1), "root_path": ""}
+
+    async def main():
+        await create_app(ModelInfo("m", TOKENIZER, 256, 4, None, 0), Endless([]))(scope, receive, send)
+        await asyncio.sleep(0.05)
+    asyncio.run(main())
+    chunks = b"".join(m.get("body", b"") for m in sent[1:] if isinstance(m, dict)).decode()
+    assert {e["choices"][0]["index"] for e in _events(chunks.encode())} == {0, 1, 2}, chunks[:500]
+    assert sorted(closed) == [1, 2, 3], closed

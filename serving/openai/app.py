@@ -379,8 +379,9 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
             yield event(choice(i, "", reader.reason), **({} if g.include_usage else {"metrics": _metrics(reader.stats())}))
 
         parts = [chunks(d, s, r) for d, s, r in zip(firsts, streams, readers)]
+        source = parts[0] if len(parts) == 1 else merged(parts)
         try:
-            async for chunk in (parts[0] if len(parts) == 1 else merged(parts)):
+            async for chunk in source:
                 yield chunk
             if g.include_usage:
                 yield event(None, usage=usage(prompt_tokens, sum(r.tokens for r in readers)),
@@ -390,7 +391,8 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
         except Exception as e:      # a bug mid-stream: say so, or the client takes the cut text as whole
             log.exception("OpenAI frontend: a stream failed")
             yield f"data: {json.dumps(_internal(e).body())}\n\n"
-        finally:
+        finally:   # the choices' readers before their streams (a client gone mid-stream ends here)
+            await source.aclose()
             await _close(streams)
         yield "data: [DONE]\n\n"
 
