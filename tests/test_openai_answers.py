@@ -448,3 +448,28 @@ def test_a_client_gone_mid_stream_closes_every_choices_stream():
     chunks = b"".join(m.get("body", b"") for m in sent[1:] if isinstance(m, dict)).decode()
     assert {e["choices"][0]["index"] for e in _events(chunks.encode())} == {0, 1, 2}, chunks[:500]
     assert sorted(closed) == [1, 2, 3], closed
+
+
+def test_vllms_tokenizer_endpoints_count_as_the_answers_do():
+    """vLLM's /tokenize (a prompt, or a chat rendered as the chat endpoint renders it) and
+    /detokenize, open without the API key as vLLM's are; /version. The oracle: the tokenizer itself
+    and the usage a completion reports for the same prompt."""
+    info = ModelInfo("m", TOKENIZER, 256, 4, ChatTemplate("<{{ messages[0]['role'] }}>{{ messages[0]['content'] }}"), 0)
+    app = create_app(info, ScriptedBackend([ScriptedDelta(_ids(" x"), "length")]), api_key="k")
+    status, raw = _call(app, "/tokenize", {"prompt": "def f(x):", "return_token_strs": True})
+    answer = json.loads(raw)
+    assert status == 200 and answer["tokens"] == _ids("def f(x):") and answer["count"] == len(answer["tokens"])
+    assert answer["max_model_len"] == 256 and answer["token_strs"] == [TOKENIZER.id_to_token(t) for t in answer["tokens"]]
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    status, raw = _call(app, "/tokenize", chat)
+    assert status == 200 and json.loads(raw)["tokens"] == TOKENIZER.encode("<user>hi", add_special_tokens=False).ids
+    app = create_app(info, ScriptedBackend([ScriptedDelta(_ids(" x"), "length")]))
+    usage = json.loads(_call(app, "/v1/chat/completions", {**chat, "max_tokens": 4})[1])["usage"]
+    assert usage["prompt_tokens"] == json.loads(_call(app, "/tokenize", chat)[1])["count"]
+    status, raw = _call(app, "/detokenize", {"tokens": _ids("def f(x):")})
+    assert status == 200 and json.loads(raw) == {"prompt": "def f(x):"}
+    for bad_tokens in ([1, "a"], [TOKENIZER.get_vocab_size()], "1 2"):
+        status, raw = _call(app, "/detokenize", {"tokens": bad_tokens})
+        assert status == 400 and json.loads(raw)["error"]["param"] == "tokens", raw
+    status, raw = _call(app, "/version", method="GET")
+    assert status == 200 and json.loads(raw)["version"]

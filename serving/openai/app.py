@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import importlib.metadata
 import json
 import logging
 import time
@@ -18,6 +19,7 @@ from serving.openai.backend import TritonBackend
 from serving.openai.chat_template import ChatTemplate
 from serving.openai.errors import APIError, shown
 from serving.openai.choice import ChoiceReader, merged, summed_stats
+from serving.openai.tokenize import detokenized, tokenized
 from serving.openai.vllm_metrics import CONTENT_TYPE_LATEST, metrics_text
 from serving.openai.protocol import (chat_options, completion_prompt, generation, lone_surrogate,
                                      speculative_metrics, usage)
@@ -149,8 +151,11 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
             raise APIError(413, f"request body: {told} --max_body_bytes {most}", "body")
         return bytes(raw)
 
-    async def body_of(request: Request) -> dict:
-        authorise(request)
+    async def body_of(request: Request, generating: bool = True) -> dict:
+        """The request's JSON object, checked; ``generating``: it asks the model for tokens, so the key
+        (``--api_key``) and a ready model are needed (vLLM's tokenizer endpoints need neither)."""
+        if generating:
+            authorise(request)
         try:
             body = json.loads(await read_body(request) or b"null")
         except (ValueError, UnicodeDecodeError):
@@ -167,9 +172,31 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
             raise APIError(400, f"model: expected a string, got {shown(model)}", "model")
         if model is not None and model != info.name:
             raise APIError(404, f"model '{model}' does not exist; this server serves '{info.name}'", "model")
-        if not await is_ready():
+        if generating and not await is_ready():
             raise APIError(503, "the model is not ready to serve")
         return body
+
+    def check_prompt_bytes(prompt: str, field: str) -> None:
+        size = len(prompt.encode())
+        if size > limits["max_prompt_bytes"]:   # as the ensemble refuses text_input, but before tokenizing it
+            raise APIError(400, f"{field}: prompt of {size} bytes exceeds --max_prompt_bytes {limits['max_prompt_bytes']}",
+                           field)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return tokenized(await body_of(request, generating=False), info.tokenizer, info.chat, info.max_seq_len,
+                         check_prompt_bytes)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return detokenized(await body_of(request, generating=False), info.tokenizer)
+
+    @app.get("/version")
+    async def version():
+        try:
+            return {"version": importlib.metadata.version("nemospec")}
+        except importlib.metadata.PackageNotFoundError:   # a checkout on sys.path, not installed
+            return {"version": "unknown"}
 
     @app.get("/health")
     async def health():
@@ -243,10 +270,7 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
         else:
             prompt = completion_prompt(body)
         field = "messages" if chat else "prompt"
-        size = len(prompt.encode())
-        if size > limits["max_prompt_bytes"]:   # as the ensemble refuses text_input, but before tokenizing it
-            raise APIError(400, f"{field}: prompt of {size} bytes exceeds --max_prompt_bytes {limits['max_prompt_bytes']}",
-                           field)
+        check_prompt_bytes(prompt, field)
         g = generation(body, prompt, chat)
         prompt_ids = info.tokenizer.encode(prompt, add_special_tokens=g.add_special_tokens).ids
         limit = budget(g, len(prompt_ids), field)

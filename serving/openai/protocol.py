@@ -66,7 +66,7 @@ def _number(body, name, default, low, high, integer=False, where=None):
     return int(value) if integer else float(value)
 
 
-def _flag(body, name, default=False, where=None):
+def flag(body, name, default=False, where=None):
     """A boolean; ``where`` names it in the error when it sits inside an object (stream_options)."""
     value = body.get(name, default)
     if value is None:
@@ -121,7 +121,7 @@ def generation(body, prompt: str, chat: bool) -> Generation:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise bad("stream_options", "expected an object")
-    stream = _flag(body, "stream")
+    stream = flag(body, "stream")
     if options and not stream:   # as vLLM: an empty object asks for nothing
         raise bad("stream_options", "only allowed with stream: true")
     seed = body.get("seed")
@@ -134,23 +134,23 @@ def generation(body, prompt: str, chat: bool) -> Generation:
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
         top_k=_number(body, "top_k", 0, -1, INT32_MAX, integer=True) if body.get("top_k") != -1 else 0,
-        seed=seed, stop=stops, ignore_eos=_flag(body, "ignore_eos"),
+        seed=seed, stop=stops, ignore_eos=flag(body, "ignore_eos"),
         min_tokens=_number(body, "min_tokens", 0, 0, INT32_MAX, integer=True),
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         repetition_penalty=_number(body, "repetition_penalty", 1.0, 1e-6, 100.0),
-        speculative=_flag(body, "speculative", True), stream=stream,
-        include_usage=_flag(options, "include_usage", where="stream_options.include_usage"),
-        continuous_usage=_flag(options, "continuous_usage_stats", where="stream_options.continuous_usage_stats"),
+        speculative=flag(body, "speculative", True), stream=stream,
+        include_usage=flag(options, "include_usage", where="stream_options.include_usage"),
+        continuous_usage=flag(options, "continuous_usage_stats", where="stream_options.continuous_usage_stats"),
         logprobs=_wants_logprobs(body.get("logprobs"), chat), top_logprobs=_top_logprobs(body, chat),
         limit_field=name, n=_number(body, "n", 1, 1, MAX_CHOICES, integer=True),
-        add_special_tokens=_flag(body, "add_special_tokens", not chat))
+        add_special_tokens=flag(body, "add_special_tokens", not chat))
 
 
 def chat_options(body) -> tuple[bool, dict]:
     """vLLM's ``add_generation_prompt`` (default true) and ``chat_template_kwargs`` (extra variables
     for the template, checked by ``ChatTemplate.render``)."""
-    add = _flag(body, "add_generation_prompt", True)
+    add = flag(body, "add_generation_prompt", True)
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise bad("chat_template_kwargs", f"expected an object, got {kwargs!r}")
