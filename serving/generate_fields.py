@@ -44,9 +44,12 @@ MODEL_FIELDS = {
                             *REQUEST_INPUTS]),
 }
 FIELDS = MODEL_FIELDS["ensemble"]
-#: top-level keys that are not inputs: Triton's request id and parameters object, and the request
-#: parameter the speculative model reads (``"speculative": false``: target-only)
-PARAMETERS = ("id", "parameters", "speculative")
+#: top-level keys that are not inputs: Triton's request id and parameters object, the request
+#: parameter the speculative model reads (``"speculative": false``: target-only), and TensorRT-LLM's
+#: ``accumulate_tokens``, which only its BLS model reads: its ensemble, as ours, streams each step's
+#: own text whatever it says (vLLM's and SGLang's TensorRT-LLM benchmark clients send it ``true`` to
+#: the ensemble and join the chunks)
+PARAMETERS = ("id", "parameters", "speculative", "accumulate_tokens")
 GENERATE_PATH = re.compile(r"^/v2/models/(ensemble|speculative)(/versions/[^/]+)?/generate(_stream)?/?(\?.*)?$")
 
 
@@ -118,6 +121,8 @@ def check_generate_body(body: bytes, streaming: bool = True, model: str = "ensem
     for name, (kind, one, nested) in fields.items():
         if name in doc and (error := _check(name, kind, doc[name], one, nested)):
             return error
+    if "accumulate_tokens" in doc and not isinstance(doc["accumulate_tokens"], bool):
+        return f"accumulate_tokens: expected true or false, got {_short(doc['accumulate_tokens'])}"
     if "parameters" in doc and not isinstance(doc["parameters"], dict):
         return f"parameters: expected a JSON object, got {_short(doc['parameters'])}"
     if not streaming and True in (doc.get("stream") if isinstance(doc.get("stream"), list) else [doc.get("stream")]):

@@ -3,7 +3,6 @@ stop/bad word lists (TensorRT-LLM's CSV convention and its [2, N] id layout), in
 detokenization for streaming, and the coalescing of queued token events."""
 from __future__ import annotations
 
-import csv
 import os
 import re
 
@@ -26,32 +25,15 @@ STOPPING = "the server is shutting down"
 
 
 def split_words(values) -> list[str]:
-    """Each element may hold several comma-separated words (CSV quoting allowed, as TensorRT-LLM).
-
-    A line break is part of a word ("\\n" is a common stop string), not a CSV row end: it is swapped
-    for a character the text does not hold while the CSV is read. A list the CSV reader cannot read
-    (a word past its field size limit) raises ValueError; the caller names the field."""
+    """The words of a ``stop_words`` / ``bad_words`` tensor: each element is one word, commas and line
+    breaks included (TensorRT-LLM's preprocessing since it stopped reading each element as a
+    comma-separated list, late 2023: ``","`` and ``", "`` are stop words like any other); empty
+    elements are skipped, as it skips words that tokenize to nothing."""
     words = []
     for value in values:
         text = value.decode("utf-8") if isinstance(value, bytes) else str(value)
-        if not text:
-            continue
-        free = (chr(code) for code in range(0xE000, 0xF900) if chr(code) not in text)
-        breaks = {c: next(free, None) for c in "\r\n" if c in text}
-        if None in breaks.values():
-            raise ValueError("a word list with line breaks that holds every private-use character")
-        for c, stand_in in breaks.items():
-            text = text.replace(c, stand_in)
-        try:
-            rows = list(csv.reader([text]))
-        except csv.Error as e:
-            raise ValueError(f"not a comma-separated word list ({e})") from None
-        for row in rows:
-            for w in row:
-                for c, stand_in in breaks.items():
-                    w = w.replace(stand_in, c)
-                if w:
-                    words.append(w)
+        if text:
+            words.append(text)
     return words
 
 

@@ -37,7 +37,7 @@ class Options:
 NEUTRAL = {   # (the backend reads a 0 beam width or sequence count as 1)
     "beam_width": ("beam search", (1, 0)),
     "num_return_sequences": ("several sequences per request", (1, 0)),
-    "length_penalty": ("length penalty (beam search only)", (1.0,)),
+    "length_penalty": ("length penalty (beam search only)", (1.0, 0.0)),   # 0: TensorRT-LLM's default
     "return_context_logits": ("context logits outputs", (False,)),
     "return_generation_logits": ("generation logits outputs", (False,)),
     "prompt_vocab_size": ("prompt tuning", (0,)),
@@ -104,7 +104,10 @@ def check_unsupported(inputs) -> None:
         value = _scalar(inputs, name)
         if value is not None and value not in neutral:
             raise BadInput(f"{name}: {what} is not supported by nemospec; expected {neutral[0]}, got {value!r}")
+    zero_bias = "embedding_bias_weights" in inputs and _empty(inputs["embedding_bias_weights"], zeros=True)
     for name, what in ABSENT.items():
+        if name == "embedding_bias_words" and zero_bias:   # words weighted 0 bias nothing
+            continue
         if name in inputs and not _empty(inputs[name], zeros=name == "embedding_bias_weights"):
             raise BadInput(f"{name}: {what} is not supported by nemospec; leave it out")
 

@@ -19,6 +19,8 @@ from serving.launch import free_port
     (b'{"text_input": "x", "max_tokens": 4}', None),
     (b'{"text_input": ["x"], "max_tokens": [4], "stop_words": ["a", "b"], "parameters": {"y": 1}}', None),
     (b'{"id": "7", "text_input": "x", "speculative": false}', None),
+    (b'{"text_input": "x", "accumulate_tokens": true}', None),    # vLLM's and SGLang's TensorRT-LLM clients send it
+    (b'{"text_input": "x", "accumulate_tokens": 1}', "accumulate_tokens: expected true or false"),
     (b'{"text_input": "x", "min_tokens": 30, "seed": 3, "return_num_input_tokens": true}', None),  # the backend's names
     (b'{"text_input": "x", "min_length": 30, "random_seed": 3}', None),                           # and its older ones
     (b'{"text_input": "x", "end_id": [1, 2]}', "end_id: expected one int32, got a list of 2"),

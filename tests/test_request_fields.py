@@ -44,9 +44,13 @@ def test_token_count_outputs_are_asked_for_by_name():
     {"beam_width": 0}, {"num_return_sequences": 0}, {"beam_width": 1},
     {"embedding_bias_words": np.array([[b""]], dtype=object), "embedding_bias_weights": np.array([[0.0]], dtype=np.float32)},
     {"embedding_bias_words": np.zeros((1, 0), dtype=object), "embedding_bias_weights": np.zeros((1, 0), dtype=np.float32)},
+    {"embedding_bias_words": np.array([[b"x", b"y"]], dtype=object), "embedding_bias_weights": np.zeros((1, 2), np.float32)},
+    {"length_penalty": np.array([[0.0]], np.float32)}, {"length_penalty": np.array([[1.0]], np.float32)},
 ])
 def test_neutral_values_of_unsupported_features_are_accepted(fields):
-    """The backend reads a beam width or sequence count of 0 as 1; a bias of no words or 0 weights biases nothing."""
+    """The backend reads a beam width or sequence count of 0 as 1; a bias of no words or 0 weights
+    biases nothing (words weighted 0 were refused); a length penalty acts in beam search only, and
+    TensorRT-LLM's default is 0 (refused before)."""
     _parse(**fields)
 
 
@@ -54,6 +58,9 @@ def test_neutral_values_of_unsupported_features_are_accepted(fields):
     ({"beam_width": 2}, "beam_width: beam search is not supported"),
     ({"embedding_bias_weights": np.array([[0.0, 1.5]], dtype=np.float32)}, "embedding_bias_weights: embedding bias"),
     ({"embedding_bias_words": np.array([[b"x"]], dtype=object)}, "embedding_bias_words: embedding bias"),
+    ({"embedding_bias_words": np.array([[b"x"]], dtype=object), "embedding_bias_weights": np.array([[2.0]], np.float32)},
+     "embedding_bias_words: embedding bias"),
+    ({"length_penalty": np.array([[2.0]], np.float32)}, "length_penalty: length penalty"),
 ])
 def test_unsupported_features_are_refused_by_name(fields, needle):
     with pytest.raises(BadInput, match=needle):
