@@ -240,6 +240,13 @@ def test_chat_uses_the_template(client, stack, engine_dir):  # noqa: F811
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want["text"]
     assert chunks[-1].choices[0].finish_reason == "length"
+    # the Responses API through the official client: the same answer, whole and streamed (a 404 before)
+    answer = client.responses.create(model=_model(stack), input="write a loop", max_output_tokens=16, temperature=0)
+    assert answer.output_text == want["text"] and answer.status == "incomplete" and answer.usage.output_tokens == 16
+    events = list(client.responses.create(model=_model(stack), input=messages, max_output_tokens=16, temperature=0,
+                                          stream=True))
+    assert events[-1].type == "response.incomplete" and events[-1].response.output_text == want["text"]
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == want["text"]
 
 
 @pytest.mark.parametrize("kwargs,param", [

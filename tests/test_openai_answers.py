@@ -473,3 +473,42 @@ def test_vllms_tokenizer_endpoints_count_as_the_answers_do():
         assert status == 400 and json.loads(raw)["error"]["param"] == "tokens", raw
     status, raw = _call(app, "/version", method="GET")
     assert status == 200 and json.loads(raw)["version"]
+
+
+def test_the_responses_api_is_the_chat_path_stateless_and_says_so():
+    """POST /v1/responses: instructions and input rendered as chat messages; the answer one assistant
+    message (``incomplete`` at max_output_tokens, as OpenAI's); a stream's events in OpenAI's order;
+    what needs a stored response, tools or non-text parts is a 400 naming the field."""
+    info = ModelInfo("m", TOKENIZER, 256, 4, ChatTemplate("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"), 0)
+    ids = _ids("def f(x):")
+    backend = ScriptedBackend([ScriptedDelta(ids[:2]), ScriptedDelta(ids[2:], "length")])
+    body = {"model": "m", "instructions": "be brief", "max_output_tokens": len(ids),
+            "input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}, {"type": "input_text", "text": "there"}]}]}
+    status, raw = _call(create_app(info, backend), "/v1/responses", body)
+    answer = json.loads(raw)
+    assert status == 200 and backend.calls[0].prompt == "<system>be brief<user>hi\nthere", backend.calls[0].prompt
+    assert backend.calls[0].max_tokens == len(ids) and answer["object"] == "response"
+    assert answer["status"] == "incomplete" and answer["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert answer["output"][0]["content"][0]["text"] == TOKENIZER.decode(ids)
+    assert answer["usage"]["output_tokens"] == len(ids) and answer["usage"]["input_tokens"] == len(
+        TOKENIZER.encode("<system>be brief<user>hi\nthere", add_special_tokens=False).ids)
+    backend = ScriptedBackend([ScriptedDelta(ids[:2]), ScriptedDelta(ids[2:], "stop")])
+    status, raw = _call(create_app(info, backend), "/v1/responses", {"input": "hi", "stream": True})
+    events = [json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: ")]
+    kinds = [e["type"] for e in events]
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.content_part.added", "response.output_text.delta", "response.output_text.delta",
+                     "response.output_text.done", "response.content_part.done", "response.output_item.done",
+                     "response.completed"], kinds
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert "".join(e["delta"] for e in events if e["type"].endswith(".delta")) == events[-1]["response"]["output"][0][
+        "content"][0]["text"] == TOKENIZER.decode(ids)
+    for field, value in (("previous_response_id", "resp_1"), ("tools", [{"type": "function", "name": "f"}]),
+                         ("reasoning", {"effort": "low"}), ("text", {"format": {"type": "json_object"}}),
+                         ("input", [{"type": "function_call_output", "call_id": "c", "output": "x"}]),
+                         ("max_completion_tokens", 4)):
+        status, raw = _call(create_app(info, ScriptedBackend([])), "/v1/responses", {"input": "hi", field: value})
+        assert status == 400 and json.loads(raw)["error"]["param"].startswith(field), (field, raw)
+    status, raw = _call(create_app(info, ScriptedBackend([])), "/v1/responses",
+                        {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]})
+    assert status == 400 and json.loads(raw)["error"]["param"] == "input[0].content[0]", raw

@@ -17,8 +17,9 @@ from starlette.exceptions import HTTPException
 
 from serving.openai.backend import TritonBackend
 from serving.openai.chat_template import ChatTemplate
-from serving.openai.errors import APIError, shown
+from serving.openai.errors import APIError, internal_error, shown
 from serving.openai.choice import ChoiceReader, merged, summed_stats
+from serving.openai.responses import ResponseShape, chat_request, response_events
 from serving.openai.tokenize import detokenized, tokenized
 from serving.openai.vllm_metrics import CONTENT_TYPE_LATEST, metrics_text
 from serving.openai.protocol import (chat_options, completion_prompt, generation, lone_surrogate,
@@ -30,17 +31,6 @@ READY_SECONDS = 0.5
 METRICS_SECONDS = 5.0            # the longest /metrics waits for Triton's
 DISCONNECT_POLL_SECONDS = 0.25   # how often a non-streamed request looks for its client having gone
 log = logging.getLogger(__name__)
-
-
-def _internal(e: Exception) -> APIError:
-    """An unexpected exception as OpenAI's error JSON (a 500, the exception named)."""
-    return APIError(500, f"internal error: {type(e).__name__}: {e}")
-
-
-def _ended() -> APIError:
-    """A generation whose stream closed without a finish reason: the server ended it (an error while
-    answering it), so its text is partial; never a 200 with finish_reason "stop"."""
-    return APIError(500, "the server ended the generation without finishing it (see the server's log)")
 
 
 @dataclass
@@ -107,7 +97,7 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
     async def server_error(request, e: Exception):
         """A bug while answering: a 500 in OpenAI's error JSON (Starlette logs the traceback), not a
         plain-text "Internal Server Error"."""
-        return JSONResponse(_internal(e).body(), status_code=500)
+        return JSONResponse(internal_error(e).body(), status_code=500)
 
     def authorise(request: Request):
         if api_key and not hmac.compare_digest(request.headers.get("authorization", "").encode(),
@@ -260,8 +250,8 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
                                 "generate", "min_tokens")
         return limit
 
-    async def run(request: Request, chat: bool):
-        body = await body_of(request)
+    def start(body: dict, chat: bool):
+        """A request's generation settings, prompt ids, and its choices' Triton streams and readers."""
         if chat:
             if info.chat is None:
                 raise APIError(400, f"model '{info.name}' has no chat template (tokenizer_config.json "
@@ -278,18 +268,44 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
         each = [g if g.seed is None or not i else replace(g, seed=(g.seed + i) % (1 << 64)) for i in range(g.n)]
         streams = [backend.generate(one, limit) for one in each]
         readers = [ChoiceReader(info.tokenizer, one, prompt_ids, chat, i) for i, one in enumerate(each)]
+        return g, prompt_ids, streams, readers
+
+    async def opened(streams):
+        """Each stream's first response: errors before the first byte keep their status."""
+        try:
+            return await asyncio.gather(*(_first(s) for s in streams))
+        except BaseException:
+            await _close(streams)
+            raise
+
+    async def run(request: Request, chat: bool):
+        g, prompt_ids, streams, readers = start(await body_of(request), chat)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         base = {"id": rid, "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": info.name}
         if g.stream:
-            try:   # errors before the first byte keep their status
-                firsts = await asyncio.gather(*(_first(s) for s in streams))
-            except BaseException:
-                await _close(streams)
-                raise
-            return StreamingResponse(_events(firsts, streams, readers, g, base, chat, len(prompt_ids)),
+            return StreamingResponse(_events(await opened(streams), streams, readers, g, base, chat, len(prompt_ids)),
                                      media_type="text/event-stream")
         return await unless_gone(request, _whole(streams, readers, g, base, chat, len(prompt_ids)))
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        """OpenAI's Responses API on the chat path (``serving.openai.responses``)."""
+        body = await body_of(request)
+        shape = ResponseShape(body, info.name)
+        g, prompt_ids, (stream,), (reader,) = start(chat_request(body), chat=True)
+        if g.stream:
+            (first,) = await opened([stream])
+            return StreamingResponse(response_events(first, stream, reader, shape, len(prompt_ids),
+                                                     backend.stopped, info.draft_len),
+                                     media_type="text/event-stream")
+        whole = await unless_gone(request, _whole([stream], [reader], g, {}, True, len(prompt_ids)))
+        if isinstance(whole, Response):   # the client left
+            return whole
+        choice = whole["choices"][0]
+        return shape.response("completed", choice["message"]["content"], choice["finish_reason"], whole["usage"],
+                              whole["metrics"])
+
 
     async def unless_gone(request: Request, work):
         """Awaits ``work``, or cancels it once the client has disconnected (a client's timeout left a
@@ -327,20 +343,14 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
     async def _whole_choice(stream, reader: ChoiceReader, g, chat: bool) -> dict:
         text, ids, logprobs, alternatives = [], [], [], []
         try:
-            async for d in stream:
-                piece, n = reader.read(d)
+            async for d, piece, n in reader.follow(await _first(stream), stream, backend.stopped):
                 text.append(piece)
                 if g.logprobs:
                     ids.extend((d.ids or [])[:n])
                     logprobs.extend(d.logprobs[:n])
                     alternatives.extend(d.alternatives[:n])
-                if reader.stops.matched:
-                    backend.stopped(d)
-                    break
         finally:
             await stream.aclose()
-        if not reader.reason:
-            raise _ended()
         out = "".join(text) + reader.flush()
         chosen = reader.logprobs(ids, logprobs, alternatives) if g.logprobs else None
         if chat:
@@ -380,23 +390,12 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
             if chat:
                 yield event({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None})
-            while d is not None:
-                text, n = reader.read(d)
-                if reader.stops.matched:
-                    backend.stopped(d)
+            async for d, text, n in reader.follow(d, stream, backend.stopped):
                 if g.logprobs and n:    # the tokens' log-probabilities ride with the text they make
                     chosen = reader.logprobs((d.ids or [])[:n], d.logprobs[:n], d.alternatives[:n])
                     yield event(choice(i, text, logprobs=chosen))
                 elif text:
                     yield event(choice(i, text)) if g.continuous_usage else head + json.dumps(text) + tail
-                if reader.reason:
-                    break
-                try:
-                    d = await stream.__anext__()
-                except StopAsyncIteration:
-                    d = None
-            if not reader.reason:
-                raise _ended()
             tail_text = reader.flush()
             if tail_text:
                 yield event(choice(i, tail_text))
@@ -414,7 +413,7 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
             yield f"data: {json.dumps(e.body())}\n\n"
         except Exception as e:      # a bug mid-stream: say so, or the client takes the cut text as whole
             log.exception("OpenAI frontend: a stream failed")
-            yield f"data: {json.dumps(_internal(e).body())}\n\n"
+            yield f"data: {json.dumps(internal_error(e).body())}\n\n"
         finally:   # the choices' readers before their streams (a client gone mid-stream ends here)
             await source.aclose()
             await _close(streams)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+from serving.openai.errors import ended_error
 from serving.openai.logprobs import TextOffsets, chat_logprobs, completion_logprobs
 from serving.openai.protocol import StopMatcher
 from serving.protocol import MAX_RUN_CONTEXT, byte_fallback_ids, stream_text, stream_window, text_history
@@ -50,6 +51,24 @@ class ChoiceReader:
         if self.stops.matched:
             self.reason = "stop"
         return text, n
+
+    async def follow(self, d, stream, stopped):
+        """The responses from ``d`` (the stream's first, already read) on, each as (response, its
+        text, its tokens counted), until the choice ends; ``stopped`` is told the response a stop
+        string matched in (the server then counts the request completed). A stream that closes
+        before a finish reason raises ``ended_error``: its text is partial."""
+        while d is not None:
+            text, n = self.read(d)
+            if self.stops.matched:
+                stopped(d)
+            yield d, text, n
+            if self.reason:
+                return
+            try:
+                d = await stream.__anext__()
+            except StopAsyncIteration:
+                d = None
+        raise ended_error()
 
     def _feed(self, d) -> tuple[str, int]:
         """``d``'s text through the stop matcher, armed from the token past ``min_tokens`` on: a

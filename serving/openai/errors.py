@@ -39,6 +39,17 @@ def shown(value, limit: int = 80) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+def internal_error(e: Exception) -> APIError:
+    """An unexpected exception as OpenAI's error JSON (a 500, the exception named)."""
+    return APIError(500, f"internal error: {type(e).__name__}: {e}")
+
+
+def ended_error() -> APIError:
+    """A generation whose stream closed without a finish reason: the server ended it (an error while
+    answering it), so its text is partial; never a 200 with finish_reason "stop"."""
+    return APIError(500, "the server ended the generation without finishing it (see the server's log)")
+
+
 def bad(param: str, message: str) -> APIError:
     return APIError(400, f"{param}: {message}", param)
 
