@@ -70,7 +70,7 @@ def check_text(limits: dict, text, stop_words=(), bad_words=()) -> None:
 
 
 def check_words(limits: dict, field: str, words: list) -> None:
-    """``words``: one list (stop_words or bad_words) after its CSV split."""
+    """``words``: one list (stop_words or bad_words), an element a word."""
     if len(words) > limits["max_stop_words"]:
         raise LimitError(f"{field}: {len(words)} words exceed --max_stop_words {limits['max_stop_words']}")
     longest = max((len(w.encode()) for w in words), default=0)

@@ -1,5 +1,5 @@
 """Wire helpers the ``model_repo`` Python models share, kept here so tests reach them without Triton:
-stop/bad word lists (TensorRT-LLM's CSV convention and its [2, N] id layout), incremental
+stop/bad word lists (an element a word, and TensorRT-LLM's [2, N] id layout), incremental
 detokenization for streaming, and the coalescing of queued token events."""
 from __future__ import annotations
 

@@ -509,6 +509,53 @@ def test_the_responses_api_is_the_chat_path_stateless_and_says_so():
                          ("max_completion_tokens", 4)):
         status, raw = _call(create_app(info, ScriptedBackend([])), "/v1/responses", {"input": "hi", field: value})
         assert status == 400 and json.loads(raw)["error"]["param"].startswith(field), (field, raw)
-    status, raw = _call(create_app(info, ScriptedBackend([])), "/v1/responses",
-                        {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]})
-    assert status == 400 and json.loads(raw)["error"]["param"] == "input[0].content[0]", raw
+    for body, param in (({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+                         "input[0].content[0]"),
+                        ({"input": [{"role": 5, "content": "x"}]}, "input[0].role"),
+                        ({"input": "hi", "max_output_tokens": 100000}, "max_output_tokens"),   # named as sent
+                        ({"input": "hi", "max_output_tokens": -3}, "max_output_tokens")):
+        status, raw = _call(create_app(info, ScriptedBackend([])), "/v1/responses", body)
+        error = json.loads(raw)["error"]
+        assert status == 400 and error["param"] == param and "max_completion" not in error["message"], raw
+
+
+def test_a_choice_refused_before_streaming_is_the_answers_status_and_every_stream_closes():
+    """n = 3 streamed, one choice refused at once (a full queue: 429) while the others still prefill:
+    the read of the others' first responses was still running when their streams were closed, so
+    the answer became a 500 (``aclose(): asynchronous generator is already running``)."""
+    from serving.openai.errors import APIError
+    closed = []
+
+    class OneRefused(ScriptedBackend):
+        async def generate(self, g, max_tokens):
+            try:
+                if g.seed == 1:
+                    raise APIError(429, "server busy")
+                await asyncio.sleep(0.1)
+                while True:
+                    yield ScriptedDelta(_ids(" x"))
+                    await asyncio.sleep(0.01)
+            finally:
+                closed.append(g.seed)
+
+    status, raw = _call(create_app(ModelInfo("m", TOKENIZER, 256, 4, None, 0), OneRefused([])), "/v1/completions",
+                        {"prompt": "p", "n": 3, "seed": 1, "stream": True, "max_tokens": 100})
+    assert status == 429 and "server busy" in raw.decode() and sorted(closed) == [1, 2, 3], (status, raw, closed)
+
+
+def test_a_choice_whose_stream_is_cancelled_ends_the_answer_with_an_error():
+    """A choice's gRPC call cancelled under it (CancelledError, not an Exception) left the merge of
+    the choices waiting for it forever: no error event, no [DONE]."""
+    class Cancelled(ScriptedBackend):
+        async def generate(self, g, max_tokens):
+            yield ScriptedDelta(_ids(" x"))
+            if g.seed == 2:
+                raise asyncio.CancelledError()
+            yield ScriptedDelta(_ids(" y"), "length")
+
+    async def main():
+        app = create_app(ModelInfo("m", TOKENIZER, 256, 4, None, 0), Cancelled([]))
+        return await asyncio.wait_for(asyncio.to_thread(_call, app, "/v1/completions",
+                                                        {"prompt": "p", "n": 2, "seed": 1, "stream": True}), 10)
+    status, raw = asyncio.run(main())
+    assert status == 200 and "error" in _events(raw)[-1] and raw.decode().endswith("data: [DONE]\n\n"), raw

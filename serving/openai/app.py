@@ -19,9 +19,9 @@ from serving.openai.backend import TritonBackend
 from serving.openai.chat_template import ChatTemplate
 from serving.openai.errors import APIError, internal_error, shown
 from serving.openai.choice import ChoiceReader, merged, summed_stats
-from serving.openai.responses import ResponseShape, chat_request, response_events
+from serving.openai.responses import ResponseShape, chat_request, response_events, responses_error
 from serving.openai.tokenize import detokenized, tokenized
-from serving.openai.vllm_metrics import CONTENT_TYPE_LATEST, metrics_text
+from serving.openai.vllm_metrics import CONTENT_TYPE, metrics_text
 from serving.openai.protocol import (chat_options, completion_prompt, generation, lone_surrogate,
                                      speculative_metrics, usage)
 from serving.http_guard import DRAIN_BYTES
@@ -211,7 +211,7 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
             text = await asyncio.to_thread(_scrape, url)
         except OSError as e:
             return Response(f"{url}: {e}\n", status_code=503, media_type="text/plain")
-        return Response(metrics_text(text, info.name), media_type=CONTENT_TYPE_LATEST)
+        return Response(metrics_text(text, info.name), media_type=CONTENT_TYPE)
 
     def model_card() -> dict:
         return {"id": info.name, "object": "model", "created": info.created, "owned_by": "nemospec",
@@ -271,10 +271,16 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
         return g, prompt_ids, streams, readers
 
     async def opened(streams):
-        """Each stream's first response: errors before the first byte keep their status."""
+        """Each stream's first response: errors before the first byte keep their status. Where one
+        fails (a choice refused by a full queue), the others' first reads are cancelled before every
+        stream is closed (a stream cannot be closed while a read of it runs)."""
+        tasks = [asyncio.ensure_future(_first(s)) for s in streams]
         try:
-            return await asyncio.gather(*(_first(s) for s in streams))
+            return await asyncio.gather(*tasks)
         except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             await _close(streams)
             raise
 
@@ -293,7 +299,11 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
         """OpenAI's Responses API on the chat path (``serving.openai.responses``)."""
         body = await body_of(request)
         shape = ResponseShape(body, info.name)
-        g, prompt_ids, (stream,), (reader,) = start(chat_request(body), chat=True)
+        chat_body = chat_request(body)
+        try:
+            g, prompt_ids, (stream,), (reader,) = start(chat_body, chat=True)
+        except APIError as e:   # named as the chat request it became: named as this API's fields
+            raise responses_error(e) from None
         if g.stream:
             (first,) = await opened([stream])
             return StreamingResponse(response_events(first, stream, reader, shape, len(prompt_ids),
@@ -321,8 +331,12 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
                 return Response(status_code=499)   # nobody reads it: nginx's "client closed request"
 
     async def _close(streams):
+        """Closes each stream (which cancels its request on the server), the rest after one that fails."""
         for stream in streams:
-            await stream.aclose()
+            try:
+                await stream.aclose()
+            except Exception:
+                log.exception("OpenAI frontend: closing a stream failed")
 
     def _metrics(stats: dict) -> dict:
         return speculative_metrics(stats, info.draft_len) if stats else {}

@@ -124,8 +124,10 @@ async def merged(generators):
             async for item in generator:
                 await queue.put((item, None))
             await queue.put((_END, None))
-        except Exception as e:
-            await queue.put((None, e))
+        except BaseException as e:   # a cancelled gRPC call too: else the merge waited for it forever
+            queue.put_nowait((None, e if isinstance(e, Exception) else RuntimeError(f"a stream ended: {e!r}")))
+            if not isinstance(e, Exception):
+                raise
 
     tasks = [asyncio.ensure_future(pump(g)) for g in generators]
     try:

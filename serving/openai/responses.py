@@ -72,6 +72,8 @@ def _messages(body) -> list[dict]:
         if not isinstance(item, dict) or item.get("type", "message") != "message" or "role" not in item:
             kind = item.get("type") if isinstance(item, dict) else None
             raise bad(where, f"only messages are supported (no tool calls or outputs), got {shown(kind or item)}")
+        if not isinstance(item["role"], str) or item["role"] not in ("user", "assistant", "system", "developer"):
+            raise bad(f"{where}.role", f"expected user, assistant, system or developer, got {shown(item['role'])}")
         content = item.get("content")
         if isinstance(content, list):
             content = "\n".join(_text(part, f"{where}.content[{j}]") for j, part in enumerate(content))
@@ -79,6 +81,20 @@ def _messages(body) -> list[dict]:
             raise bad(f"{where}.content", f"expected a string or a list of text parts, got {shown(content)}")
         messages.append({"role": item["role"], "content": content})
     return messages
+
+
+#: the chat request's names for this API's fields, in errors
+_NAMES = (("max_completion_tokens", "max_output_tokens"), ("messages", "input"))
+
+
+def responses_error(e):
+    """An error about the chat request ``chat_request`` made, naming this API's fields instead (the
+    limit is ``max_output_tokens``; a message of ``input`` is ``input[i]``, after ``instructions``)."""
+    message, param = e.message, e.param
+    for chat, own in _NAMES:
+        message = message.replace(chat, own)
+        param = param.replace(chat, own) if param else param
+    return type(e)(e.status, message, param, e.kind)
 
 
 def chat_request(body: dict) -> dict:
@@ -106,7 +122,8 @@ class ResponseShape:
         self.fields = {"instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
                        "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
                        "metadata": body.get("metadata") or {}, "user": body.get("user"),
-                       "store": bool(body.get("store", False))}
+                       "store": bool(body.get("store", False)),
+                       "tool_choice": body.get("tool_choice") or "none"}
 
     def response(self, status: str, text: str | None = None, finish_reason: str = "", usage=None,
                  metrics=None) -> dict:
@@ -114,7 +131,7 @@ class ResponseShape:
         limit: ``finish_reason`` "length") with the message and the usage."""
         out = {"id": self.id, "object": "response", "created_at": self.created, "model": self.model,
                "status": status, "error": None, "incomplete_details": None, "output": [],
-               "parallel_tool_calls": False, "tool_choice": "none", "tools": [], "text": {"format": {"type": "text"}},
+               "parallel_tool_calls": False, "tools": [], "text": {"format": {"type": "text"}},
                "reasoning": None, "truncation": "disabled", "previous_response_id": None, "usage": None,
                **self.fields}
         if text is not None:
@@ -122,7 +139,7 @@ class ResponseShape:
             if finish_reason == "length":
                 out["status"], out["incomplete_details"] = "incomplete", {"reason": "max_output_tokens"}
             out["usage"] = {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
-                            "total_tokens": usage["total_tokens"], "input_tokens_details": {"cached_tokens": 0},
+                            "total_tokens": usage["total_tokens"], "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                             "output_tokens_details": {"reasoning_tokens": 0}}
             if metrics:
                 out["metrics"] = metrics   # nemospec's: the request's speculative decoding, as chat's

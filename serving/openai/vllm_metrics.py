@@ -9,7 +9,8 @@ outcome counter (vLLM splits finished requests by stop and length, ours by compl
 rejected and failed)."""
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -26,8 +27,8 @@ VLLM_NAMES = {
     "nemospec_spec_decode_num_accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
     "nemospec_spec_decode_num_accepted_tokens_per_pos": "vllm:spec_decode_num_accepted_tokens_per_pos",
 }
-KEPT_LABELS = ("position", "le")
-__all__ = ["CONTENT_TYPE_LATEST", "VLLM_NAMES", "metrics_text", "vllm_families"]   # the per-position counter's and a histogram bucket's own
+KEPT_LABELS = ("position", "le")   # the per-position counter's and a histogram bucket's own
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4   # the text format Triton writes and generate_latest renders
 
 
 class _Renamed:
