@@ -85,7 +85,8 @@ def add_bench_args(p) -> None:
                    help="with --tree: children per expanded node (0 = by draft kind: 8 block drafts, 4 chain drafts)")
     p.add_argument("--tree_depth", type=int, default=0, help="with --tree: deepest node (0 = --num_draft_tokens)")
     from builder.embedded.sources import add_embedded_args
-    add_embedded_args(p, default="wide")
+    add_embedded_args(p, default="wide", factor_default="4, or more where this CPU's L3 would hold the 4x "
+                                                        "model's weights: the smallest whose weights are 1.5x the L3")
     p.add_argument("--quick", action="store_true",
                    help=f"small: modes {','.join(QUICK_MODES)}, 2 prompts x 24 tokens, 1 run (for tests)")
 
@@ -165,6 +166,21 @@ def cpu_name() -> str:
                                          ("avx2+fma", {"avx2", "fma"})) if need <= flags), "no avx2")
     return (f"{fields.get('model name', platform.machine())} (family {fields.get('cpu family', '?')} "
             f"model {fields.get('model', '?')}, {isa})")
+
+
+def memory_bound_factor(l3: int | None, largest: int = 16) -> int:
+    """The wide model's width multiple for a bench on this CPU: the default (4), or the smallest one
+    whose fp32 target weights are 1.5x the L3 where that cache would hold the default's, so that a
+    decode streams its weights from memory as a served model's does. A Xeon with 480 MiB of L3 held
+    the 4x model's 186 MiB: its 5-row verify cost 1.51x a decode and eagle3 measured 1.79x target-only;
+    at 8x (743 MiB) 2.23x, as the 4x model measured on a 32 MiB-L3 Zen 4."""
+    from builder import embedded
+    from builder.embedded.sources import DEFAULT_WIDE_FACTOR
+    small = (embedded.target_dir() / "model.safetensors").stat().st_size   # the weights grow as the factor squared
+    factor = DEFAULT_WIDE_FACTOR
+    while l3 and small * factor ** 2 < 1.5 * l3 and factor < largest:
+        factor += 1
+    return factor
 
 
 def _factor(embedded_model: str, factor: int | None) -> int:
@@ -453,6 +469,12 @@ def run_bench(args) -> dict:
             raise NemospecError(f"--output_dir {root}: exists and is a file; expected a report directory")
     embedded_model, factor = getattr(args, "embedded", "small"), getattr(args, "embedded_factor", None)
     refuse_embedded_with(args, "checkpoint_dir")
+    if embedded_model == "wide" and factor is None and not args.checkpoint_dir and not quick:
+        factor = memory_bound_factor(l3_bytes())
+        if factor != _factor("wide", None):
+            _log(f"bench: the wide model at {factor}x (--embedded_factor): this CPU's {l3_bytes() / 2**20:.0f} MiB "
+                      f"L3 holds the {_factor('wide', None)}x model's weights, and the bench measures a target that "
+                      "decodes from memory")
     target_dir, _ = resolve_sources(args.checkpoint_dir, None, None, None, embedded_model, factor)
     tokenizer = load_tokenizer(Path(target_dir) / "tokenizer.json")
     prompt_file = getattr(args, "prompt_file", None)

@@ -78,13 +78,15 @@ def refuse_embedded_with(args, *flags: str) -> None:
             raise CheckpointError(f"--embedded {args.embedded}: picks the embedded model; leave it out with --{flag} {value}")
 
 
-def add_embedded_args(p, default: str = "small", given: str = "--checkpoint_dir") -> None:
+def add_embedded_args(p, default: str = "small", given: str = "--checkpoint_dir",
+                      factor_default: str = str(DEFAULT_WIDE_FACTOR)) -> None:
     """--embedded / --embedded_factor: which embedded default a command runs when not ``given`` a model
-    (``default``: small for build, generate and serve; wide for bench and the demo, which measure speed)."""
+    (``default``: small for build, generate and serve; wide for bench and the demo, which measure speed;
+    ``factor_default``: what the help says the width multiple defaults to)."""
     p.add_argument("--embedded", default=default, choices=EMBEDDED_CHOICES, action=_Given,
                    help=f"with no {given}: the embedded trained model as shipped (small: its weights sit "
                         "in cache) or widened (wide: the same function at --embedded_factor times the width, "
                         "decoding from memory as a served model does; written once under ~/.cache/nemospec)"
                         f" (default {default})")
     p.add_argument("--embedded_factor", type=int, default=None,
-                   help=f"the wide embedded model's width multiple (default {DEFAULT_WIDE_FACTOR})")
+                   help=f"the wide embedded model's width multiple (default {factor_default})")
