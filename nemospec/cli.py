@@ -471,7 +471,7 @@ def cmd_generate(args):
             "num_target_forwards": result.num_target_forwards,
             "backend": loaded.backend,
             "allocator": allocator.active(),
-            # the small-row kernel's form the compiled steps ran ("avx512", "avx2"), None: torch's GEMM
+            # the small-row kernel's form the compiled steps ran (small_linear.form()), None: torch's GEMM
             "small_linear": small_linear.form() if loaded.backend == "compiled" else None,
         }
         record["cost"] = cost

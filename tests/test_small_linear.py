@@ -419,3 +419,23 @@ def test_rows_do_not_depend_on_the_row_count(op, form):
     for rows in (1, 2, 5, 6, 7, 8, 9, 10, 16):
         parts = torch.cat([fn(x[i:i + rows], w) for i in range(0, 20 - rows + 1, rows)])
         assert torch.equal(parts, whole[:parts.shape[0]]), f"{form}: {rows}-row calls differ from one 20-row call"
+
+
+@pytest.mark.parametrize("form", ["small_linear", "small_linear_bf16w"])
+def test_the_streaming_tiles_give_the_wide_tiles_sums(op, form):
+    """Where packed weights exceed an Intel CPU's L3 the several-row products run tiles of two
+    column blocks (faster there from memory, slower from cache): the same sums, bit for bit, at
+    every row count and across the narrower tiles of a column tail (838 outputs)."""
+    ops, fn = torch.ops.nemospec, getattr(torch.ops.nemospec, form)
+    g = torch.Generator().manual_seed(13)
+    x, w = torch.randn(9, 192, generator=g), torch.randn(838, 192, generator=g)
+    fn(x, w)   # packed from here on
+    previous = ops.small_linear_tiles("wide")
+    try:
+        assert previous in ("auto", "wide", "streaming") and not ops.small_linear_streaming()
+        wide = [fn(x[:rows], w) for rows in range(1, 10)]
+        assert ops.small_linear_tiles("streaming") == "wide" and ops.small_linear_streaming()
+        assert all(torch.equal(fn(x[:rows], w), wide[rows - 1]) for rows in range(1, 10)), form
+        assert ops.small_linear_tiles("sometimes") == "" and ops.small_linear_streaming()   # unknown: no change
+    finally:
+        ops.small_linear_tiles(previous)

@@ -26,6 +26,11 @@ and w rounded to bf16 (w once, when packed) and multiplied by the same dot produ
 returned. Where the CPU lacks AVX512-BF16 (the AVX2 form, or ``NEMOSPEC_BF16_DOT=0``) the same dot
 products run as fp32 FMAs over the bf16 pairs widened in registers: the same sums in the same order
 (``small_linear_bf16_hardware`` says which ran).
+
+Several-row products run tiles of column blocks as wide as the registers allow, except where the
+packed weights exceed an Intel CPU's L3: there tiles of two blocks, faster from memory
+(``nemospec::small_linear_tiles``, ``small_linear_streaming``; ``NEMOSPEC_SMALL_LINEAR_TILES`` forces
+``wide`` or ``streaming``). The sums are the same either way.
 """
 from __future__ import annotations
 
@@ -52,6 +57,7 @@ _COMMON = ["-O3", "-mfma", "-std=c++17", "-fopenmp", "-ffp-contract=off"]
 FORMS = {"avx512": (["-mavx512f", *_COMMON], {"avx512f"}),
          "avx2": (["-mavx2", *_COMMON], {"avx2", "fma"})}
 ISA_ENV = "NEMOSPEC_SMALL_LINEAR_ISA"
+TILES_ENV = "NEMOSPEC_SMALL_LINEAR_TILES"   # auto (default), wide or streaming: small_linear_tiles
 C_SHIMS = {name: f"AOTITorchError aoti_torch_cpu_{name}(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* ret0)"
            for name in ("small_linear", "small_linear_bf16w", "small_linear_bf16")}
 C_SHIMS["moe_routed"] = ("AOTITorchError aoti_torch_cpu_moe_routed(AtenTensorHandle x, AtenTensorHandle index, "
@@ -92,8 +98,11 @@ def supported() -> bool:
 
 
 def form() -> str | None:
-    """The kernel's form loaded in this process ("avx512" or "avx2"), None where none was (not loaded
-    yet, not built, or not runnable here)."""
+    """The kernel's form loaded in this process ("avx512" or "avx2"; "avx512, streaming tiles" while
+    its several-row products take the tiles for weights from memory), None where none was (not
+    loaded yet, not built, or not runnable here): what a report names."""
+    if _loaded == "avx512" and torch.ops.nemospec.small_linear_streaming():
+        return "avx512, streaming tiles"
     return _loaded
 
 
@@ -156,6 +165,10 @@ def load(cache: Path) -> bool:
 
         # the C shim's symbol, global, so that compiled graphs' wrappers resolve it when loaded
         ctypes.CDLL(str(build / f"{library}.so"), mode=os.RTLD_GLOBAL)
+        tiles = os.environ.get(TILES_ENV)
+        if tiles and not torch.ops.nemospec.small_linear_tiles(tiles):
+            warnings.warn(f"{TILES_ENV}={tiles}: expected auto, wide or streaming; the products choose (auto)",
+                          stacklevel=2)
         import torch._inductor.config as inductor
         inductor.aot_inductor.custom_ops_to_c_shims = {
             **inductor.aot_inductor.custom_ops_to_c_shims,
