@@ -90,7 +90,7 @@ def main(argv=None):
     from serving.launch import free_port, serving
 
     if args.embedded == "wide" and args.embedded_factor is None:   # past this CPU's L3, as the bench widens it
-        from nemospec.bench import l3_bytes, memory_bound_factor
+        from nemospec.machine import l3_bytes, memory_bound_factor
         args.embedded_factor = memory_bound_factor(l3_bytes())
     which = "embedded target" if args.embedded == "small" else f"embedded target widened {args.embedded_factor}x"
     console.rule(f"1. nemospec build: {which} + {args.mode} draft (target, verify and draft engines)")

@@ -243,7 +243,7 @@ def test_the_wide_model_outgrows_the_l3_of_the_cpu_it_is_benched_on():
     """A Xeon's 480 MiB L3 held the 4x model's 186 MiB (eagle3 measured 1.79x there, 2.23x at 8x): the
     bench widens further where the L3 would hold the default's weights, to 1.5x the L3."""
     from builder import embedded
-    from nemospec.bench import memory_bound_factor
+    from nemospec.machine import memory_bound_factor
     small = (embedded.target_dir() / "model.safetensors").stat().st_size
     assert memory_bound_factor(None) == memory_bound_factor(8 << 20) == memory_bound_factor(32 << 20) == 4
     for l3 in (480 << 20, 1152 << 20):
