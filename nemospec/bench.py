@@ -41,6 +41,8 @@ ADAPTIVE = "_adaptive"
 #: a full bench: every mode at --num_draft_tokens, and eagle3 with its K adapted per sequence
 DEFAULT_MODES = MODES + ("eagle3" + ADAPTIVE,)
 QUICK_MODES = ("eagle3", "dflash")
+WIDE_FACTOR_HELP = ("4, or where the 4x model's weights are under 1.5x this CPU's L3, the smallest factor whose "
+                    "weights reach that")
 def add_bench_args(p) -> None:
     p.add_argument("--output_dir", default="build/bench", help="report directory to write")
     p.add_argument("--checkpoint_dir", default=None, help="target checkpoint (default: the embedded model)")
@@ -86,8 +88,7 @@ def add_bench_args(p) -> None:
                    help="with --tree: children per expanded node (0 = by draft kind: 8 block drafts, 4 chain drafts)")
     p.add_argument("--tree_depth", type=int, default=0, help="with --tree: deepest node (0 = --num_draft_tokens)")
     from builder.embedded.sources import add_embedded_args
-    add_embedded_args(p, default="wide", factor_default="4, or more where this CPU's L3 would hold the 4x "
-                                                        "model's weights: the smallest whose weights are 1.5x the L3")
+    add_embedded_args(p, default="wide", factor_default=WIDE_FACTOR_HELP)
     p.add_argument("--quick", action="store_true",
                    help=f"small: modes {','.join(QUICK_MODES)}, 2 prompts x 24 tokens, 1 run (for tests)")
 
@@ -424,9 +425,9 @@ def run_bench(args) -> dict:
     if embedded_model == "wide" and factor is None and not args.checkpoint_dir and not quick:
         factor = memory_bound_factor(l3_bytes())
         if factor != _factor("wide", None):
-            _log(f"bench: the wide model at {factor}x (--embedded_factor): this CPU's {l3_bytes() / 2**20:.0f} MiB "
-                      f"L3 holds the {_factor('wide', None)}x model's weights, and the bench measures a target that "
-                      "decodes from memory")
+            _log(f"bench: the wide model at {factor}x (--embedded_factor): the {_factor('wide', None)}x model's "
+                 f"weights are under 1.5x this CPU's {l3_bytes() / 2**20:.0f} MiB L3, and the bench measures a "
+                 "target that decodes from memory")
     target_dir, _ = resolve_sources(args.checkpoint_dir, None, None, None, embedded_model, factor)
     tokenizer = load_tokenizer(Path(target_dir) / "tokenizer.json")
     prompt_file = getattr(args, "prompt_file", None)

@@ -21,7 +21,7 @@ from pathlib import Path
 from rich.console import Console
 
 from builder.errors import ArgumentParser
-from nemospec.bench import MODES, PROMPTS, build_mode_engines
+from nemospec.bench import MODES, PROMPTS, WIDE_FACTOR_HELP, build_mode_engines
 
 console = Console(highlight=False)
 
@@ -84,7 +84,7 @@ def main(argv=None):
     from builder.embedded.sources import add_embedded_args
     # wide: the memory-bound instrument, served on the compiled path warmed for one greedy stream
     # (~2.3 minutes from a cold cache on a 2-core Zen 4); EMBEDDED=small make demo serves the shipped one eagerly
-    add_embedded_args(p, default=os.environ.get("EMBEDDED") or "wide")
+    add_embedded_args(p, default=os.environ.get("EMBEDDED") or "wide", factor_default=WIDE_FACTOR_HELP)
     args = p.parse_args(argv)
     from serving.client import stream_generate
     from serving.launch import free_port, serving

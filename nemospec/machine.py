@@ -42,11 +42,12 @@ def cpu_name() -> str:
 
 
 def memory_bound_factor(l3: int | None, largest: int = 16) -> int:
-    """The wide model's width multiple for a bench on this CPU: the default (4), or the smallest one
-    whose fp32 target weights are 1.5x the L3 where that cache would hold the default's, so that a
+    """The wide model's width multiple for a bench on this CPU: the default (4), or, where the
+    default's fp32 target weights (estimated as the small model's times the factor squared) are under
+    1.5x the L3, the smallest factor whose weights reach it, so that a
     decode streams its weights from memory as a served model's does. A Xeon with 480 MiB of L3 held
     the 4x model's 186 MiB: its 5-row verify cost 1.51x a decode and eagle3 measured 1.79x target-only;
-    at 8x (743 MiB) 2.23x, as the 4x model measured on a 32 MiB-L3 Zen 4."""
+    at 8x (717 MiB) 2.23x, as the 4x model measured on a 32 MiB-L3 Zen 4."""
     from builder import embedded
     from builder.embedded.sources import DEFAULT_WIDE_FACTOR
     small = (embedded.target_dir() / "model.safetensors").stat().st_size   # the weights grow as the factor squared

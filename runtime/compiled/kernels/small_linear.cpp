@@ -235,20 +235,23 @@ bool has_bf16_dot() { return false; }  // VDPBF16PS is AVX-512: the AVX2 form em
 // cache) the 4x-widened layer's 9-row products cost 1.24-1.36x one row at two threads, in one pass
 // 1.15x (Zen 4). AVX2: M*C sums + the M broadcasts (or C weights) + 1 within 16 registers, up to 6
 // rows.
-// kStreamWidth: the AVX-512 form's tiles of several rows where w streams from memory on an Intel CPU
-// (tile_streaming): two column blocks. A Xeon with 480 MiB of L3 (2 threads, 8x-widened layer
-// products, 700 MiB cycled) ran 5 rows in 25.5-26.0 ms with the wide tiles against 23.4-23.5 ms (1
-// row: 22.5), 9 rows 27.1 against 25.3-25.5; with the same products in its cache the wide tiles are
-// the faster (5 rows 2.2 against 2.6 ms), and a Zen 4 was not measured, so they stay the default.
-// The width does not change any sum: each output's runs over k in order in every tile.
+// kStreamWidth: the AVX-512 form's tiles of 2-9 rows (one pass over w) where w streams from memory
+// on an Intel CPU (tile_streaming): two column blocks. A Xeon with 480 MiB of L3 (2 threads,
+// 8x-widened layer products, 700 MiB cycled, the two interleaved) ran 5 rows in 25.4 ms with the wide
+// tiles against 23.8 ms (1 row: 22.3), 2 rows 24.3 against 22.2, 9 rows 27.9 against 25.9; with the
+// same products in its cache the wide tiles are the faster (5 rows 2.2 against 2.6 ms), so do the
+// later passes of more rows (read from cache, in_chunks), and a Zen 4 was not measured: the wide
+// tiles stay the default. The width does not change any sum: each output's runs over k in order.
 #ifdef __AVX512F__
 constexpr int kPassRows = 9;
 constexpr int kWidth[10] = {0, 8, 6, 6, 4, 4, 3, 3, 3, 3};
 constexpr int kStreamWidth[10] = {0, 8, 2, 2, 2, 2, 2, 2, 2, 2};
+constexpr bool kStreamTiles = true;
 #else
 constexpr int kPassRows = 6;
 constexpr int kWidth[7] = {0, 8, 6, 4, 3, 2, 2};
 constexpr int kStreamWidth[7] = {0, 8, 6, 4, 3, 2, 2};
+constexpr bool kStreamTiles = false;   // the same tiles: nothing to choose
 #endif
 // 0: streaming tiles where the CPU is Intel's and the packed weights exceed its L3 (set as they are
 // packed); 1: never; 2: always (tests and benchmarks compare the two)
@@ -257,7 +260,7 @@ std::atomic<bool> weights_stream{false};
 
 bool tile_streaming() {
   const int choice = tile_choice.load(std::memory_order_relaxed);
-  return choice == 2 || (choice == 0 && weights_stream.load(std::memory_order_relaxed));
+  return kStreamTiles && (choice == 2 || (choice == 0 && weights_stream.load(std::memory_order_relaxed)));
 }
 
 // Whether packed weights of ``bytes`` stream from memory on an Intel CPU: more than its L3.
@@ -270,7 +273,7 @@ bool streams_from_memory(int64_t bytes) {
 // Up to kPassRows rows per pass over w.
 template <typename W>
 void packed_rows(const float* x, int64_t M, int64_t K, const W* p, int64_t b0, int64_t b1, int64_t N, float* y) {
-  const bool streaming = tile_streaming();
+  const bool streaming = M <= kPassRows && tile_streaming();   // one pass: w from memory
   in_row_passes<kPassRows>(M, [&](auto rows, int64_t m0) {
     constexpr int R = decltype(rows)::value;
     if (kStreamWidth[R] != kWidth[R] && streaming) tiles<R, kStreamWidth[R], W>(x + m0 * K, K, p, b0, b1, N, y + m0 * N);
@@ -404,6 +407,7 @@ at::Tensor packed_weight(const at::Tensor& w, Layout layout) {
     for (auto e = cache.begin(); e != cache.end();) {
       if (!e->second.storage.expired()) { ++e; continue; }
       packed_bytes -= bytes_of(e->second.packed);
+      weights_stream.store(streams_from_memory(packed_bytes), std::memory_order_relaxed);
       e = cache.erase(e);
     }
     it = cache.emplace(key, PackEntry{c10::weak_intrusive_ptr<c10::StorageImpl>(w.storage().getWeakStorageImpl()),
@@ -414,6 +418,7 @@ at::Tensor packed_weight(const at::Tensor& w, Layout layout) {
   if (entry.version != version) {  // written in place since: pack at its next use
     entry.version = version;
     packed_bytes -= bytes_of(entry.packed);
+    weights_stream.store(streams_from_memory(packed_bytes), std::memory_order_relaxed);
     entry.packed = at::Tensor();
     if (!first_use) return {};
   }
@@ -617,7 +622,8 @@ static std::string small_linear_tiles(const std::string& choice) {
   return "";
 }
 
-// Whether the products use the streaming tiles now.
+// Whether the fp32 and bf16-weight products of one pass use the streaming tiles now (never in the
+// AVX2 form, whose tiles are already two blocks wide).
 static bool small_linear_streaming() { return tile_streaming(); }
 
 // Whether the bf16 dot products run in hardware (AVX512-BF16) rather than as fp32 FMAs: the same sums.
