@@ -4,6 +4,7 @@ reads ``n`` streams (vLLM's parallel sampling: a request per choice), each with 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 
 from serving.openai.errors import ended_error
 from serving.openai.logprobs import TextOffsets, chat_logprobs, completion_logprobs
@@ -18,20 +19,30 @@ def armed(g, tokens: int) -> bool:
 
 
 class ChoiceReader:
-    """A choice's state across its responses. ``history``: the ids its next response's first tokens
-    decode after (``text_history``): the prompt's last ones, as the server decodes them, then each
-    response's. ``tokens``: generated so far, counted up to a stop string's last token."""
+    """A choice's state across its responses. Its next response's first tokens decode after the
+    prompt's last ids, as the server decodes them, then the ids of the responses before
+    (``text_history``); those responses are kept, their ids read only when a context is needed (a
+    stop string or ``min_tokens`` inside a response: reading each response's ids costs every
+    stream's every response). ``tokens``: generated so far, counted up to a stop string's last token."""
 
     def __init__(self, tokenizer, g, prompt_ids, chat: bool, index: int = 0):
         self.tokenizer, self.g, self.chat, self.index = tokenizer, g, chat, index
         self.stops = StopMatcher(g.stop)
-        self.history = text_history(prompt_ids, ())
+        self.prompt = text_history(prompt_ids, ())
+        self.recent, self.recent_tokens = deque(), 0   # responses since, as long as a window reaches back
         self.tokens, self.reason, self.last = 0, "", None
         # the first token reads as the text's beginning only where the prompt's context reads as nothing
         self.offsets = TextOffsets(tokenizer, begins_text=not tokenizer.decode(self._context()))
 
     def _context(self) -> list[int]:
-        return stream_window(self.history, (), byte_fallback_ids(self.tokenizer))[0]
+        ids = list(self.prompt) + [t for r in self.recent for t in (r.ids or ())]
+        return stream_window(ids[-MAX_RUN_CONTEXT:], (), byte_fallback_ids(self.tokenizer))[0]
+
+    def _remember(self, d) -> None:
+        self.recent.append(d)
+        self.recent_tokens += d.tokens
+        while self.recent and self.recent_tokens - self.recent[0].tokens >= MAX_RUN_CONTEXT:
+            self.recent_tokens -= self.recent.popleft().tokens
 
     def read(self, d) -> tuple[str, int]:
         """Response ``d``: (its text that can be sent, its tokens counted): all of them, or where a
@@ -41,8 +52,7 @@ class ChoiceReader:
         held = self.stops.held
         text, unarmed_chars = self._feed(d)
         if not self.stops.matched or not d.ids:
-            self.history.extend(d.ids or ())
-            del self.history[:-MAX_RUN_CONTEXT]
+            self._remember(d)
             n = d.tokens
         else:
             n = self.stops.tokens_through(self.tokenizer, held, self._context(), d.ids, unarmed_chars)
