@@ -80,9 +80,15 @@ def test_cli_serve_draft_target_engine_and_sigint(draft_target_engine_dir, tmp_p
             got = json.loads(r.read())
         assert got["output_ids"] == want["output_ids"] and got["text_output"] == want["text"]
         assert got["mean_accepted_tokens"] == pytest.approx(want["acceptance"]["mean_accepted_tokens"])
-        with urllib.request.urlopen(openai_url.removesuffix("/v1") + "/metrics", timeout=10) as r:   # vLLM's names
-            text = r.read().decode()
-        assert re.search(r'^vllm:spec_decode_num_drafts_total\{engine="0",model_name="engine_dt"\} [1-9]', text, re.M), text
+        deadline = time.monotonic() + 10   # vLLM's names; the model publishes its counters every 0.1 s
+        while True:
+            with urllib.request.urlopen(openai_url.removesuffix("/v1") + "/metrics", timeout=10) as r:
+                text = r.read().decode()
+            drafts = re.search(r'^vllm:spec_decode_num_drafts_total\{engine="0",model_name="engine_dt"\} (\S+)', text, re.M)
+            if drafts is None or float(drafts.group(1)) > 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert drafts is not None and float(drafts.group(1)) > 0, text
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=60) == 0
         with pytest.raises(OSError):
