@@ -37,12 +37,13 @@ class UnavailableError(NemospecError, RuntimeError):
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):
     """--help names each option's default, as trtllm-build's and vLLM's do, where its help does not
-    already say it (nor for a switch, or an option whose absence is its default)."""
+    already say it (nor for a switch: ``--no_verify`` storing False printed "(default: True)", which
+    read as the check skipped by default)."""
 
     def _get_help_string(self, action):
         text = action.help or ""
         if (not action.option_strings or "default" in text or action.default in (None, False, argparse.SUPPRESS)
-                or action.default == [] or not text):
+                or action.default == [] or not text or action.nargs == 0):   # a switch: its absence is its default
             return text
         return f"{text} (default: %(default)s)"
 

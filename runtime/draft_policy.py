@@ -144,6 +144,7 @@ def add_policy_args(parser, build: bool) -> None:
     group = parser.add_argument_group("adaptive draft length")
     for flag, (kind, default, text) in POLICY_FLAGS.items():
         group.add_argument(f"--{flag}", type=kind, default=default if build else None,
+                           metavar="{on,off}" if kind is on_off else None,
                            help=text + ("" if build else " (default: the engine directory's)"))
 
 

@@ -138,7 +138,9 @@ def test_trtllm_builds_name_for_a_draft_model_is_taken():
 
 def test_help_names_each_default_once():
     """Every subcommand's --help names an option's default where its own text does not (trtllm-build's
-    and vLLM's habit), never a default of None or a switch's False, and never twice."""
+    and vLLM's habit), never a default of None or a switch's False or True (``--no_verify`` stores False:
+    its "(default: True)" read as the check skipped by default), and never twice; on/off flags show
+    their two values."""
     import argparse
     import re
     top = cli._parser()
@@ -146,9 +148,11 @@ def test_help_names_each_default_once():
     build = " ".join(subs["build"].format_help().split())
     assert "sequences per step (default: 8)" in build and "(default: 1024)" in build
     assert "the embedded trained model --output_dir" in build          # its text says the default: no suffix
+    assert "--draft_len_adaptive {on,off}" in build
     for name, parser in subs.items():
         text = " ".join(parser.format_help().split())
         assert "(default: None)" not in text and "(default: False)" not in text, name
+        assert "(default: True)" not in text, name
         for action in parser._actions:
             shown = action.help and parser._get_formatter()._expand_help(action)
             if shown:
