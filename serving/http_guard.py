@@ -205,8 +205,8 @@ def make_handler(upstream: tuple[str, int], max_body_bytes: int, alive=None):
 
 class HttpGuard:
     """Listens on ``(host, port)`` and forwards to ``127.0.0.1:upstream_port``; ``close()`` stops it.
-    ``alive()``: None while the server's processes live, else what died; a readiness probe
-    (``READY_PATHS``) answers 503 naming it, at the moment of the probe."""
+    ``alive()``: None while the server can serve, else why not (what died, or the stop under way); a
+    readiness probe (``READY_PATHS``) answers 503 naming it, at the moment of the probe."""
 
     def __init__(self, host: str, port: int, upstream_port: int, max_body_bytes: int, alive=None):
         self.max_body_bytes, self.alive = max_body_bytes, alive

@@ -117,6 +117,7 @@ class ServerHandle:
     _group_killed: bool = field(default=False, repr=False)
     guard: object = field(default=None, repr=False)   # serving.http_guard.HttpGuard on http_port, if any
     shm_files: set = field(default_factory=set)     # its stubs' shared memory, removed once it is gone
+    stopping: str | None = None                     # set when stop() begins: the drain refuses new requests
 
     @property
     def http_url(self) -> str:
@@ -143,6 +144,11 @@ class ServerHandle:
         model's Python stub seen at readiness); None while all live. A few /proc reads: cheap
         enough for every readiness probe."""
         return what_died(self.process, self.stubs)
+
+    def not_ready_now(self) -> str | None:
+        """Why a request sent now would not be served: the stop under way (its drain refuses new
+        requests while Triton itself still says ready), or what died; None while it can serve."""
+        return self.stopping or self.dead_now()
 
     def log_tail(self, lines: int = 40) -> str:
         try:
@@ -243,6 +249,7 @@ class ServerHandle:
         ends what is left with that error, while every endpoint still delivers it."""
         timeout = self.shutdown_timeout if timeout is None else timeout
         if self.process.poll() is None:
+            self.stopping = "the server is shutting down"
             end = time.monotonic() + timeout
             self._drain(end - ABORT_SECONDS)
             try:
@@ -358,7 +365,7 @@ def start_server(engine_dir, *, host: str = "127.0.0.1", http_port: int = 8000, 
         triton_http = free_port()
         try:
             guard = HttpGuard(host, http_port, triton_http, limits["max_body_bytes"],
-                              alive=lambda: handle.dead_now() if handle is not None else None)
+                              alive=lambda: handle.not_ready_now() if handle is not None else None)
         except OSError as e:
             raise NemospecError(f"--http_port: cannot bind {host}:{http_port}: {e.strerror or e}") from None
         for port, flag, service in ((grpc_port, "--grpc_port", "grpc"), (metrics_port, "--metrics_port", "metrics")):

@@ -100,7 +100,8 @@ def test_cli_serve_draft_target_engine_and_sigint(draft_target_engine_dir, tmp_p
 def test_sigterm_lets_openai_streams_in_flight_end_whole(engine_dir, tmp_path):
     """SIGTERM with OpenAI streams running and queued behind them (one sequence at a time, so the
     last ends seconds after the signal): each ends whole, every token and [DONE], and serve exits 0;
-    a request sent meanwhile is refused (503, "the server is shutting down"). Before: Triton 2.51's
+    a request sent meanwhile is refused (503, "the server is shutting down"), and the HTTP port's
+    readiness probes say so (they answered Triton's 200 through the drain). Before: Triton 2.51's
     gRPC endpoint, once signalled, delivered no stream response, so every stream but the one ending
     hung until the server was killed at --shutdown_timeout and then read as a crash (and before
     that, the frontend was stopped first: uvicorn cut every request 3 s after the signal); and the
@@ -138,6 +139,10 @@ def test_sigterm_lets_openai_streams_in_flight_end_whole(engine_dir, tmp_path):
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(late, timeout=60)
         assert refused.value.code == 503 and "shutting down" in refused.value.read().decode()
+        for path in ("/v2/health/ready", "/v2/models/ensemble/ready"):   # Triton said 200 all through the drain
+            with pytest.raises(urllib.error.HTTPError) as not_ready:
+                urllib.request.urlopen(printed["http"] + path, timeout=10)
+            assert not_ready.value.code == 503 and "shutting down" in not_ready.value.read().decode(), path
         for t in threads:
             t.join(120)
         assert process.wait(timeout=120) == 0
