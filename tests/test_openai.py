@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from serving import launch
-from serving.openai.protocol import StopMatcher
+from serving.openai.protocol import StopMatcher, token_ends
 from serving.openai.server import OpenAIFrontend
 from serving_helpers import NEEDS_TRITON, engine_dir, free_ports, offline, tokenizer  # noqa: F401 (fixtures)
 
@@ -60,11 +60,14 @@ def test_a_stops_token_count_decodes_a_character_split_across_responses():
     tok = Tokenizer.from_file(str(Path(__file__).resolve().parents[1] / "builder/embedded/target/tokenizer.json"))
     ids = tok.encode("aé b", add_special_tokens=False).ids
     assert len(ids) == 4 and tok.decode(ids[:2]).endswith("\ufffd") and tok.decode(ids[:3]) == "aé"
+    ends = token_ends(tok, ids[:2], ids[2:])
+    assert ends == [1, 3]                                                # é, then " b"
     m = StopMatcher(["é "])
-    assert m.feed("a") == "a" and m.feed("é b") == "" and m.matched   # the server held é's first byte back
-    assert m.tokens_through(tok, "", ids[:2], ids[2:]) == 2             # é's second byte and " b"
-    assert m.tokens_through(tok, "", [], ids[2:]) is None               # what a context-free decode saw
-    assert StopMatcher(["é"]).tokens_through(tok, "", ids[:2], ids[2:]) == 1
+    assert m.feed("a") == "a"
+    assert m.feed("é b", token_ends=lambda: ends) == "" and m.matched   # the server held é's first byte back
+    assert m.match_tokens == 2                                          # é's second byte and " b"
+    m = StopMatcher(["é"])
+    assert m.feed("a") == "a" and m.feed("é b", token_ends=lambda: ends) == "" and m.match_tokens == 1
 
 
 def test_streamed_responses_are_read_as_tritonclient_reads_them():

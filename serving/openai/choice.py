@@ -8,7 +8,7 @@ from collections import deque
 
 from serving.openai.errors import ended_error
 from serving.openai.logprobs import TextOffsets, chat_logprobs, completion_logprobs
-from serving.openai.protocol import StopMatcher
+from serving.openai.protocol import StopMatcher, token_ends
 from serving.protocol import MAX_RUN_CONTEXT, byte_fallback_ids, stream_text, stream_window, text_history
 
 
@@ -49,14 +49,12 @@ class ChoiceReader:
         stop string matched inside it, those up to the one that completes the match (a speculative
         response holds a whole step; vLLM counts up to the stop as well). Then ``reason`` is set
         where the choice ended."""
-        held = self.stops.held
-        text, unarmed_chars = self._feed(d)
+        text = self._feed(d)
         if not self.stops.matched or not d.ids:
             self._remember(d)
             n = d.tokens
         else:
-            n = self.stops.tokens_through(self.tokenizer, held, self._context(), d.ids, unarmed_chars)
-            n = d.tokens if n is None else n
+            n = self.stops.match_tokens or d.tokens
         self.tokens, self.reason, self.last = self.tokens + n, d.finish_reason, d
         if self.stops.matched:
             self.reason = "stop"
@@ -80,21 +78,28 @@ class ChoiceReader:
                 d = None
         raise ended_error()
 
-    def _feed(self, d) -> tuple[str, int]:
+    def _feed(self, d) -> str:
         """``d``'s text through the stop matcher, armed from the token past ``min_tokens`` on: a
         response that crosses it has its first tokens' text fed unarmed and the rest armed, so the
         answer does not depend on how tokens were grouped into responses (a speculative step's, or
-        those the server joined while the client was slow: streamed and whole answers differed).
-        Returns the text and how many characters of held + text were fed unarmed."""
+        those the server joined while the client was slow: streamed and whole answers differed). At
+        a match the matcher asks where each token ends, to find the token that completes it."""
         g, stops = self.g, self.stops
+        if not stops.stops:
+            return d.text
+        ids = list(d.ids or ())
+
+        def ends(offset=0):
+            if not ids:
+                return None
+            return lambda: token_ends(self.tokenizer, self._context(), ids, offset)
         unarmed = g.min_tokens - self.tokens
-        if g.min_tokens and stops.stops and d.ids and 0 < unarmed < d.tokens:
+        if g.min_tokens and ids and 0 < unarmed < d.tokens:
             context = self._context()
-            head = stream_text(self.tokenizer, context + list(d.ids[:unarmed]), len(context), finished=False)
+            head = stream_text(self.tokenizer, context + ids[:unarmed], len(context), finished=False)
             if d.text.startswith(head):
-                skip = len(stops.held) + len(head)
-                return stops.feed(head, armed=False) + stops.feed(d.text[len(head):], armed=True), skip
-        return stops.feed(d.text, armed(g, self.tokens + d.tokens)), 0
+                return stops.feed(head, armed=False) + stops.feed(d.text[len(head):], True, ends(len(head)))
+        return stops.feed(d.text, armed(g, self.tokens + d.tokens), ends())
 
     def flush(self) -> str:
         """The text held back for a stop string that never matched (none once one did)."""

@@ -220,25 +220,37 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 class StopMatcher:
-    """OpenAI's stop strings on streamed text: text that could still begin a stop string is held
-    back; at a match the text ends before it (the stop string is not returned)."""
+    """OpenAI's stop strings on streamed text, read as if one token came at a time (so the answer does
+    not depend on how tokens are grouped into responses): text that could still begin a stop string is
+    held back; the text ends before the match that completes first, in the first token through which
+    any completes (of several ending there, the one beginning earliest), and the stop string is not
+    returned. Text fed before ``min_tokens`` armed the stops ends no match, though it is held back
+    like any other (a shorter stop inside the start of a longer one: ``[" ", "  "]``)."""
 
     def __init__(self, stops):
         self.stops = list(stops)
         self.held = ""
+        self.unarmed = 0          # how many leading characters of held were fed unarmed
         self.matched = False
+        self.match_tokens = None  # the matching response's tokens through the match (given token ends)
 
-    def feed(self, text: str, armed: bool = True) -> str:
+    def feed(self, text: str, armed: bool = True, token_ends=None) -> str:
         """The text that can be sent now. Not ``armed`` (fewer than ``min_tokens`` generated), a stop
-        string does not end the text, but a tail that could begin one is still held back."""
+        string does not end the text. ``token_ends``: a callable giving where each token of the
+        response ends, in characters from the start of ``text`` (see ``token_ends``), asked only at a
+        match: without it each character counts as a token."""
         if not self.stops:
             return text
+        start = len(self.held)
         self.held += text
-        first = min((i for i in (self.held.find(s) for s in self.stops) if i >= 0), default=-1) if armed else -1
-        if first >= 0:
-            self.matched = True
-            out, self.held = self.held[:first], ""
-            return out
+        if not armed:
+            self.unarmed = len(self.held)
+        else:
+            cut = self._cut(start, token_ends)
+            if cut is not None:
+                self.matched = True
+                out, self.held, self.unarmed = self.held[:cut], "", 0
+                return out
         keep = 0
         for s in self.stops:  # the longest tail that is a proper prefix of a stop string
             for n in range(min(len(s) - 1, len(self.held)), 0, -1):
@@ -247,20 +259,34 @@ class StopMatcher:
                     break
         out = self.held[:len(self.held) - keep]
         self.held = self.held[len(self.held) - keep:]
+        self.unarmed = max(0, self.unarmed - len(out))
         return out
+
+    def _cut(self, start: int, token_ends) -> int | None:
+        """Where the text ends at the first match completing past the unarmed characters (None: no
+        match); sets ``match_tokens`` where ``token_ends`` places that completion in a token."""
+        matches = [(i, i + len(s)) for s in self.stops
+                   if (i := self.held.find(s, max(0, self.unarmed - len(s) + 1))) >= 0]
+        if not matches:
+            return None
+        first = min(end for _, end in matches)
+        through = first
+        if token_ends is not None:
+            ends = [start + e for e in token_ends()]
+            n = next((n for n, e in enumerate(ends, 1) if e >= first), None)
+            if n is not None:
+                self.match_tokens, through = n, ends[n - 1]
+        return min(begin for begin, end in matches if end <= through)
 
     def flush(self) -> str:
-        out, self.held = self.held, ""
+        out, self.held, self.unarmed = self.held, "", 0
         return out
 
-    def tokens_through(self, tokenizer, held: str, context: list[int], ids: list[int], skip: int = 0) -> int | None:
-        """How many of ``ids`` (a response in which a stop string matched; ``held``: the text held
-        back before it) complete the match, decoded after ``context`` (the tokens before, as the
-        server streamed them: alone, a token that completes a character split across responses
-        decodes to U+FFFD); None if no prefix does. ``skip``: the first characters of held + text
-        were read before min_tokens armed the stops, so a match must end past them."""
-        for n in range(1, len(ids) + 1):
-            seen = held + stream_text(tokenizer, context + ids[:n], len(context), finished=True)
-            if any(seen.find(s, max(0, skip - len(s) + 1)) >= 0 for s in self.stops):
-                return n
-        return None
+
+def token_ends(tokenizer, context: list[int], ids: list[int], offset: int = 0) -> list[int]:
+    """Where each of ``ids`` (a response's tokens) ends in its text, in characters less ``offset``:
+    the text through it decoded after ``context`` (the tokens before, as the server streamed them:
+    alone, a token that completes a character split across responses decodes to U+FFFD), less a
+    character it leaves incomplete (a U+FFFD there would place the character's end a token early)."""
+    return [len(stream_text(tokenizer, context + ids[:n], len(context), finished=False)) - offset
+            for n in range(1, len(ids) + 1)]
