@@ -252,13 +252,13 @@ def test_tritonserver_killed(serve, engine_dir):
 def test_no_probe_answers_ready_while_a_killed_stub_cannot_serve(serve, engine_dir):
     """Readiness is read at the moment of the probe (issue 40): three probers ask every ~10 ms (the
     supervisor's /health/ready, Triton's /v2/health/ready and the ensemble's ready through the HTTP
-    guard, the OpenAI frontend's /health/ready) while short requests go back to back, and the speculative
+    guard, the OpenAI frontend's /health/ready and vLLM's /health) while short requests go back to back, and the speculative
     stub is killed, twice (``serving.readiness_check``; ``benchmarks/readiness_soak.py`` runs more
     cycles). No probe that began once the stub was gone answered 200 before a request that then failed;
     each cycle serves again."""
     guard = f"http://{serve.http_url}"
     urls = [serve.ready_url, f"{guard}/v2/health/ready", f"{guard}/v2/models/ensemble/ready",
-            readiness_check.openai_ready_url(serve.log)]
+            readiness_check.openai_ready_url(serve.log), readiness_check.openai_ready_url(serve.log)[:-len("/ready")]]
     for cycle in range(2):
         assert serve.wait_ready(60)
         result = readiness_check.kill_cycle(

@@ -190,6 +190,11 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
 
     @app.get("/health")
     async def health():
+        """vLLM's: 503 once the engine cannot serve (vLLM's engine dead; here the supervisor's
+        answer, read from the process table at this moment, no Triton round trip), else 200. A
+        readiness probe copied from a vLLM deployment routed requests into a restart's 503s."""
+        if ready is not None and not ready():
+            return JSONResponse({"status": "not ready"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/health/ready")
