@@ -152,3 +152,27 @@ def test_current_names_token_counts_and_log_probs_only_when_asked(server, tokeni
     assert [int(r.as_numpy("num_output_tokens").reshape(-1)[0]) for r in results] == \
         [r.as_numpy("output_ids").size for r in results] and sum(r.as_numpy("output_ids").size for r in results) == 6
     assert all(r.as_numpy("cum_log_probs") is None and r.as_numpy("output_log_probs") is None for r in results)
+
+
+def test_top_log_probs_padding_is_json_over_http(server):
+    """A distribution cut by top_k gives fewer alternatives than top_log_probs asks: the padding is id
+    -1 with the lowest float32 (probability 0). It was -inf, which Triton's HTTP JSON writes as the bare
+    token -Infinity: JavaScript's JSON.parse refused the whole answer, text included."""
+    import json
+    import urllib.request
+
+    def strict(text):
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"not JSON: {c}"))
+    body = {"text_input": "def fibonacci(n):", "max_tokens": 4, "temperature": 0.8, "top_k": 2, "seed": 1,
+            "return_log_probs": True, "top_log_probs": 5}
+    for path, extra in (("generate", {}), ("generate_stream", {"stream": True})):
+        request = urllib.request.Request(f"http://{server.http_url}/v2/models/ensemble/{path}", method="POST",
+                                         data=json.dumps({**body, **extra}).encode())
+        with urllib.request.urlopen(request, timeout=60) as r:
+            raw = r.read().decode()
+        answers = [strict(line[len("data: "):]) for line in raw.splitlines() if line.startswith("data: ")] \
+            if extra else [strict(raw)]
+        for answer in answers:
+            ids, values = np.array(answer["output_top_ids"]).reshape(-1, 5), np.array(answer["output_top_log_probs"]).reshape(-1, 5)
+            assert (ids[:, :2] >= 0).all() and (ids[:, 2:] == -1).all(), ids        # top_k 2: two alternatives
+            assert (values[:, 2:] == np.finfo(np.float32).min).all() and (values[:, :2] <= 0).all()

@@ -344,12 +344,14 @@ class TritonPythonModel:
         if options.return_log_probs:   # never a 0 that reads as probability 1
             out += [pb_utils.Tensor("cum_log_probs", np.array([[sum(entry.logprobs)]], dtype=np.float32)),
                     pb_utils.Tensor("output_log_probs", np.asarray(logprobs, dtype=np.float32).reshape(1, 1, -1))]
-        if options.top_log_probs:   # [1, tokens, N], id -1 / -inf where a token had fewer alternatives
+        if options.top_log_probs:   # [1, tokens, N], id -1 where a token had fewer alternatives
             ids = np.full((1, len(alternatives), options.top_log_probs), -1, dtype=np.int32)
-            values = np.full(ids.shape, -np.inf, dtype=np.float32)
+            # probability 0 as the lowest float32, not -inf: Triton's HTTP JSON writes -inf as the bare
+            # token -Infinity, which strict JSON parsers (JavaScript's, Go's) refuse with the whole answer
+            values = np.full(ids.shape, np.finfo(np.float32).min, dtype=np.float32)
             for t, top in enumerate(alternatives):
                 for j, (token, value) in enumerate(top or ()):
-                    ids[0, t, j], values[0, t, j] = token, value
+                    ids[0, t, j], values[0, t, j] = token, max(value, float(np.finfo(np.float32).min))
             out += [pb_utils.Tensor("output_top_ids", ids), pb_utils.Tensor("output_top_log_probs", values)]
         if options.return_num_input_tokens:
             out.append(one("num_input_tokens", len(entry.prompt), np.int32))
