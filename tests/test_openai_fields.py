@@ -286,6 +286,29 @@ def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk():
         assert events[-1]["usage"]["completion_tokens"] == done[-1] and not events[-1]["choices"]
 
 
+def test_continuous_usage_is_each_choices_own_and_needs_include_usage():
+    """With n > 1 each chunk carries its own choice's tokens so far, as vLLM's (every choice's were
+    summed into every chunk, so a chunk's count hung on how the choices' responses interleaved); the
+    usage chunk sums them. continuous_usage_stats without include_usage adds no usage (vLLM's rule)."""
+    hello, world = len(_ids("hello")), len(_ids(" world"))
+    for path, base in (("/v1/completions", PROMPT), ("/v1/chat/completions", CHAT)):
+        app, _ = _app()
+        body = {**base, "n": 2, "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        status, raw = _call(app, path, body)
+        events, seen = _events(raw), {0: 0, 1: 0}
+        assert status == 200, raw
+        for e in events[:-1]:
+            (c,) = e["choices"]
+            text = c["text"] if "text" in c else c["delta"].get("content") or ""
+            seen[c["index"]] += {"hello": hello, " world": world, "": 0}[text]
+            assert e["usage"]["completion_tokens"] == seen[c["index"]], (path, events)
+        assert events[-1]["usage"]["completion_tokens"] == 2 * (hello + world) and not events[-1]["choices"]
+        body["stream_options"] = {"continuous_usage_stats": True}
+        status, raw = _call(app, path, body)
+        assert status == 200 and not any(e.get("usage") for e in _events(raw)), raw
+
+
 def test_errors_inside_stream_options_name_the_nested_field():
     app, _ = _app()
     body = {**PROMPT, "stream": True, "stream_options": {"include_usage": "yes"}}

@@ -386,11 +386,12 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
     async def _events(firsts, streams, readers, g, base, chat, prompt_tokens):
         chunk_object = "chat.completion.chunk" if chat else "text_completion"
 
-        def event(choice, **extra):
-            """One chunk; with vLLM's ``continuous_usage_stats`` each carries the usage so far, and with
-            ``include_usage`` alone a null one (OpenAI's chunks before the usage chunk)."""
-            so_far = ({"usage": usage(prompt_tokens, sum(r.tokens for r in readers))} if g.continuous_usage else
-                      {"usage": None} if g.include_usage else {})
+        def event(choice, reader=None, **extra):
+            """One chunk; with vLLM's ``continuous_usage_stats`` each carries its choice's usage so far
+            (``reader``'s tokens, as vLLM counts each choice's own), and with ``include_usage`` alone a
+            null one (OpenAI's chunks before the usage chunk, which sums the choices)."""
+            so_far = ({"usage": usage(prompt_tokens, reader.tokens if reader is not None else 0)}
+                      if g.continuous_usage else {"usage": None} if g.include_usage else {})
             chunk = {**base, "object": chunk_object, "choices": [choice] if choice else [], **so_far, **extra}
             return f"data: {json.dumps(chunk)}\n\n"
 
@@ -405,20 +406,20 @@ def create_app(info: ModelInfo, backend: TritonBackend, api_key: str | None = No
             i = reader.index
             # a text chunk is the same JSON every time but for its text: encoded once, the text spliced
             # in (not with usage in every chunk: that changes from chunk to chunk)
-            head, _, tail = event(choice(i, "\0")).partition(json.dumps("\0"))
+            head, _, tail = event(choice(i, "\0"), reader).partition(json.dumps("\0"))
             if chat:
                 yield event({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None})
+                             "finish_reason": None}, reader)
             async for d, text, n in reader.follow(d, stream, backend.stopped):
                 if g.logprobs and n:    # the tokens' log-probabilities ride with the text they make
                     chosen = reader.logprobs((d.ids or [])[:n], d.logprobs[:n], d.alternatives[:n])
-                    yield event(choice(i, text, logprobs=chosen))
+                    yield event(choice(i, text, logprobs=chosen), reader)
                 elif text:
-                    yield event(choice(i, text)) if g.continuous_usage else head + json.dumps(text) + tail
+                    yield event(choice(i, text), reader) if g.continuous_usage else head + json.dumps(text) + tail
             tail_text = reader.flush()
             if tail_text:
-                yield event(choice(i, tail_text))
-            yield event(choice(i, "", reader.reason), **({} if g.include_usage else {"metrics": _metrics(reader.stats())}))
+                yield event(choice(i, tail_text), reader)
+            yield event(choice(i, "", reader.reason), reader, **({} if g.include_usage else {"metrics": _metrics(reader.stats())}))
 
         parts = [chunks(d, s, r) for d, s, r in zip(firsts, streams, readers)]
         source = parts[0] if len(parts) == 1 else merged(parts)

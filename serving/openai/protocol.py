@@ -141,7 +141,8 @@ def generation(body, prompt: str, chat: bool) -> Generation:
         repetition_penalty=_number(body, "repetition_penalty", 1.0, 1e-6, 100.0),
         speculative=flag(body, "speculative", True), stream=stream,
         include_usage=flag(options, "include_usage", where="stream_options.include_usage"),
-        continuous_usage=flag(options, "continuous_usage_stats", where="stream_options.continuous_usage_stats"),
+        continuous_usage=flag(options, "continuous_usage_stats", where="stream_options.continuous_usage_stats")
+        and flag(options, "include_usage", where="stream_options.include_usage"),   # vLLM's: only with include_usage
         logprobs=_wants_logprobs(body.get("logprobs"), chat), top_logprobs=_top_logprobs(body, chat),
         limit_field=name, n=_number(body, "n", 1, 1, MAX_CHOICES, integer=True),
         add_special_tokens=flag(body, "add_special_tokens", not chat))
