@@ -503,6 +503,14 @@ def test_the_responses_api_is_the_chat_path_stateless_and_says_so():
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert "".join(e["delta"] for e in events if e["type"].endswith(".delta")) == events[-1]["response"]["output"][0][
         "content"][0]["text"] == TOKENIZER.decode(ids)
+    # a failure mid-stream ends with OpenAI's terminal response.failed (a bare error event closed nothing)
+    status, raw = _call(create_app(info, ScriptedBackend([ScriptedDelta(ids[:2]), FAIL])), "/v1/responses",
+                        {"input": "hi", "stream": True}, swallow=True)
+    events = [json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: ")]
+    assert [e["type"] for e in events[-3:]] == ["response.output_text.delta", "error", "response.failed"], events
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed" and failed["error"]["message"] and failed["output"][0]["status"] == "incomplete"
+    assert failed["output"][0]["content"][0]["text"] == TOKENIZER.decode(ids[:2])
     for field, value in (("previous_response_id", "resp_1"), ("tools", [{"type": "function", "name": "f"}]),
                          ("reasoning", {"effort": "low"}), ("text", {"format": {"type": "json_object"}}),
                          ("input", [{"type": "function_call_output", "call_id": "c", "output": "x"}]),

@@ -183,11 +183,21 @@ class ResponseShape:
         error = body.get("error", {})
         return self.event("error", code=error.get("type"), message=error.get("message", ""), param=error.get("param"))
 
+    def failed(self, body: dict, text: str) -> list[str]:
+        """A generation that failed mid-stream: the ``error`` event, then OpenAI's terminal event
+        ``response.failed`` (the Response failed, its message so far incomplete), without which a
+        client waiting for the stream's Response got none."""
+        error = body.get("error", {})
+        out = self.response("failed")
+        out["error"] = {"code": error.get("code") or "server_error", "message": error.get("message", "")}
+        out["output"] = [self.message(text, "incomplete")] if text else []
+        return [self.error(body), self.event("response.failed", response=out)]
+
 
 async def response_events(d, stream, reader, shape: ResponseShape, prompt_tokens: int, stopped, draft_len: int):
     """A Responses stream: the response and its message opened, the text's deltas, then the
     message and the response done (``response.completed``, or ``response.incomplete`` at the
-    token limit); an ``error`` event where the generation failed. ``stopped``: told the response a
+    token limit); an ``error`` event and ``response.failed`` where the generation failed. ``stopped``: told the response a
     stop string matched in (the server counts the request completed)."""
     pieces = []
     for event in shape.opening():
@@ -202,9 +212,11 @@ async def response_events(d, stream, reader, shape: ResponseShape, prompt_tokens
                                    speculative_metrics(reader.stats(), draft_len) if reader.stats() else {}):
             yield event
     except APIError as e:
-        yield shape.error(e.body())
+        for event in shape.failed(e.body(), "".join(pieces)):
+            yield event
     except Exception as e:      # a bug mid-stream: say so, or the client takes the cut text as whole
         log.exception("OpenAI frontend: a stream failed")
-        yield shape.error(internal_error(e).body())
+        for event in shape.failed(internal_error(e).body(), "".join(pieces)):
+            yield event
     finally:
         await stream.aclose()
