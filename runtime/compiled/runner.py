@@ -36,7 +36,7 @@ from runtime.acceptance import greedy
 from runtime.compiled.draft import CompiledDraft
 from runtime.compiled.shapes import (HEADROOM, MAX_TOKENS, PROMPT_COMPILED_MAX, PROMPT_ROWS, STEP_CALLS, _batch_label,
                                      _dims, _pad_rows, _prepare)
-from runtime.compiled.steps import _Steps, device_options, product_form, stop_compiling
+from runtime.compiled.steps import _Steps, cache_dir, device_options, product_form, stop_compiling
 from runtime.runner import TorchRunner, verify_greedy, verify_tree_greedy
 
 
@@ -310,32 +310,55 @@ SERVING_WARM_UPS = {"all": dict(sampled=True, batched=True),       # greedy and 
 
 
 def warm_up_for_serving(loaded, draft_len: int, log=None, sampled: bool = True, batched: bool = True,
-                        also=()) -> float:
+                        also=(), reopen: dict | None = None) -> float:
     """What a server's requests run, compiled (or loaded from the cache) before it reports ready:
     greedy and (with ``sampled``) sampled, one sequence and (with ``batched``) two (batch 1 and the
     batch-2+ graphs), speculative at ``draft_len``, at each length in ``also`` and at those the
     loaded draft policy's adaptive K or ``--draft_len_schedule`` uses, and target-only; then
     ``stop_compiling`` (what was not warmed runs eagerly: exact, slower, and counted:
-    ``steps.EAGER_AFTER_WARM_UP``). Returns the seconds it took (0 off the compiled path)."""
+    ``steps.EAGER_AFTER_WARM_UP``). ``reopen``: how the server opened its engine directory
+    (``runtime.compiled.warm_helpers.start``), for helper processes that compile the same steps beside
+    it. Returns the seconds it took (0 off the compiled path)."""
     if not isinstance(loaded.runner, CompiledRunner):
         return 0.0
-    prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
-    seconds = 0.0
     policy = getattr(loaded, "draft_policy", None)
     if draft_len > 0 and policy is not None:   # every K a sequence may pick, or its batch size gives it
         also = (*also, *_other_lengths(loaded, policy, draft_len))
-        policy = replace(policy, adaptive=False, schedule={})      # each K is warmed once, below
-    for k in sorted({draft_len, *also}, reverse=True) if draft_len > 0 else [0]:
-        for batch in (prompts[:1], prompts)[:2 if batched else 1]:
-            for sampling in ({}, {"temperature": 0.8, "seed": 0})[:2 if sampled else 1]:
-                seconds += _warm_batch(loaded, batch, k, None, policy, max_seq_len=loaded.max_seq_len, **sampling)
-                if log is not None:
-                    log(f"warm-up: K={k}, batch {len(batch)}, {'sampled' if sampling else 'greedy'}: "
-                        f"{seconds:.1f} s so far")
+    units = [[k, batch, sampling] for k in (sorted({draft_len, *also}, reverse=True) if draft_len > 0 else [0])
+             for batch in (1, 2)[:2 if batched else 1] for sampling in (False, True)[:2 if sampled else 1]]
     if draft_len > 0:   # target-only requests (speculative: false), batched with others if batched
-        seconds += _warm_batch(loaded, prompts if batched else prompts[:1], 0, None, None, max_seq_len=loaded.max_seq_len)
+        units.append([0, 2 if batched else 1, False])
+    from runtime.compiled import warm_helpers
+    helpers = warm_helpers.start(reopen, units, log) if reopen is not None else []
+    try:
+        seconds, policy = 0.0, serving_policy(loaded)
+        for unit in units:
+            seconds += serving_unit(loaded, unit, policy)
+            if log is not None:
+                k, batch, sampling = unit
+                log(f"warm-up: {f'K={k}' if k else 'target-only'}, batch {batch}, "
+                    f"{'sampled' if sampling else 'greedy'}: {seconds:.1f} s so far")
+    finally:
+        warm_helpers.stop(helpers, cache_dir())
     stop_compiling()
     return seconds
+
+
+def serving_policy(loaded):
+    """The draft policy the serving warm-up runs its units under: each K is a unit of its own, so
+    neither an adaptive K nor a schedule changes the K a unit drafts."""
+    policy = getattr(loaded, "draft_policy", None)
+    return replace(policy, adaptive=False, schedule={}) if policy is not None else None
+
+
+_PROMPTS = [[1, 2, 3, 4, 5], [6, 7, 8]]
+
+
+def serving_unit(loaded, unit, policy) -> float:
+    """One unit of the serving warm-up, ``[K, batch, sampled]`` (K 0: target-only); its seconds."""
+    k, batch, sampling = unit
+    return _warm_batch(loaded, _PROMPTS[:batch], k, None, policy if k else None, max_seq_len=loaded.max_seq_len,
+                       **({"temperature": 0.8, "seed": 0} if sampling else {}))
 
 
 def _padded_verify_feeds(input_ids, positions, logit_index, pad: int):

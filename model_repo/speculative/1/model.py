@@ -115,8 +115,10 @@ class TritonPythonModel:
         except locale.Error:
             pass
         also = self._calibrate_schedule(max_batch)
+        reopen = {"engine_dir": _param(config, "engine_dir"), "backend": _param(config, "backend", "auto"),
+                  "threads": torch.get_num_threads(), "policy": vars(decode_policy(_param(config, "draft_policy", "")))}
         warm = warm_up_for_serving(self.loaded, int(self.loaded.max_draft_len or 0) if self.loaded.speculative else 0,
-                                   log=pb_utils.Logger.log_info, also=also,
+                                   log=pb_utils.Logger.log_info, also=also, reopen=reopen,
                                    **SERVING_WARM_UPS[_param(config, "warm_up", "all")])
         if warm:
             pb_utils.Logger.log_info(f"nemospec speculative: compiled steps warmed up in {warm:.1f} s")
