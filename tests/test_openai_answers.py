@@ -510,6 +510,7 @@ def test_the_responses_api_is_the_chat_path_stateless_and_says_so():
     assert [e["type"] for e in events[-3:]] == ["response.output_text.delta", "error", "response.failed"], events
     failed = events[-1]["response"]
     assert failed["status"] == "failed" and failed["error"]["message"] and failed["output"][0]["status"] == "incomplete"
+    assert failed["error"]["code"] == "server_error"      # OpenAI's names, not the HTTP status
     assert failed["output"][0]["content"][0]["text"] == TOKENIZER.decode(ids[:2])
     for field, value in (("previous_response_id", "resp_1"), ("tools", [{"type": "function", "name": "f"}]),
                          ("reasoning", {"effort": "low"}), ("text", {"format": {"type": "json_object"}}),

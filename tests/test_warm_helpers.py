@@ -28,7 +28,17 @@ def test_each_helper_runs_the_units_last_first_from_its_own_share(monkeypatch, t
     assert len(warm_helpers.start(reopen, UNITS)) == 2
     backwards = UNITS[::-1]
     assert [s["units"] for s in started] == [backwards, backwards[2:] + backwards[:2]]
-    assert all({k: s[k] for k in reopen} == reopen for s in started)
+    assert all({k: s[k] for k in reopen} == reopen and s["parent"] == os.getpid() for s in started)
+    monkeypatch.setenv("NEMOSPEC_CHECK_GUARDS", "1")       # steps then are not saved: nothing to share
+    assert warm_helpers.start(reopen, UNITS) == [] and len(started) == 2
+
+
+def test_a_helper_whose_server_died_before_it_started_does_nothing():
+    """PR_SET_PDEATHSIG, set in the child after fork, misses a parent that died in between: the helper
+    then finds another parent and exits before opening the engine."""
+    import json
+    from runtime.compiled import warm_helper
+    assert warm_helper.main(["", json.dumps({"parent": os.getpid() + 1, "engine_dir": "/nonexistent"})]) == 0
 
 
 def test_how_many_helpers(monkeypatch, tmp_path):
@@ -41,13 +51,13 @@ def test_how_many_helpers(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match=warm_helpers.HELPERS_ENV):
         warm_helpers.helper_count(tmp_path, 5)
     monkeypatch.delenv(warm_helpers.HELPERS_ENV)
-    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(warm_helpers, "_cores", lambda: 16)
     monkeypatch.setattr(warm_helpers, "_available_memory", lambda: 10**9)
     assert warm_helpers.helper_count(tmp_path, 5) == warm_helpers.MAX_HELPERS
     assert warm_helpers.helper_count(tmp_path, 2) == 1
     monkeypatch.setattr(warm_helpers, "_available_memory", lambda: 3 * 1000 * 2)   # room for one copy more
     assert warm_helpers.helper_count(tmp_path, 5) == 1
-    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    monkeypatch.setattr(warm_helpers, "_cores", lambda: 1)
     assert warm_helpers.helper_count(tmp_path, 5) == 0
 
 

@@ -329,7 +329,9 @@ def warm_up_for_serving(loaded, draft_len: int, log=None, sampled: bool = True, 
     if draft_len > 0:   # target-only requests (speculative: false), batched with others if batched
         units.append([0, 2 if batched else 1, False])
     from runtime.compiled import warm_helpers
-    helpers = warm_helpers.start(reopen, units, log) if reopen is not None else []
+    # on a GPU the helpers' copies of the weights would take the device's memory: none there
+    helpers = (warm_helpers.start(reopen, units, log)
+               if reopen is not None and torch.device(loaded.runner.device).type == "cpu" else [])
     try:
         seconds, policy = 0.0, serving_policy(loaded)
         for unit in units:

@@ -10,6 +10,9 @@ import sys
 
 def main(argv=None) -> int:
     spec = json.loads((argv or sys.argv)[1])
+    import os
+    if spec.get("parent") and os.getppid() != spec["parent"]:   # it died before PR_SET_PDEATHSIG was set
+        return 0
     import torch
     from runtime.compiled.runner import serving_unit, serving_policy
     from runtime.draft_policy import policy_from

@@ -28,13 +28,31 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _available_memory() -> int | None:
+    """Free memory: the host's MemAvailable, or less where a cgroup (a container) limits this
+    process (v2 ``memory.max`` less ``memory.current``, else v1's limit and usage)."""
+    free = []
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+                free.append(int(line.split()[1]) * 1024)
     except (OSError, ValueError, IndexError):
         pass
-    return None
+    for limit, used in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            free.append(int(Path(limit).read_text()) - int(Path(used).read_text()))
+            break
+        except (OSError, ValueError):   # "max": no limit; or no such cgroup file
+            continue
+    return min(free) if free else None
+
+
+def _cores() -> int:
+    """The cores this process may run on (its affinity: a container's cpuset), else the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def helper_count(engine_dir, units: int) -> int:
@@ -48,7 +66,7 @@ def helper_count(engine_dir, units: int) -> int:
             return max(0, min(int(given), units - 1))
         except ValueError:
             raise ValueError(f"{HELPERS_ENV}={given!r}: expected a number of helper processes (0: none)") from None
-    count = min(MAX_HELPERS, (os.cpu_count() or 1) - 1, units - 1)
+    count = min(MAX_HELPERS, _cores() - 1, units - 1)
     weights = sum(f.stat().st_size for f in Path(engine_dir).rglob("*") if f.is_file())
     memory = _available_memory()
     if memory is not None and weights:
@@ -69,11 +87,14 @@ def start(reopen: dict, units: list, log=None) -> list[subprocess.Popen]:
     ``i * len(units) / helpers``-th of that order on, wrapping round. ``reopen``: how the server opened
     its engine (``engine_dir``, ``backend``, ``threads``, ``policy``: its draft-policy flags, name ->
     value, as ``runtime.draft_policy.policy_from`` takes them)."""
+    from runtime.compiled import steps
+    if not steps._skip_guards():   # steps checked by dynamo's guards are not saved: nothing to share
+        return []
     count = helper_count(reopen["engine_dir"], len(units))
     helpers = []
     for i in range(count):   # last unit first: the server's first units are what the later ones reuse
         backwards, first = units[::-1], i * len(units) // count
-        spec = {**reopen, "units": backwards[first:] + backwards[:first]}
+        spec = {**reopen, "units": backwards[first:] + backwards[:first], "parent": os.getpid()}
         try:   # dies with the server's process (a supervisor's kill -9 leaves no helper compiling on)
             helpers.append(subprocess.Popen([sys.executable, "-m", "runtime.compiled.warm_helper", json.dumps(spec)],
                                             cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,

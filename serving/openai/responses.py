@@ -189,7 +189,8 @@ class ResponseShape:
         client waiting for the stream's Response got none."""
         error = body.get("error", {})
         out = self.response("failed")
-        out["error"] = {"code": error.get("code") or "server_error", "message": error.get("message", "")}
+        code = "rate_limit_exceeded" if error.get("code") == 429 else "server_error"   # OpenAI's codes are names
+        out["error"] = {"code": code, "message": error.get("message", "")}
         out["output"] = [self.message(text, "incomplete")] if text else []
         return [self.error(body), self.event("response.failed", response=out)]
 
