@@ -87,16 +87,12 @@ class ChoiceReader:
         g, stops = self.g, self.stops
         if not stops.stops:
             return d.text
-        ids = list(d.ids or ())
-
-        def ends(offset=0):
-            if not ids:
-                return None
-            return lambda: token_ends(self.tokenizer, self._context(), ids, offset)
+        def ends(offset=0):   # the ids read only at a match: reading them costs every response
+            return lambda: token_ends(self.tokenizer, self._context(), list(d.ids or ()), offset)
         unarmed = g.min_tokens - self.tokens
-        if g.min_tokens and ids and 0 < unarmed < d.tokens:
+        if g.min_tokens and 0 < unarmed < d.tokens and d.ids:
             context = self._context()
-            head = stream_text(self.tokenizer, context + ids[:unarmed], len(context), finished=False)
+            head = stream_text(self.tokenizer, context + list(d.ids[:unarmed]), len(context), finished=False)
             if d.text.startswith(head):
                 return stops.feed(head, armed=False) + stops.feed(d.text[len(head):], True, ends(len(head)))
         return stops.feed(d.text, armed(g, self.tokens + d.tokens), ends())
