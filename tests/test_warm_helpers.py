@@ -84,6 +84,7 @@ def test_a_helper_compiles_beside_the_warm_up_and_no_step_twice(tmp_path, monkey
     real_start = warm_helpers.start
     monkeypatch.setattr(warm_helpers, "start", lambda *a, **k: started.extend(real_start(*a, **k)) or started)
     monkeypatch.setattr(steps, "EAGER_AFTER_WARM_UP", Counter())
+    monkeypatch.setitem(steps._COMPILING, "on", True)   # the warm-up stops compiling: on again after the test
     try:
         loaded = open_engine_dir(engine, "compiled")
         before = len(steps.COMPILE_LOG)
@@ -94,7 +95,6 @@ def test_a_helper_compiles_beside_the_warm_up_and_no_step_twice(tmp_path, monkey
         generate(loaded.runner, [[5, 9, 17]], 6)
     finally:
         torch.set_num_threads(threads)
-        monkeypatch.setitem(steps._COMPILING, "on", True)
     assert not steps.EAGER_AFTER_WARM_UP, steps.EAGER_AFTER_WARM_UP
     assert len(started) == 1 and started[0].poll() is not None, "the helper was stopped"
     both = Counter(re.findall(r"compiling (.+?) \.\.\.", capfd.readouterr().err))   # this process's and the helper's
